@@ -1,0 +1,30 @@
+# The two set-up commands of the README:
+#   make demo   creates .venv if missing, installs everything and runs the offline quickstart
+#   make test   creates .venv if missing, installs everything and runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -e ".[all]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/python -m lightning_fedrep.quickstart
+
+test: $(STAMP)
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check lightning_fedrep tests benchmarks
+	$(BIN)/ruff format --check lightning_fedrep tests benchmarks
+
+clean:
+	rm -rf $(VENV) lightning_logs runs wandb .pytest_cache

@@ -1,0 +1,1 @@
+"""Callbacks that plug into the federated strategy."""

@@ -1,0 +1,62 @@
+"""Per-client state that stays on the client: its local tensors and, optionally, optimizer state.
+
+Clients that never trained hold no entry; they read the *template* (the module's initial values of
+the local part), so a federation of thousands of clients costs memory only for those that trained.
+Everything here is tensors, ints and dicts, so checkpoints load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+OptimizerState = dict[int, dict[int, dict[str, Any]]]
+"""Optimizer index -> parameter index (position in the optimizer's param groups) -> state entries."""
+
+
+class ClientStore:
+    """The local tensors of every client that trained, plus their kept optimizer state."""
+
+    def __init__(self, template: list[Tensor]):
+        self.template = [t.detach().clone() for t in template]
+        self.local: dict[int, list[Tensor]] = {}
+        self.optimizer_states: dict[int, OptimizerState] = {}
+
+    def get(self, client: int) -> list[Tensor]:
+        """The client's local tensors (the template for a client that never trained). Do not modify."""
+        return self.local.get(client, self.template)
+
+    def put(self, client: int, tensors: list[Tensor]) -> None:
+        """Store a copy of the client's local tensors."""
+        stored = self.local.get(client)
+        if stored is None:
+            self.local[client] = [t.detach().clone() for t in tensors]
+        elif stored:
+            torch._foreach_copy_(stored, [t.detach() for t in tensors])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "template": self.template,
+            "local": dict(self.local),
+            "optimizer_states": dict(self.optimizer_states),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        def move(t: Any) -> Any:
+            return t.to(device) if isinstance(t, Tensor) and device is not None else t
+
+        self.template = [move(t) for t in state["template"]]
+        self.local = {int(c): [move(t) for t in ts] for c, ts in state["local"].items()}
+        self.optimizer_states = {
+            int(c): {
+                int(o): {int(p): {k: move(v) for k, v in s.items()} for p, s in opt.items()}
+                for o, opt in st.items()
+            }
+            for c, st in state["optimizer_states"].items()
+        }
+
+    def to(self, device: torch.device) -> None:
+        """Move every stored tensor to ``device`` (called when the strategy moves the module)."""
+        self.load_state_dict(self.state_dict(), device)

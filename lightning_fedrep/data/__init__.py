@@ -1,0 +1,1 @@
+"""Federated data: the data module, the per-round client iterables and the partitioners."""

@@ -1,0 +1,188 @@
+"""The single iterables Lightning sees: one round of training batches, or one pass of evaluation.
+
+Lightning would iterate a dict of N loaders in lock-step, so the data module hands Lightning one
+object per stage instead. ``RoundLoader`` yields the plain user batches of a round in the order of
+the strategy's plan (one batch per optimizer step); it is sized, so Lightning does not prefetch and
+knows the round's last batch, and stateful, so a checkpoint taken mid-round resumes at the right
+batch. ``EvalLoader`` yields every client's evaluation batches, client after client, and says which
+client each batch belongs to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data._utils.collate import default_collate
+
+from lightning_fedrep.plan import RoundPlan, round_generator, steps_per_epoch
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's samples: indices into a shared base data set (no copy of the data)."""
+
+    dataset: Dataset
+    indices: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.indices.numel())
+
+
+class _BatchFetcher:
+    """Turns lists of sample indices into collated batches for one base data set.
+
+    Tensor data sets are indexed as whole tensors (no per-sample Python); other data sets go
+    through a ``DataLoader`` over the given index batches, so ``num_workers`` and
+    ``pin_memory`` work as usual.
+    """
+
+    def __init__(self, num_workers: int = 0, pin_memory: bool = False, collate_fn: Callable | None = None):
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.collate_fn = collate_fn or default_collate
+
+    def batches(self, dataset: Dataset, index_batches: Sequence[torch.Tensor]) -> Iterator[Any]:
+        if isinstance(dataset, TensorDataset) and self.collate_fn is default_collate:
+            for idx in index_batches:
+                yield [t[idx] for t in dataset.tensors]
+            return
+        loader = DataLoader(
+            dataset,
+            batch_sampler=[idx.tolist() for idx in index_batches],
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            collate_fn=self.collate_fn,
+        )
+        yield from loader
+
+
+class RoundLoader:
+    """The training iterable of one round: the planned clients' batches, one per optimizer step.
+
+    The strategy binds a plan provider (``bind``) when Lightning hands it this object; the loader
+    then yields, for each planned step, a batch of the step's client. A client's batches in a round
+    are consecutive passes over its data, each pass reshuffled by a generator seeded with
+    ``(seed, round, client, pass)``, so data order is reproducible and independent of other clients.
+    """
+
+    def __init__(
+        self,
+        clients: Sequence[ClientData],
+        batch_size: int,
+        seed: int = 0,
+        fetcher: _BatchFetcher | None = None,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        self.clients = list(clients)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.fetcher = fetcher or _BatchFetcher()
+        self._plan_provider: Callable[[], RoundPlan] | None = None
+        self._resume_position = 0
+        self._position = 0
+        self._round: int | None = None
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    def client_sizes(self) -> list[int]:
+        """Training samples per client (the aggregation weights and the epoch budgets)."""
+        return [len(c) for c in self.clients]
+
+    def bind(self, plan_provider: Callable[[], RoundPlan]) -> None:
+        """Called by the strategy: where to get the current round's plan."""
+        self._plan_provider = plan_provider
+
+    def _plan(self) -> RoundPlan:
+        if self._plan_provider is None:
+            raise RuntimeError(
+                "This RoundLoader is not bound to a federated strategy. Train with "
+                "Trainer(strategy=FedRepStrategy(...)) (or 'fedrep', 'fedper', ...), not a plain strategy."
+            )
+        return self._plan_provider()
+
+    def __len__(self) -> int:
+        return self._plan().length
+
+    def client_index_batches(
+        self, client: int, round_index: int, first_step: int, num_steps: int
+    ) -> list[torch.Tensor]:
+        """Sample indices (into the base data set) of a client's steps ``first_step ..`` in a round."""
+        data = self.clients[client]
+        per_epoch = steps_per_epoch(len(data), self.batch_size)
+        batches, perm, perm_pass = [], None, -1
+        for step in range(first_step, first_step + num_steps):
+            epoch_pass, j = divmod(step, per_epoch)
+            if epoch_pass != perm_pass:
+                perm = torch.randperm(
+                    len(data), generator=round_generator(self.seed, round_index, client, epoch_pass)
+                )
+                perm_pass = epoch_pass
+            batches.append(data.indices[perm[j * self.batch_size : (j + 1) * self.batch_size]])
+        return batches
+
+    def __iter__(self) -> Iterator[Any]:
+        plan = self._plan()
+        start, self._resume_position = self._resume_position, 0
+        if self._round is not None and self._round != plan.round:
+            start = 0
+        self._round = plan.round
+        self._position = start
+        if start >= plan.length:
+            return
+        first = plan.locate(start)
+        for work in plan.work[first.work_index :]:
+            offset = first.client_step if work is plan.work[first.work_index] else 0
+            index_batches = self.client_index_batches(work.client, plan.round, offset, work.steps - offset)
+            for batch in self.fetcher.batches(self.clients[work.client].dataset, index_batches):
+                self._position += 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Position in the round, saved by Lightning with the fit loop for mid-round resume."""
+        return {"round": -1 if self._round is None else self._round, "position": self._position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._round = None if state["round"] < 0 else state["round"]
+        self._resume_position = state["position"]
+
+
+class EvalLoader:
+    """Every listed client's evaluation batches, client after client, in a fixed order."""
+
+    def __init__(
+        self,
+        clients: Sequence[ClientData],
+        batch_size: int,
+        stage: str,
+        fetcher: _BatchFetcher | None = None,
+    ):
+        self.clients = list(clients)
+        self.batch_size = batch_size
+        self.stage = stage
+        self.fetcher = fetcher or _BatchFetcher()
+        self._owner: list[int] = []
+        for cid, data in enumerate(self.clients):
+            self._owner.extend([cid] * steps_per_epoch(len(data), batch_size))
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    def client_of(self, batch_idx: int) -> int:
+        """The client whose data the ``batch_idx``-th batch is."""
+        return self._owner[batch_idx]
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __iter__(self) -> Iterator[Any]:
+        for data in self.clients:
+            if len(data):
+                yield from self.fetcher.batches(data.dataset, list(data.indices.split(self.batch_size)))

@@ -1,0 +1,177 @@
+"""``FederatedDataModule``: N clients' train / val / test data behind Lightning's DataModule API."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from lightning_fedrep.data.loaders import ClientData, EvalLoader, RoundLoader, _BatchFetcher
+from lightning_fedrep.data.partition import Partitioner
+from lightning_fedrep.plan import round_generator
+
+
+def dataset_labels(dataset: Dataset) -> torch.Tensor:
+    """Integer labels of a map-style data set: ``targets`` (torchvision), a TensorDataset's second
+    tensor, or ``dataset[i][1]`` for each sample as a last resort."""
+    targets = getattr(dataset, "targets", None)
+    if targets is None and isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1:
+        targets = dataset.tensors[1]
+    if targets is None:
+        targets = [dataset[i][1] for i in range(len(dataset))]
+    labels = torch.as_tensor(targets)
+    if labels.is_floating_point() or labels.dim() != 1:
+        raise ValueError(
+            "Partitioning needs one integer class label per sample, got labels of dtype "
+            f"{labels.dtype} and shape {tuple(labels.shape)}. For regression data, build the data module "
+            "with FederatedDataModule.from_client_datasets(...) instead."
+        )
+    return labels.long()
+
+
+class FederatedDataModule(L.LightningDataModule):
+    """The clients' data for a federated ``Trainer.fit``/``validate``/``test``.
+
+    Give either whole data sets and a ``partitioner`` (which splits them over clients once, in
+    ``setup``), or explicit per-client data sets with :meth:`from_client_datasets`. Each client may
+    carve a validation split off its training data (``val_fraction``); validation then runs on it,
+    otherwise on the client's test split, as the papers do.
+
+    ``train_dataloader`` returns one :class:`RoundLoader` (the strategy drives it round by round) and
+    ``val_dataloader``/``test_dataloader`` one :class:`EvalLoader` over all clients.
+    """
+
+    def __init__(
+        self,
+        train_set: Dataset | None = None,
+        test_set: Dataset | None = None,
+        partitioner: Partitioner | None = None,
+        batch_size: int = 10,
+        eval_batch_size: int = 256,
+        val_fraction: float = 0.0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        collate_fn: Callable | None = None,
+        seed: int = 0,
+    ):
+        super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}.")
+        self.train_set = train_set
+        self.test_set = test_set
+        self.partitioner = partitioner
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self._fetcher = _BatchFetcher(num_workers, pin_memory, collate_fn)
+        self._train: list[ClientData] | None = None
+        self._val: list[ClientData] | None = None
+        self._test: list[ClientData] | None = None
+
+    @classmethod
+    def from_client_datasets(
+        cls,
+        train: Sequence[Dataset],
+        test: Sequence[Dataset] | None = None,
+        **kwargs: Any,
+    ) -> FederatedDataModule:
+        """A data module whose clients are given explicitly: ``train[i]`` (and ``test[i]``) is client i's."""
+        module = cls(**kwargs)
+        if test is not None and len(test) != len(train):
+            raise ValueError(
+                f"Got {len(train)} client training sets but {len(test)} test sets; give one per client."
+            )
+        module._set_clients(
+            [ClientData(d, torch.arange(len(d))) for d in train],
+            [ClientData(d, torch.arange(len(d))) for d in test] if test is not None else None,
+        )
+        return module
+
+    def _set_clients(self, train: list[ClientData], test: list[ClientData] | None) -> None:
+        if not train:
+            raise ValueError("A federated data module needs at least one client.")
+        empty = [cid for cid, c in enumerate(train) if len(c) == 0]
+        if empty:
+            raise ValueError(
+                f"Clients {empty[:10]} have no training samples; use fewer clients or another partition."
+            )
+        if self.val_fraction > 0:
+            val, kept = [], []
+            for cid, data in enumerate(train):
+                perm = torch.randperm(len(data), generator=round_generator(self.seed, -1, cid))
+                n_val = int(round(self.val_fraction * len(data)))
+                n_val = min(n_val, len(data) - 1)
+                val.append(ClientData(data.dataset, data.indices[perm[:n_val]].sort().values))
+                kept.append(ClientData(data.dataset, data.indices[perm[n_val:]].sort().values))
+            train, self._val = kept, val
+        self._train, self._test = train, test
+
+    def setup(self, stage: str | None = None) -> None:
+        """Partition the data sets over clients (once; later calls keep the partition)."""
+        if self._train is not None:
+            return
+        if self.train_set is None or self.partitioner is None:
+            raise ValueError(
+                "FederatedDataModule needs train_set and partitioner (e.g. ShardPartitioner(num_clients=100, "
+                "classes_per_client=2)), or use FederatedDataModule.from_client_datasets(...)."
+            )
+        train_labels = dataset_labels(self.train_set)
+        test_labels = dataset_labels(self.test_set) if self.test_set is not None else None
+        split = self.partitioner.split(train_labels, test_labels, self.seed)
+        self._set_clients(
+            [ClientData(self.train_set, idx) for idx in split.train],
+            [ClientData(self.test_set, idx) for idx in split.test] if self.test_set is not None else None,
+        )
+
+    @property
+    def num_clients(self) -> int:
+        self._require_setup()
+        return len(self._train)
+
+    def client_num_samples(self, client: int) -> int:
+        """Number of training samples of ``client``."""
+        self._require_setup()
+        return len(self._train[client])
+
+    def client_data(self, client: int, split: str = "train") -> ClientData:
+        """One client's samples of ``split`` ("train", "val" or "test")."""
+        self._require_setup()
+        clients = {"train": self._train, "val": self._val, "test": self._test}[split]
+        if clients is None:
+            raise ValueError(f"This data module has no {split!r} split.")
+        return clients[client]
+
+    def _require_setup(self) -> None:
+        if self._train is None:
+            self.setup()
+
+    def train_dataloader(self) -> RoundLoader:
+        self._require_setup()
+        return RoundLoader(self._train, self.batch_size, self.seed, self._fetcher)
+
+    def val_dataloader(self) -> EvalLoader:
+        self._require_setup()
+        clients = self._val if self._val is not None else self._test
+        if clients is None:
+            raise ValueError("No validation data: give a test_set/test client sets, or set val_fraction > 0.")
+        return EvalLoader(clients, self.eval_batch_size, "val", self._fetcher)
+
+    def test_dataloader(self) -> EvalLoader:
+        self._require_setup()
+        if self._test is None:
+            raise ValueError("No test data: give test_set (or per-client test sets) to the data module.")
+        return EvalLoader(self._test, self.eval_batch_size, "test", self._fetcher)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "num_clients": len(self._train) if self._train is not None else -1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(
+                f"The checkpoint was made with data seed {state['seed']} but this data module has seed "
+                f"{self.seed}; the clients' data would differ. Use seed={state['seed']}."
+            )

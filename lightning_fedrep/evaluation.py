@@ -1,0 +1,75 @@
+"""Personalized evaluation: per-client metric accumulators and their summary over clients."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+SUMMARY_SUFFIXES = ("", "_weighted", "_std", "_p10", "_min")
+
+
+def summarize(values: Tensor, weights: Tensor) -> dict[str, float]:
+    """Reduce one metric's per-client values: client mean, weighted mean, std, 10th percentile, min.
+
+    ``weights`` are the clients' numbers of evaluation samples. The std is the population std over
+    clients; the percentile interpolates linearly (``torch.quantile``).
+    """
+    values = values.double()
+    weights = weights.double()
+    return {
+        "": values.mean().item(),
+        "_weighted": ((values * weights).sum() / weights.sum()).item(),
+        "_std": values.std(correction=0).item() if values.numel() > 1 else 0.0,
+        "_p10": torch.quantile(values, 0.1).item(),
+        "_min": values.min().item(),
+    }
+
+
+def headline_sums(output: Tensor, target: Tensor) -> dict[str, Tensor] | None:
+    """Sums of the headline metrics of one batch: accuracy and cross-entropy for integer labels,
+    mean squared error for real targets; ``None`` when the output does not fit the target."""
+    if not isinstance(output, Tensor) or not isinstance(target, Tensor) or output.shape[0] != target.shape[0]:
+        return None
+    output = output.detach().float()
+    if not target.is_floating_point() and target.dim() == 1 and output.dim() == 2:
+        return {
+            "acc": (output.argmax(dim=1) == target).sum().double(),
+            "loss": F.cross_entropy(output, target, reduction="sum").double(),
+        }
+    if target.is_floating_point() and output.numel() == target.numel():
+        per_sample = (
+            (output.reshape(target.shape) - target.float()).pow(2).reshape(target.shape[0], -1).mean(dim=1)
+        )
+        return {"loss": per_sample.sum().double()}
+    return None
+
+
+class ClientMetrics:
+    """Sums of each metric per client over one evaluation pass, and their per-client means."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+        self.counts: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+        self.samples: dict[int, int] = defaultdict(int)
+
+    def add(self, name: str, client: int, total: float, count: float) -> None:
+        self.sums[name][client] += total
+        self.counts[name][client] += count
+
+    def per_client(self, name: str) -> dict[int, float]:
+        """Client id -> the metric's mean over that client's evaluation samples."""
+        return {
+            c: s / self.counts[name][c]
+            for c, s in sorted(self.sums[name].items())
+            if self.counts[name][c] > 0
+        }
+
+    def summary(self, name: str) -> dict[str, float]:
+        per_client = self.per_client(name)
+        clients = list(per_client)
+        values = torch.tensor([per_client[c] for c in clients])
+        weights = torch.tensor([float(self.samples[c]) for c in clients])
+        return summarize(values, weights)

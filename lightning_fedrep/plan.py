@@ -1,0 +1,153 @@
+"""Round planning: which clients train in a round, in which order, and for how many steps per phase.
+
+A plan is a pure function of the seed, the round index and the clients' sizes, so every process
+and every resumed run computes the same plan without communicating. Lightning's ``batch_idx`` is
+an index into the plan: ``plan.locate(batch_idx)`` says which client and phase a step belongs to.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_fedrep.algorithms import Part, Phase
+
+
+def round_generator(seed: int, *keys: int) -> torch.Generator:
+    """A CPU generator seeded from ``seed`` and a tuple of integer keys (round, client, pass ...)."""
+    value = seed & 0xFFFFFFFF
+    for key in keys:
+        value = (value * 1_000_003 + key + 1) % (2**61 - 1)
+    return torch.Generator().manual_seed(value)
+
+
+def num_sampled_clients(num_clients: int, clients_per_round: float | int) -> int:
+    """How many clients a round samples: a fraction in (0, 1] of ``num_clients`` or a count."""
+    if isinstance(clients_per_round, bool) or clients_per_round <= 0:
+        raise ValueError(
+            f"clients_per_round must be a fraction in (0, 1] or a count >= 1, got {clients_per_round!r}."
+        )
+    if isinstance(clients_per_round, float) and clients_per_round <= 1.0:
+        return max(1, int(round(clients_per_round * num_clients)))
+    count = int(clients_per_round)
+    if count != clients_per_round:
+        raise ValueError(
+            f"clients_per_round={clients_per_round!r} is neither a fraction in (0, 1] nor a count."
+        )
+    if count > num_clients:
+        raise ValueError(f"clients_per_round={count} is more than the {num_clients} clients in the data.")
+    return count
+
+
+def sample_clients(
+    num_clients: int, clients_per_round: float | int, seed: int, round_index: int
+) -> list[int]:
+    """The clients of a round: uniformly without replacement, seeded by ``(seed, round)``, sorted."""
+    k = num_sampled_clients(num_clients, clients_per_round)
+    if k == num_clients:
+        return list(range(num_clients))
+    chosen = torch.randperm(num_clients, generator=round_generator(seed, round_index))[:k]
+    return sorted(chosen.tolist())
+
+
+@dataclass(frozen=True)
+class ClientWork:
+    """One client's work in a round: its id and ``(part, steps)`` for each local phase, in order."""
+
+    client: int
+    phases: tuple[tuple[Part, int], ...]
+
+    @property
+    def steps(self) -> int:
+        return sum(steps for _, steps in self.phases)
+
+
+@dataclass(frozen=True)
+class StepLocation:
+    """Where a step of the round falls: the client, its phase, and the client's step counter."""
+
+    client: int
+    work_index: int
+    phase_index: int
+    part: Part
+    client_step: int
+    first_of_client: bool
+    last_of_round: bool
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """The frozen schedule of one round: clients in order, each with its phases' step counts."""
+
+    round: int
+    work: tuple[ClientWork, ...]
+    _starts: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        starts, total = [], 0
+        for w in self.work:
+            starts.append(total)
+            total += w.steps
+        object.__setattr__(self, "_starts", tuple(starts))
+
+    @property
+    def length(self) -> int:
+        """Number of optimizer steps (Lightning batches) in the round."""
+        return self._starts[-1] + self.work[-1].steps if self.work else 0
+
+    @property
+    def clients(self) -> list[int]:
+        return [w.client for w in self.work]
+
+    def locate(self, step: int) -> StepLocation:
+        """Which client and phase the round's ``step``-th batch belongs to."""
+        if not 0 <= step < self.length:
+            raise IndexError(f"step {step} is outside round {self.round} of {self.length} steps.")
+        index = bisect.bisect_right(self._starts, step) - 1
+        work = self.work[index]
+        client_step = step - self._starts[index]
+        phase_index, remaining = 0, client_step
+        while remaining >= work.phases[phase_index][1]:
+            remaining -= work.phases[phase_index][1]
+            phase_index += 1
+        part = work.phases[phase_index][0]
+        return StepLocation(
+            client=work.client,
+            work_index=index,
+            phase_index=phase_index,
+            part=part,
+            client_step=client_step,
+            first_of_client=client_step == 0,
+            last_of_round=step == self.length - 1,
+        )
+
+
+def steps_per_epoch(num_samples: int, batch_size: int) -> int:
+    """Batches in one pass over a client's data (the last batch may be smaller)."""
+    return math.ceil(num_samples / batch_size)
+
+
+def plan_round(
+    round_index: int,
+    clients: Sequence[int],
+    phases: Sequence[Phase],
+    client_sizes: Sequence[int],
+    batch_size: int,
+) -> RoundPlan:
+    """Turn the sampled ``clients`` and the algorithm's ``phases`` into a step-exact round plan.
+
+    Epoch budgets become ``epochs * ceil(n_i / batch_size)`` steps for client ``i``; phases with a
+    zero budget are dropped; a client left with no steps is skipped.
+    """
+    work = []
+    for cid in clients:
+        per_epoch = steps_per_epoch(client_sizes[cid], batch_size)
+        steps = tuple((p.train, p.num_steps(per_epoch)) for p in phases)
+        steps = tuple(s for s in steps if s[1] > 0)
+        if steps:
+            work.append(ClientWork(cid, steps))
+    return RoundPlan(round_index, tuple(work))

@@ -1,0 +1,136 @@
+"""Which parameters of a module are the shared body and which are the per-client head.
+
+The split is resolved once, from parameter *names*, when the strategy connects to the module
+(``Strategy.connect``), and validated before training starts. It never holds tensors, so it is
+cheap to recompute and safe to keep across device moves.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+HeadSpec = str | Sequence[str] | re.Pattern | None
+
+MODULE_HEAD_ATTRIBUTE = "fedrep_head"
+"""Name of the attribute a ``LightningModule`` may set to mark its own head, e.g. ``fedrep_head = "fc3"``."""
+
+
+class SplitError(ValueError):
+    """The body/head marking does not describe the module's parameters."""
+
+
+@dataclass(frozen=True)
+class ParameterSplit:
+    """Parameter names of the head (per client) and of the body (shared), in module order.
+
+    ``frozen`` lists parameters that had ``requires_grad=False`` when the split was resolved; they
+    belong to neither group, are never trained, averaged or stored per client.
+    """
+
+    head: tuple[str, ...]
+    body: tuple[str, ...]
+    frozen: tuple[str, ...] = ()
+
+    def group(self, name: str) -> str:
+        """Return ``"head"``, ``"body"`` or ``"frozen"`` for a parameter name."""
+        if name in self.head:
+            return "head"
+        if name in self.body:
+            return "body"
+        return "frozen"
+
+
+def _spec_from_module(module: nn.Module) -> HeadSpec:
+    return getattr(module, MODULE_HEAD_ATTRIBUTE, None)
+
+
+def _module_names(module: nn.Module) -> list[str]:
+    return [name for name, _ in module.named_modules() if name]
+
+
+def _matches_prefix(param_name: str, prefix: str) -> bool:
+    return param_name == prefix or param_name.startswith(prefix + ".")
+
+
+def _last_linear(module: nn.Module) -> str | None:
+    last = None
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Linear) and name:
+            last = name
+    return last
+
+
+def _describe(module: nn.Module) -> str:
+    names = [name for name, _ in module.named_parameters()]
+    shown = ", ".join(names[:40]) + (" ..." if len(names) > 40 else "")
+    return f"the module's parameters are: {shown}"
+
+
+def resolve_split(module: nn.Module, head: HeadSpec = None, *, allow_frozen: bool = False) -> ParameterSplit:
+    """Resolve ``head`` against ``module`` and check the result; called by the strategy at ``connect``.
+
+    ``head`` may be a module name or parameter-name prefix (``"classifier"`` marks
+    ``classifier.weight`` and ``classifier.bias``), a list of them, or a compiled regular
+    expression matched (``re.search``) against full parameter names. When it is ``None`` the module's
+    own ``fedrep_head`` attribute is used. Everything trainable that is not head is body.
+
+    Raises:
+        SplitError: nothing is marked, a name matches no parameter (with the closest real name),
+            the head or the body is empty, or parameters are frozen while ``allow_frozen`` is off.
+    """
+    spec = head if head is not None else _spec_from_module(module)
+    if spec is None:
+        suggestion = _last_linear(module)
+        hint = f" (the last nn.Linear is {suggestion!r}: head={suggestion!r})" if suggestion else ""
+        raise SplitError(
+            "No head is marked. Pass head=<module name, list of names or re.compile(regex)> to the strategy"
+            f'{hint}, or set the class attribute `{MODULE_HEAD_ATTRIBUTE} = "<module name>"` on your '
+            f"LightningModule; {_describe(module)}."
+        )
+
+    named = list(module.named_parameters())
+    if isinstance(spec, re.Pattern):
+        head_names = [n for n, _ in named if spec.search(n)]
+        if not head_names:
+            raise SplitError(f"The head regex {spec.pattern!r} matches no parameter; {_describe(module)}.")
+    else:
+        prefixes = [spec] if isinstance(spec, str) else list(spec)
+        if not prefixes or not all(isinstance(p, str) and p for p in prefixes):
+            raise SplitError(f"head must be a non-empty name or list of non-empty names, got {spec!r}.")
+        head_names = []
+        for prefix in prefixes:
+            matched = [n for n, _ in named if _matches_prefix(n, prefix)]
+            if not matched:
+                candidates = _module_names(module) + [n for n, _ in named]
+                close = difflib.get_close_matches(prefix, candidates, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise SplitError(f"head entry {prefix!r} matches no parameter.{hint} {_describe(module)}.")
+            head_names.extend(n for n in matched if n not in head_names)
+
+    frozen = [n for n, p in named if not p.requires_grad]
+    frozen_head = [n for n in head_names if n in frozen]
+    if frozen_head:
+        raise SplitError(
+            f"Head parameters {frozen_head} have requires_grad=False, so the head could never train. "
+            "Unfreeze them, or leave them out of the head."
+        )
+    if frozen and not allow_frozen:
+        raise SplitError(
+            f"Parameters {frozen} have requires_grad=False. The strategy decides what trains in each "
+            "phase, so frozen parameters would be neither trained, shared nor personalized. Unfreeze "
+            "them, or pass allow_frozen=True to keep them fixed at their initial values."
+        )
+    head_set = set(head_names)
+    ordered_head = tuple(n for n, _ in named if n in head_set)
+    body = tuple(n for n, p in named if p.requires_grad and n not in head_set)
+    if not body:
+        raise SplitError(
+            f"The head {list(ordered_head)} covers every trainable parameter, so there is no body to "
+            f"share. Mark only the last layer(s) as head; {_describe(module)}."
+        )
+    return ParameterSplit(head=ordered_head, body=body, frozen=tuple(frozen))
