@@ -1,5 +1,6 @@
-"""Example LightningModules for lightning_fedrep."""
+"""Reference LightningModules with their head marked (``fedrep_head``)."""
 
 from lightning_fedrep.models.linear import LowRankLinear
+from lightning_fedrep.models.mlp import MLPClassifier
 
-__all__ = ["LowRankLinear"]
+__all__ = ["LowRankLinear", "MLPClassifier"]

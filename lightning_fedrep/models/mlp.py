@@ -1,0 +1,57 @@
+"""A small MLP classifier for flat features (the digits quickstart)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class MLPClassifier(L.LightningModule):
+    """``body`` (two hidden layers) then the ``classifier`` head, trained with FedRep's SGD recipe.
+
+    SGD with momentum 0.5 and weight decay on weights only (not biases), as the official FedRep code.
+    """
+
+    fedrep_head = "classifier"
+
+    def __init__(
+        self,
+        in_features: int = 64,
+        hidden: int = 64,
+        features: int = 32,
+        num_classes: int = 10,
+        lr: float = 0.05,
+        momentum: float = 0.5,
+        weight_decay: float = 1e-4,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.body = nn.Sequential(
+            nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, features), nn.ReLU()
+        )
+        self.classifier = nn.Linear(features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.body(x))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        pass  # the strategy logs val/acc and val/loss per client
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        pass
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        decay = [p for n, p in self.named_parameters() if not n.endswith("bias")]
+        no_decay = [p for n, p in self.named_parameters() if n.endswith("bias")]
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return torch.optim.SGD(groups, lr=hp.lr, momentum=hp.momentum)
