@@ -23,6 +23,8 @@ class ClientStore:
         self.template = [t.detach().clone() for t in template]
         self.local: dict[int, list[Tensor]] = {}
         self.optimizer_states: dict[int, OptimizerState] = {}
+        self.finetuned: dict[int, dict[str, Tensor]] = {}
+        """Per client, shared tensors it trained in a round that did not aggregate (fine-tuning)."""
 
     def get(self, client: int) -> list[Tensor]:
         """The client's local tensors (the template for a client that never trained). Do not modify."""
@@ -41,6 +43,7 @@ class ClientStore:
             "template": self.template,
             "local": dict(self.local),
             "optimizer_states": dict(self.optimizer_states),
+            "finetuned": dict(self.finetuned),
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
@@ -55,6 +58,9 @@ class ClientStore:
                 for o, opt in st.items()
             }
             for c, st in state["optimizer_states"].items()
+        }
+        self.finetuned = {
+            int(c): {n: move(t) for n, t in ts.items()} for c, ts in state.get("finetuned", {}).items()
         }
 
     def to(self, device: torch.device) -> None:

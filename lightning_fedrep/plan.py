@@ -55,6 +55,23 @@ def sample_clients(
 
 
 @dataclass(frozen=True)
+class RoundSpec:
+    """A round that departs from the algorithm's usual round (e.g. fine-tuning after training).
+
+    ``clients=None`` means every client. A round with ``aggregate=False`` changes no global state:
+    each client keeps whatever it trained, including trained parts the algorithm normally shares
+    (the fine-tuned models of FedAvg + fine-tuning). ``prefix`` is put before the names of the metrics
+    validation logs after this round (``"finetune/"`` gives ``finetune/val/acc``), so these rounds
+    stay out of the federated rounds' figures.
+    """
+
+    phases: tuple[Phase, ...]
+    clients: tuple[int, ...] | None = None
+    aggregate: bool = True
+    prefix: str = ""
+
+
+@dataclass(frozen=True)
 class ClientWork:
     """One client's work in a round: its id and ``(part, steps)`` for each local phase, in order."""
 
@@ -85,6 +102,7 @@ class RoundPlan:
 
     round: int
     work: tuple[ClientWork, ...]
+    spec: RoundSpec | None = None
     _starts: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -137,6 +155,7 @@ def plan_round(
     phases: Sequence[Phase],
     client_sizes: Sequence[int],
     batch_size: int,
+    spec: RoundSpec | None = None,
 ) -> RoundPlan:
     """Turn the sampled ``clients`` and the algorithm's ``phases`` into a step-exact round plan.
 
@@ -150,4 +169,4 @@ def plan_round(
         steps = tuple(s for s in steps if s[1] > 0)
         if steps:
             work.append(ClientWork(cid, steps))
-    return RoundPlan(round_index, tuple(work))
+    return RoundPlan(round_index, tuple(work), spec)

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -35,12 +35,19 @@ from torch import Tensor
 from lightning_fedrep.algorithms import Algorithm, Phase, get_algorithm, parse_phases
 from lightning_fedrep.clients import ClientStore, OptimizerState
 from lightning_fedrep.data.loaders import EvalLoader, RoundLoader
-from lightning_fedrep.evaluation import SUMMARY_SUFFIXES, ClientMetrics, headline_sums
-from lightning_fedrep.plan import RoundPlan, plan_round, sample_clients
+from lightning_fedrep.evaluation import (
+    SUMMARY_SUFFIXES,
+    ClientMetrics,
+    batch_size_of,
+    capture_logs,
+    headline_sums,
+)
+from lightning_fedrep.plan import RoundPlan, RoundSpec, plan_round, sample_clients
 from lightning_fedrep.server import WeightedAverage
 from lightning_fedrep.split import HeadSpec, ParameterSplit, SplitError, resolve_split
 
 CHECKPOINT_KEY = "lightning_fedrep"
+_PART_GROUPS = {"head": ("head",), "body": ("body",), "all": ("head", "body")}
 _STATE_VERSION = 1
 
 
@@ -60,12 +67,14 @@ class FedRepStrategy(SingleDeviceStrategy):
         weighting: ``"samples"`` weights clients by their training-set size (the official code),
             ``"uniform"`` averages them equally (the paper's Algorithm 1).
         client_optimizer_state: ``"reset"`` gives every client a fresh optimizer state every round (the
-            official FedRep recipe); ``"keep"`` keeps each client's optimizer state across rounds
-            (memory: one optimizer state per client that trained).
-        buffers: ``"shared"`` averages buffers (BatchNorm statistics) with the shared part;
-            ``"local"`` keeps them per client.
+            official FedRep recipe); ``"keep"`` keeps the optimizer state of each client's *local*
+            part (its head, for FedRep) across rounds; the shared part's state restarts every round.
+        buffers: ``"shared"``: buffers (BatchNorm statistics) follow the body, averaged when the
+            algorithm shares the body; ``"local"`` keeps them per client for every algorithm (FedBN).
         allow_frozen: keep parameters that are frozen at setup fixed, instead of raising.
         seed: seeds client sampling (data order is seeded by the data module).
+        headline_metrics: compute ``val/acc`` and ``val/loss`` (``test/``...) from ``model(x)`` on
+            ``(x, y)`` batches, in addition to what the module logs.
         device: the device to train on; by default the one the Trainer's accelerator picks.
     """
 
@@ -85,6 +94,7 @@ class FedRepStrategy(SingleDeviceStrategy):
         buffers: Literal["shared", "local"] = "shared",
         allow_frozen: bool = False,
         seed: int = 0,
+        headline_metrics: bool = True,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ):
@@ -113,6 +123,7 @@ class FedRepStrategy(SingleDeviceStrategy):
         self.buffers = buffers
         self.allow_frozen = allow_frozen
         self.seed = seed
+        self.headline_metrics = headline_metrics
 
         self.split: ParameterSplit | None = None
         self.shared_names: list[str] = []
@@ -134,6 +145,13 @@ class FedRepStrategy(SingleDeviceStrategy):
         self._eval_stash: list[Tensor] | None = None
         self._eval_metrics: ClientMetrics | None = None
         self.client_metrics: dict[str, ClientMetrics] = {}
+        self.history: list[dict[str, Any]] = []
+        """One entry per validated federated round: ``{"round": r, "val/acc": ..., ...}`` (client means)."""
+        self._round_specs: dict[int, RoundSpec] = {}
+        self._client_selector: Callable[[int, list[int]], list[int]] | None = None
+        self._loss_terms: list[Callable[..., Tensor | None]] = []
+        self._aggregating = True
+        self._finetune_summary: dict[str, float] = {}
 
     # ------------------------------------------------------------------ devices (P15)
     @property
@@ -163,11 +181,113 @@ class FedRepStrategy(SingleDeviceStrategy):
         self._require_data()
         plan = self._plans.get(round_index)
         if plan is None:
-            clients = sample_clients(len(self._client_sizes), self.clients_per_round, self.seed, round_index)
-            plan = plan_round(round_index, clients, self.phases, self._client_sizes, self._batch_size)
+            spec = self._round_specs.get(round_index)
+            if spec is not None:
+                clients = (
+                    list(spec.clients) if spec.clients is not None else list(range(len(self._client_sizes)))
+                )
+                phases = spec.phases
+            else:
+                clients = sample_clients(
+                    len(self._client_sizes), self.clients_per_round, self.seed, round_index
+                )
+                if self._client_selector is not None:
+                    clients = self._checked_selection(round_index, clients)
+                phases = self.phases
+            plan = plan_round(round_index, clients, phases, self._client_sizes, self._batch_size, spec)
             self._plans = {r: p for r, p in self._plans.items() if r >= round_index - 1}
             self._plans[round_index] = plan
         return plan
+
+    def _checked_selection(self, round_index: int, pool: list[int]) -> list[int]:
+        selected = sorted(self._client_selector(round_index, list(pool)))
+        if not selected or not set(selected) <= set(pool):
+            raise ValueError(
+                f"The client selector chose {selected} for round {round_index}; it must choose a non-empty "
+                f"subset of the round's sampled clients {pool}."
+            )
+        return selected
+
+    def schedule_round(self, round_index: int, spec: RoundSpec) -> None:
+        """Run round ``round_index`` as ``spec`` says instead of as a usual round of the algorithm.
+
+        For callbacks such as :class:`~lightning_fedrep.callbacks.HeadFineTuning`; call it before the
+        round starts (e.g. in ``on_fit_start``) and extend ``trainer.fit_loop.max_epochs`` to include it.
+        """
+        self._round_specs[round_index] = spec
+        self._plans.pop(round_index, None)
+
+    def set_client_selector(self, selector: Callable[[int, list[int]], list[int]] | None) -> None:
+        """Choose which of a round's sampled clients train: ``selector(round, pool) -> subset``.
+
+        It is called once per round, when the round is planned (at its start), so it may use what
+        was measured in earlier rounds (latency-aware participation). It must be deterministic given
+        its own state for a resumed run to repeat the same rounds.
+        """
+        self._client_selector = selector
+        self._plans = {}
+
+    def add_loss_term(self, term: Callable[..., Tensor | None]) -> None:
+        """Add ``term(module, batch, batch_idx, client, phase) -> Tensor | None`` to every training loss.
+
+        It runs in the strategy's ``training_step`` right after the user's, with the live client and
+        phase; returning ``None`` adds nothing. Automatic optimization only.
+        """
+        self._loss_terms.append(term)
+
+    def client_tensors(self, client: int) -> dict[str, Tensor]:
+        """The tensors specific to ``client`` (its local part and any fine-tuned part), by name. A copy."""
+        self._require_state()
+        tensors = {n: t.detach().clone() for n, t in zip(self.local_names, self.store.get(client))}
+        tensors.update({n: t.detach().clone() for n, t in self.store.finetuned.get(client, {}).items()})
+        return tensors
+
+    def update_client(self, client: int, tensors: dict[str, Tensor]) -> None:
+        """Overwrite some of ``client``'s local tensors (e.g. a server step on the heads)."""
+        self._require_state()
+        unknown = set(tensors) - set(self.local_names)
+        if unknown:
+            raise KeyError(
+                f"{sorted(unknown)} are not local to a client; local tensors are {self.local_names}."
+            )
+        current = [t.detach().clone() for t in self.store.get(client)]
+        for i, name in enumerate(self.local_names):
+            if name in tensors:
+                current[i] = tensors[name].detach().to(current[i].device, current[i].dtype)
+        self.store.put(client, current)
+        if client == self._live_client:
+            self._write(self.local_names, current)
+
+    def global_tensors(self) -> dict[str, Tensor]:
+        """The global shared part, by name (a copy)."""
+        self._require_state()
+        return {n: t.detach().clone() for n, t in zip(self.shared_names, self.global_state)}
+
+    def update_global(self, tensors: dict[str, Tensor]) -> None:
+        """Overwrite some of the global shared tensors (e.g. a server-side step after aggregation)."""
+        self._require_state()
+        index = {n: i for i, n in enumerate(self.shared_names)}
+        unknown = set(tensors) - set(index)
+        if unknown:
+            raise KeyError(f"{sorted(unknown)} are not shared; shared tensors are {self.shared_names}.")
+        for name, value in tensors.items():
+            self.global_state[index[name]].copy_(value.detach())
+        if not self._round_open:
+            self._write(self.shared_names, self.global_state)
+
+    def results(self) -> dict[str, dict[str, float]]:
+        """The papers' figures: the last validated federated round (``final``) and the mean over the
+        last 10 validated rounds (``last10``) of every metric, plus the last fine-tuning evaluation."""
+        out: dict[str, dict[str, float]] = {}
+        if self.history:
+            out["final"] = {k: v for k, v in self.history[-1].items() if k != "round"}
+            last = self.history[-10:]
+            out["last10"] = {
+                k: sum(h[k] for h in last) / len(last) for k in out["final"] if all(k in h for h in last)
+            }
+        if self._finetune_summary:
+            out["finetune"] = dict(self._finetune_summary)
+        return out
 
     def client_for(self, batch_idx: int, round_index: int | None = None) -> int:
         """The client that trains on the ``batch_idx``-th batch of a round (the current one by default).
@@ -185,8 +305,8 @@ class FedRepStrategy(SingleDeviceStrategy):
         state = {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
         for name, value in zip(self.shared_names, self.global_state):
             state[name] = value.detach().clone()
-        for name, value in zip(self.local_names, self.store.get(client)):
-            state[name] = value.detach().clone()
+        for name, value in self.client_tensors(client).items():
+            state[name] = value
         return state
 
     def client_model(self, client: int) -> L.LightningModule:
@@ -195,11 +315,18 @@ class FedRepStrategy(SingleDeviceStrategy):
         module.load_state_dict(self.client_state_dict(client))
         return module
 
+    def new_client_model(self) -> L.LightningModule:
+        """What the federation gives a client that never trained: the global shared part with the
+        initial local part (for FedAvg, the global model). The starting point of new clients."""
+        return self.client_model(-1)
+
     # ------------------------------------------------------------------ set-up
     def connect(self, model: L.LightningModule) -> None:
         """Resolve the body/head split as soon as the Trainer hands over the module."""
         super().connect(model)
-        self._resolve_split(model)
+        self.split = None
+        if any(True for _ in model.parameters()):  # else the module builds its layers in configure_model
+            self._resolve_split(model)
 
     def _resolve_split(self, model: torch.nn.Module) -> None:
         needs_head = self.algorithm.needs_split or any(p.train != "all" for p in self.phases)
@@ -222,9 +349,7 @@ class FedRepStrategy(SingleDeviceStrategy):
             n for n in names if self.split.group(n) in ("body", "head") and n not in self.shared_names
         ]
         buffer_names = [n for n, _ in model.named_buffers() if n in model.state_dict()]
-        buffers_shared = self.algorithm.shared == "all" or (
-            self.buffers == "shared" and self.algorithm.shared != "none"
-        )
+        buffers_shared = self.buffers == "shared" and self.algorithm.shared in ("body", "all")
         (self.shared_names if buffers_shared else self.local_names).extend(buffer_names)
         self._tensors_cache = None
 
@@ -232,6 +357,8 @@ class FedRepStrategy(SingleDeviceStrategy):
         """Check the Trainer's settings (fit only), then snapshot the global and template state."""
         if trainer.training or trainer.state.fn == "fit":
             self._check_trainer_flags(trainer)
+        if self.split is None:
+            self._resolve_split(self.lightning_module)
         super().setup(trainer)
         self._tensors_cache = None
         if trainer.state.fn == "fit":
@@ -244,6 +371,11 @@ class FedRepStrategy(SingleDeviceStrategy):
             self.store.to(self.root_device)
 
     def _check_trainer_flags(self, trainer: L.Trainer) -> None:
+        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+            raise ValueError(
+                "GradientAccumulationScheduler would accumulate gradients across different clients' batches. "
+                "Remove it and use a larger batch_size in the data module instead."
+            )
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches} would accumulate gradients across "
@@ -253,7 +385,8 @@ class FedRepStrategy(SingleDeviceStrategy):
             raise ValueError(
                 "overfit_batches is not supported: rounds are planned per client, not per batch."
             )
-        if not trainer.fast_dev_run and trainer.limit_train_batches != 1.0:
+        limit = trainer.limit_train_batches
+        if not trainer.fast_dev_run and (isinstance(limit, int) or limit != 1.0):
             raise ValueError(
                 f"limit_train_batches={trainer.limit_train_batches} would cut every round short, so later "
                 "clients of the round would never train. Use clients_per_round or fewer local epochs/steps "
@@ -290,6 +423,8 @@ class FedRepStrategy(SingleDeviceStrategy):
         if isinstance(dataloader, EvalLoader):
             self._eval_loader = dataloader
             return dataloader
+        if self.lightning_module.trainer.state.fn == "predict":
+            return dataloader
         raise TypeError(
             f"{type(self).__name__} needs the data of a FederatedDataModule (a RoundLoader for training and an "
             f"EvalLoader for evaluation), got {type(dataloader).__name__}. Build the data with "
@@ -323,14 +458,26 @@ class FedRepStrategy(SingleDeviceStrategy):
     def _begin_round(self, round_index: int) -> None:
         self._round_index = round_index
         self._round_open = True
-        self._average = WeightedAverage(self.global_state) if self.shared_names else None
+        spec = self.round_plan(round_index).spec
+        self._aggregating = spec is None or spec.aggregate
+        if self._aggregating:
+            self.store.finetuned.clear()  # a new federated round makes earlier fine-tuning stale
+        self._average = (
+            WeightedAverage(self.global_state) if self.shared_names and self._aggregating else None
+        )
 
     def _client_weight(self, client: int) -> float:
         return float(self._client_sizes[client]) if self.weighting == "samples" else 1.0
 
-    def _load_client(self, client: int) -> None:
+    def _load_client_tensors(self, client: int) -> None:
         self._write(self.shared_names, self.global_state)
         self._write(self.local_names, self.store.get(client))
+        finetuned = self.store.finetuned.get(client)
+        if finetuned:
+            self._write(list(finetuned), list(finetuned.values()))
+
+    def _load_client(self, client: int) -> None:
+        self._load_client_tensors(client)
         self._live_client = client
         self._live_part = None
         for index, optimizer in enumerate(self.optimizers):
@@ -349,6 +496,14 @@ class FedRepStrategy(SingleDeviceStrategy):
             return
         if self._average is not None:
             self._average.add(self._tensors(self.shared_names), self._client_weight(client))
+        if not self._aggregating:
+            trained = {
+                g for p in self.round_plan(self._round_index).spec.phases for g in _PART_GROUPS[p.train]
+            }
+            names = [n for n in self.shared_names if self.split.group(n) in trained]
+            self.store.finetuned[client] = {
+                n: t.detach().clone() for n, t in zip(names, self._tensors(names))
+            }
         self.store.put(client, self._tensors(self.local_names))
         if self.client_optimizer_state == "keep":
             self.store.optimizer_states[client] = self._optimizer_snapshot()
@@ -356,6 +511,8 @@ class FedRepStrategy(SingleDeviceStrategy):
         self._live_part = None
 
     def _optimizer_snapshot(self) -> OptimizerState:
+        """The optimizer state of the client's local parameters (the shared part restarts every round)."""
+        local = {id(t) for t in self._tensors(self.local_names)}
         snapshot: OptimizerState = {}
         for index, optimizer in enumerate(self.optimizers):
             params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -365,12 +522,12 @@ class FedRepStrategy(SingleDeviceStrategy):
                     for k, v in optimizer.state[p].items()
                 }
                 for i, p in enumerate(params)
-                if p in optimizer.state and optimizer.state[p]
+                if id(p) in local and optimizer.state.get(p)
             }
         return snapshot
 
     def _set_phase(self, part: str) -> None:
-        trains = {"head": ("head",), "body": ("body",), "all": ("head", "body")}[part]
+        trains = _PART_GROUPS[part]
         for name, param in self.lightning_module.named_parameters():
             group = self.split.group(name)
             if group != "frozen":
@@ -422,9 +579,27 @@ class FedRepStrategy(SingleDeviceStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
+        if self._loss_terms:
+            output = self._add_loss_terms(output, args, kwargs)
         if not self.lightning_module.automatic_optimization and self._round_ends_now():
             self.close_round()
         return output
+
+    def _add_loss_terms(self, output: Any, args: tuple, kwargs: dict) -> Any:
+        if not self.lightning_module.automatic_optimization:
+            raise RuntimeError("Loss terms (add_loss_term) need automatic optimization.")
+        batch = args[0] if args else kwargs["batch"]
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        loss = output["loss"] if isinstance(output, dict) else output
+        if loss is None:
+            return output
+        for term in self._loss_terms:
+            extra = term(self.lightning_module, batch, batch_idx, self._live_client, self._live_part)
+            if extra is not None:
+                loss = loss + extra
+        if isinstance(output, dict):
+            return {**output, "loss": loss}
+        return loss
 
     def on_train_end(self) -> None:
         if self._round_open:
@@ -477,6 +652,13 @@ class FedRepStrategy(SingleDeviceStrategy):
         self._eval_end("test")
         super().on_test_end()
 
+    def on_predict_start(self) -> None:
+        """Predict with the model a new client gets (global shared part, initial local part); for a
+        client's personalized predictions use ``client_model(i)``."""
+        if self.store is not None:
+            self._load_client_tensors(-1)
+        super().on_predict_start()
+
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._personalized_step("val", super().validation_step, args, kwargs)
 
@@ -488,23 +670,40 @@ class FedRepStrategy(SingleDeviceStrategy):
         batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
         client = self._eval_loader.client_of(batch_idx)
         if client != self._eval_client:
-            self._write(self.local_names, self.store.get(client))
+            if self.store.finetuned:
+                self._load_client_tensors(client)
+            else:
+                self._write(self.local_names, self.store.get(client))
             self._eval_client = client
         metrics = self._eval_metrics
-        size = _batch_size(batch)
+        size = batch_size_of(batch)
         metrics.samples[client] += size
-        with _capture_logs(self.lightning_module, stage, metrics, client, size) as user_keys:
+        with capture_logs(self.lightning_module, metrics, client, size) as user_keys:
             output = step(*args, **kwargs)
-        if isinstance(batch, list | tuple) and len(batch) == 2:
-            with torch.no_grad():
-                sums = headline_sums(self.lightning_module(batch[0]), batch[1])
-            for name, total in (sums or {}).items():
-                key = f"{stage}/{name}"
-                if key not in user_keys:
-                    metrics.add(key, client, total.item(), size)
+        if self.headline_metrics and isinstance(batch, list | tuple) and len(batch) == 2:
+            self._add_headline(stage, batch, client, size, user_keys)
         if self._evaluation_loop().batch_progress.is_last_batch:
             self._log_summary(stage, metrics)
         return output
+
+    def _add_headline(self, stage: str, batch: Any, client: int, size: int, user_keys: set[str]) -> None:
+        plugin = self.precision_plugin
+        context = plugin.val_step_context if stage == "val" else plugin.test_step_context
+        try:
+            with torch.no_grad(), context():
+                sums = headline_sums(self.lightning_module(batch[0]), batch[1])
+        except Exception as error:  # the module's forward may not take ``x`` alone
+            self.headline_metrics = False
+            rank_zero_warn(
+                f"Could not compute {stage}/acc and {stage}/loss from model(x) on (x, y) batches ({error!r}); "
+                "they are turned off. Log your own metrics in validation_step/test_step, or pass "
+                "headline_metrics=False to silence this."
+            )
+            return
+        for name, total in (sums or {}).items():
+            key = f"{stage}/{name}"
+            if key not in user_keys:
+                self._eval_metrics.add(key, client, total.item(), size)
 
     def _evaluation_loop(self) -> Any:
         trainer = self.lightning_module.trainer
@@ -513,18 +712,36 @@ class FedRepStrategy(SingleDeviceStrategy):
         return trainer.validate_loop if trainer.state.fn == "validate" else trainer.test_loop
 
     def _log_summary(self, stage: str, metrics: ClientMetrics) -> None:
+        """Log every metric's summary over clients; keep the federated rounds' history (validation)."""
         module = self.lightning_module
-        for name in list(metrics.sums):
-            summary = metrics.summary(name)
-            for suffix in SUMMARY_SUFFIXES:
-                module.log(
-                    name + suffix,
-                    summary[suffix],
-                    on_step=False,
-                    on_epoch=True,
-                    batch_size=1,
-                    prog_bar=suffix == "" and name.endswith("/acc"),
-                )
+        trainer = module.trainer
+        spec = self._round_specs.get(self._round_index) if stage == "val" else None
+        prefix = spec.prefix if spec is not None else ""
+        summaries = {name: metrics.summary(name) for name in list(metrics.sums)}
+        values = {
+            prefix + name + suffix: s[suffix] for name, s in summaries.items() for suffix in SUMMARY_SUFFIXES
+        }
+        if stage == "val" and not trainer.sanity_checking and trainer.state.fn == "fit":
+            if prefix:
+                self._finetune_summary = dict(values)
+            else:
+                entry = {"round": self._round_index, **values}
+                self.history = [h for h in self.history if h["round"] != self._round_index] + [entry]
+                last = self.history[-10:]
+                for name in summaries:
+                    if all(name in h for h in last):
+                        values[name + "_last10"] = sum(h[name] for h in last) / len(last)
+        for key, value in values.items():
+            options = metrics.options.get(key.removeprefix(prefix), {})
+            module.log(
+                key,
+                value,
+                on_step=False,
+                on_epoch=True,
+                batch_size=1,
+                prog_bar=options.get("prog_bar", key.endswith("/acc")),
+                logger=options.get("logger"),
+            )
 
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -552,6 +769,7 @@ class FedRepStrategy(SingleDeviceStrategy):
             "global": [t.detach().clone() for t in self.global_state],
             "clients": self.store.state_dict(),
             "round": {"open": self._round_open, "index": self._round_index},
+            "history": [dict(h) for h in self.history],
             "torch_rng": torch.get_rng_state(),
         }
         if torch.cuda.is_available():
@@ -560,9 +778,10 @@ class FedRepStrategy(SingleDeviceStrategy):
             state["round"].update(
                 live_client=-1 if self._live_client is None else self._live_client,
                 live_part=self._live_part or "",
-                live_tensors=[
-                    t.detach().clone() for t in self._tensors(self.shared_names + self.local_names)
-                ],
+                # saved during mid-round validation, the training state is in the stash
+                live_tensors=self._eval_stash
+                if self._eval_stash is not None
+                else [t.detach().clone() for t in self._tensors(self.shared_names + self.local_names)],
                 average=self._average.state_dict() if self._average is not None else None,
             )
         return state
@@ -584,6 +803,8 @@ class FedRepStrategy(SingleDeviceStrategy):
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         """Restore the module, the global state and every client's local part (all stages)."""
         super().load_model_state_dict(checkpoint, strict=strict)
+        if self.split is None:
+            self._resolve_split(self.lightning_module)
         state = self._pending
         if state is None:
             return
@@ -597,6 +818,7 @@ class FedRepStrategy(SingleDeviceStrategy):
         self.global_state = [t.to(device) for t in state["global"]]
         self.store = ClientStore([])
         self.store.load_state_dict(state["clients"], device)
+        self.history = [dict(h) for h in state.get("history", [])]
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Restore an interrupted round and the RNG (fit only, after the optimizers exist)."""
@@ -610,6 +832,12 @@ class FedRepStrategy(SingleDeviceStrategy):
         round_state = state["round"]
         self._round_index = round_state["index"]
         self._round_open = round_state["open"]
+        progress = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress
+        if not self._round_open and progress.is_last_batch and progress.current.completed > 0:
+            # Saved right after a round's last step. Lightning decides whether the restored epoch is
+            # over by comparing its batch count with the *next* epoch's length, which is wrong when
+            # rounds differ in length; a count no round can reach makes it start the next round at 0.
+            progress.current.completed = 2**62
         if not self._round_open:
             return
         self._average = None
@@ -621,39 +849,3 @@ class FedRepStrategy(SingleDeviceStrategy):
         self._live_part = None
         if self._live_client is not None and round_state["live_part"]:
             self._set_phase(round_state["live_part"])
-
-
-def _batch_size(batch: Any) -> int:
-    from lightning.pytorch.utilities.data import extract_batch_size
-
-    try:
-        return extract_batch_size(batch)
-    except Exception:
-        return 1
-
-
-@contextmanager
-def _capture_logs(module: L.LightningModule, stage: str, metrics: ClientMetrics, client: int, size: int):
-    """Record what the user's evaluation step logs, per client, instead of Lightning's sample mean.
-
-    Scalar values are summed per client (weighted by the batch size) and logged as summaries over
-    clients at the end of the pass; anything else (e.g. a torchmetrics ``Metric``) goes to Lightning
-    unchanged. Yields the set of keys the user logged.
-    """
-    original = module.log
-    keys: set[str] = set()
-
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        scalar = value.detach() if isinstance(value, Tensor) and value.numel() == 1 else value
-        if isinstance(scalar, Tensor | float | int) and not isinstance(scalar, bool):
-            batch = kwargs.get("batch_size") or size
-            metrics.add(name, client, float(scalar) * batch, batch)
-            keys.add(name)
-            return
-        original(name, value, *args, **kwargs)
-
-    module.log = log
-    try:
-        yield keys
-    finally:
-        del module.log

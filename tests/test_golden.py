@@ -39,8 +39,9 @@ def plain_fedrep(init, dm, rounds, per_round, head_epochs, body_epochs, seed, jo
             state.update(heads.get(cid, {k: init.state_dict()[k] for k in HEAD}))
             model.load_state_dict(state)
             opt = model.configure_optimizers()
-            if keep_opt and cid in opt_states:
-                opt.load_state_dict(opt_states[cid])
+            params = dict(model.named_parameters())
+            for name, state in opt_states.get(cid, {}).items():  # kept: the head's state only
+                opt.state[params[name]] = copy.deepcopy(state)
             per_epoch = math.ceil(dm.client_num_samples(cid) / dm.batch_size)
             phases = (
                 [("all", head_epochs * per_epoch)]
@@ -57,7 +58,9 @@ def plain_fedrep(init, dm, rounds, per_round, head_epochs, body_epochs, seed, jo
                     F.cross_entropy(model(x), y).backward()
                     opt.step()
             if keep_opt:
-                opt_states[cid] = copy.deepcopy(opt.state_dict())
+                opt_states[cid] = {
+                    n: copy.deepcopy(opt.state[params[n]]) for n in HEAD if params[n] in opt.state
+                }
             heads[cid] = {k: v.clone() for k, v in model.state_dict().items() if k in HEAD}
             n_i = float(dm.client_num_samples(cid))
             body = {k: v.clone() for k, v in model.state_dict().items() if k not in HEAD}

@@ -40,6 +40,9 @@ class TinyNet(L.LightningModule):
         x, y = batch
         self.log("test_ce", F.cross_entropy(self(x), y))
 
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
     def configure_optimizers(self):
         hp = self.hparams
         return torch.optim.SGD(

@@ -145,6 +145,58 @@ class FederatedDataModule(L.LightningDataModule):
             raise ValueError(f"This data module has no {split!r} split.")
         return clients[client]
 
+    def _derived(self, train: list[ClientData], test: list[ClientData] | None) -> FederatedDataModule:
+        module = FederatedDataModule(
+            batch_size=self.batch_size,
+            eval_batch_size=self.eval_batch_size,
+            seed=self.seed,
+        )
+        module._fetcher = self._fetcher
+        module._set_clients(train, test)
+        return module
+
+    def holdout(
+        self, new_clients: int | float, seed: int | None = None
+    ) -> tuple[FederatedDataModule, FederatedDataModule]:
+        """Split the clients in two: those that train in the federation and held-out *new* clients.
+
+        ``new_clients`` is a count or a fraction of the clients, chosen by a generator seeded with
+        ``seed`` (the data module's seed by default). Returns ``(federation, new)``; both keep their
+        clients' train and test splits, renumbered from 0 in their original order.
+        """
+        self._require_setup()
+        n = len(self._train)
+        count = int(round(new_clients * n)) if isinstance(new_clients, float) else int(new_clients)
+        if not 0 < count < n:
+            raise ValueError(
+                f"new_clients={new_clients} must leave at least one client on each side of {n} clients."
+            )
+        perm = torch.randperm(n, generator=round_generator(self.seed if seed is None else seed, -2))
+        new = sorted(perm[:count].tolist())
+        old = sorted(perm[count:].tolist())
+        test = self._val if self._val is not None else self._test
+
+        def pick(ids: list[int]) -> FederatedDataModule:
+            return self._derived(
+                [self._train[i] for i in ids], [test[i] for i in ids] if test is not None else None
+            )
+
+        return pick(old), pick(new)
+
+    def with_train_samples(self, samples: int, seed: int | None = None) -> FederatedDataModule:
+        """The same clients with at most ``samples`` training samples each (a seeded random subset),
+        test splits unchanged: the few-shot data of the new-client protocol."""
+        self._require_setup()
+        if samples < 1:
+            raise ValueError(f"samples must be >= 1, got {samples}.")
+        generator_seed = self.seed if seed is None else seed
+        train = []
+        for cid, data in enumerate(self._train):
+            perm = torch.randperm(len(data), generator=round_generator(generator_seed, -3, cid))
+            train.append(ClientData(data.dataset, data.indices[perm[:samples]].sort().values))
+        test = self._val if self._val is not None else self._test
+        return self._derived(train, test)
+
     def _require_setup(self) -> None:
         if self._train is None:
             self.setup()

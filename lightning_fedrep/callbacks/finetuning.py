@@ -1,0 +1,73 @@
+"""``HeadFineTuning``: fine-tuning rounds after the federated rounds (FedAvg + FT, FedRep's last round)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+from lightning_fedrep.algorithms import Phase
+from lightning_fedrep.plan import RoundSpec
+from lightning_fedrep.strategy import FedRepStrategy
+
+
+class HeadFineTuning(Callback):
+    """After the federated rounds, every client fine-tunes its own model on its own training data.
+
+    ``mode="head"`` trains only the head with the body frozen (the FedRep paper's FedAvg + FT
+    protocol, and the official FedRep code's final head-only round for all clients);
+    ``mode="full"`` trains the whole model (the FedAvg-FT paper's protocol). Nothing is aggregated:
+    each client keeps its fine-tuned model, and validation/test then run on the fine-tuned models.
+    Validation after a fine-tuning round is logged under ``finetune/`` (``finetune/val/acc``) so it
+    stays out of the federated rounds' figures (``strategy.results()["finetune"]``).
+
+    The callback appends ``rounds`` rounds to ``max_epochs`` when fit starts (each is one pass of
+    ``epochs`` local epochs, or ``steps`` steps, over all clients), so set ``max_epochs`` to the
+    number of federated rounds.
+    """
+
+    def __init__(
+        self,
+        epochs: int = 10,
+        mode: Literal["head", "full"] = "head",
+        rounds: int = 1,
+        steps: int | None = None,
+    ):
+        if mode not in ("head", "full"):
+            raise ValueError(f"mode must be 'head' or 'full', got {mode!r}.")
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}.")
+        self.phase = Phase(
+            "head" if mode == "head" else "all", epochs=None if steps is not None else epochs, steps=steps
+        )
+        self.mode = mode
+        self.rounds = rounds
+        self.federated_rounds: int | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not isinstance(trainer.strategy, FedRepStrategy):
+            raise TypeError("HeadFineTuning works with a FedRepStrategy (e.g. Trainer(strategy='fedavg')).")
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Extend the fit by the fine-tuning rounds and schedule them on the strategy."""
+        strategy: FedRepStrategy = trainer.strategy
+        if self.mode == "head" and not strategy.split.head:
+            raise ValueError(
+                "HeadFineTuning(mode='head') needs to know the head: pass head=... to the strategy or set "
+                "`fedrep_head` on the module (or use mode='full')."
+            )
+        if self.federated_rounds is None:
+            max_epochs = trainer.fit_loop.max_epochs
+            if max_epochs is None or max_epochs < 0:
+                raise ValueError("HeadFineTuning needs Trainer(max_epochs=<number of federated rounds>).")
+            self.federated_rounds = max_epochs
+        trainer.fit_loop.max_epochs = self.federated_rounds + self.rounds
+        for r in range(self.federated_rounds, self.federated_rounds + self.rounds):
+            strategy.schedule_round(r, RoundSpec(phases=(self.phase,), aggregate=False, prefix="finetune/"))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"federated_rounds": self.federated_rounds}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.federated_rounds = state_dict["federated_rounds"]
