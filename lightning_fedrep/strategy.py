@@ -324,6 +324,7 @@ class FedRepStrategy(SingleDeviceStrategy):
     def connect(self, model: L.LightningModule) -> None:
         """Resolve the body/head split as soon as the Trainer hands over the module."""
         super().connect(model)
+        _use_federated_progress_bar(model.trainer)
         self.split = None
         if any(True for _ in model.parameters()):  # else the module builds its layers in configure_model
             self._resolve_split(model)
@@ -849,3 +850,16 @@ class FedRepStrategy(SingleDeviceStrategy):
         self._live_part = None
         if self._live_client is not None and round_state["live_part"]:
             self._set_phase(round_state["live_part"])
+
+
+def _use_federated_progress_bar(trainer: L.Trainer) -> None:
+    """Replace Lightning's default progress bar (not a user's own) by one that shows rounds and clients."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from lightning_fedrep.callbacks.progress import FederatedProgressBar
+
+    for index, callback in enumerate(trainer.callbacks):
+        if type(callback) is TQDMProgressBar:
+            trainer.callbacks[index] = FederatedProgressBar(
+                refresh_rate=callback.refresh_rate, leave=callback._leave
+            )

@@ -1,5 +1,7 @@
 """Callbacks that plug into the federated strategy through its public surface."""
 
 from lightning_fedrep.callbacks.finetuning import HeadFineTuning
+from lightning_fedrep.callbacks.progress import FederatedProgressBar
+from lightning_fedrep.callbacks.summary import RunSummary
 
-__all__ = ["HeadFineTuning"]
+__all__ = ["FederatedProgressBar", "HeadFineTuning", "RunSummary"]

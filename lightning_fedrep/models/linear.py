@@ -31,6 +31,10 @@ class LowRankLinear(lightning.LightningModule):
             transpose is copied into ``body.weight``.
         exact_head: when the head is trainable and the body frozen (the strategy's head phase), set the
             head to the exact least-squares solution on each batch before computing the loss.
+        init: ``"mom"`` takes the initial body from the data module's method-of-moments estimate
+            (Algorithm 2) when fit starts; the data module must offer ``method_of_moments_init()``
+            (:class:`~lightning_fedrep.data.lowrank.LowRankLinearDataModule`). Its ground truth is
+            then also used for ``val/principal_angle`` if none was given.
     """
 
     fedrep_head = "head"
@@ -46,8 +50,11 @@ class LowRankLinear(lightning.LightningModule):
         ground_truth_body: Tensor | None = None,
         init_body: Tensor | None = None,
         exact_head: bool = True,
+        init: str = "random",
     ) -> None:
         super().__init__()
+        if init not in ("random", "mom"):
+            raise ValueError(f"init must be 'random' or 'mom' (method of moments), got {init!r}.")
         self.save_hyperparameters(ignore=["ground_truth_body", "init_body"])
         self.body = nn.Linear(dim, rank, bias=False)
         self.head = nn.Linear(rank, 1, bias=False)
@@ -62,6 +69,20 @@ class LowRankLinear(lightning.LightningModule):
                 raise ValueError(f"init_body has shape {tuple(init_body.shape)}, expected {(dim, rank)}")
             with torch.no_grad():
                 self.body.weight.copy_(init_body.T)
+
+    def setup(self, stage: str) -> None:
+        """Take the ground truth and (``init="mom"``) the initial body from a low-rank data module."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        problem = getattr(datamodule, "problem", None)
+        if self.ground_truth_body is None and problem is not None:
+            self.ground_truth_body = problem.ground_truth_body.detach().clone().to(self.device)
+        if stage == "fit" and self.hparams.init == "mom":
+            if not hasattr(datamodule, "method_of_moments_init"):
+                raise ValueError(
+                    "init='mom' needs a data module with method_of_moments_init() (LowRankLinearDataModule)."
+                )
+            with torch.no_grad():
+                self.body.weight.copy_(datamodule.method_of_moments_init().T)
 
     def forward(self, x: Tensor) -> Tensor:
         """Predict ``y_hat`` of shape ``(batch, 1)`` from ``x`` of shape ``(batch, d)``."""

@@ -1,0 +1,106 @@
+"""``RunSummary``: what a run measured, per client and over clients, in a plain file and in W&B."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from lightning_fedrep.strategy import FedRepStrategy
+
+
+def run_folder(trainer: L.Trainer) -> Path:
+    """The run's folder, where Lightning's ``ModelCheckpoint`` puts ``checkpoints/`` as well:
+    ``<save_dir>/<name>/<version>`` of the first logger, else the default root directory."""
+    if not trainer.loggers:
+        return Path(trainer.default_root_dir)
+    logger = trainer.loggers[0]
+    save_dir = logger.save_dir or trainer.default_root_dir
+    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+    return Path(save_dir) / str(logger.name) / version
+
+
+class RunSummary(Callback):
+    """At the end of ``fit`` and ``test``, write ``summary.json`` and print a per-client table.
+
+    The file holds the final and last-10-round figures (``strategy.results()``), every client's
+    metrics of the last evaluation of each stage, the simulated clock if a callback keeps one, and the
+    run's configuration (the CLI fills it in). It lands in ``dirpath``, by default the Trainer's
+    run folder (next to ``checkpoints/``). With a ``WandbLogger`` the per-client metrics also go to W&B as a
+    table and a histogram of client accuracies.
+    """
+
+    def __init__(self, dirpath: str | None = None, filename: str = "summary.json", print_table: bool = True):
+        self.dirpath = dirpath
+        self.filename = filename
+        self.print_table = print_table
+        self.config: dict[str, Any] | None = None
+        self.path: Path | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not isinstance(trainer.strategy, FedRepStrategy):
+            raise TypeError("RunSummary reports a federated run: use it with a FedRepStrategy.")
+
+    def summary(self, trainer: L.Trainer) -> dict[str, Any]:
+        """The summary as a dict (what the file holds)."""
+        strategy: FedRepStrategy = trainer.strategy
+        per_client = {}
+        for stage, metrics in strategy.client_metrics.items():
+            per_client[stage] = {name: metrics.per_client(name) for name in metrics.sums}
+            per_client[stage]["samples"] = dict(metrics.samples)
+        return {
+            "algorithm": strategy.algorithm.name,
+            "rounds_completed": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "results": strategy.results(),
+            "test": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")},
+            "per_client": per_client,
+            "history": strategy.history,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1},
+            "config": self.config,
+        }
+
+    @rank_zero_only
+    def _write(self, trainer: L.Trainer, stage: str) -> None:
+        summary = self.summary(trainer)
+        folder = Path(self.dirpath) if self.dirpath else run_folder(trainer)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / self.filename
+        self.path.write_text(json.dumps(summary, indent=2, default=str))
+        per_client = summary["per_client"].get(stage, {})
+        accuracy = per_client.get(f"{stage}/acc") or per_client.get(f"{stage}/loss")
+        if accuracy:
+            self._to_wandb(trainer, stage, per_client)
+            if self.print_table:
+                name = f"{stage}/acc" if per_client.get(f"{stage}/acc") else f"{stage}/loss"
+                print(f"\nPer-client {name} ({len(accuracy)} clients), summary in {self.path}")
+                for row in range(0, len(accuracy), 10):
+                    chunk = list(accuracy.items())[row : row + 10]
+                    print("  " + "  ".join(f"#{c:<4d}{v:<9.4g}" for c, v in chunk))
+                figures = summary["results"].get("final", {}) if stage == "val" else summary["test"]
+                shown = {k: v for k, v in figures.items() if k.split("/")[-1].startswith(name.split("/")[-1])}
+                print("  " + "   ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+
+    def _to_wandb(self, trainer: L.Trainer, stage: str, per_client: dict[str, dict[int, float]]) -> None:
+        for logger in trainer.loggers:
+            if not isinstance(logger, WandbLogger):
+                continue
+            names = [n for n in per_client if n != "samples"]
+            clients = sorted(per_client["samples"])
+            rows = [[c, per_client["samples"][c]] + [per_client[n].get(c) for n in names] for c in clients]
+            logger.log_table(key=f"clients/{stage}", columns=["client", "samples", *names], data=rows)
+            key = f"{stage}/acc" if f"{stage}/acc" in per_client else f"{stage}/loss"
+            import wandb
+
+            logger.experiment.log({f"clients/{stage}_hist": wandb.Histogram(list(per_client[key].values()))})
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, "val")
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, "test")

@@ -1,0 +1,76 @@
+"""``lightning-fedrep``: the LightningCLI command that runs recipe YAMLs.
+
+    lightning-fedrep fit --config recipes/digits/fedrep.yaml
+    lightning-fedrep test --config recipes/digits/fedrep.yaml --ckpt_path runs/.../last.ckpt
+    lightning-fedrep fit --config recipes/digits/fedrep.yaml --print_config
+
+Models and data modules are chosen by ``class_path`` (any LightningModule and any
+``FederatedDataModule``), the strategy by ``trainer.strategy`` (a ``class_path`` with its
+``init_args``, or a registered name such as ``fedrep``). W&B runs offline unless you are logged in.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.cli import ArgsType, LightningCLI
+
+import lightning_fedrep  # noqa: F401  (registers the strategy names)
+from lightning_fedrep.callbacks.summary import RunSummary
+from lightning_fedrep.data.module import FederatedDataModule
+
+
+def wandb_credentials_present() -> bool:
+    """Whether W&B could log online: an API key in the environment or in ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+class FedRepCLI(LightningCLI):
+    """LightningCLI whose data modules are ``FederatedDataModule`` subclasses; hands the run's
+    configuration to ``RunSummary`` so ``summary.json`` records it."""
+
+    def before_instantiate_classes(self) -> None:
+        if "WANDB_MODE" not in os.environ and not wandb_credentials_present():
+            os.environ["WANDB_MODE"] = "offline"  # never block on the network
+
+    def _attach_config(self) -> None:
+        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RunSummary):
+                callback.config = config.clone().as_dict() if hasattr(config, "as_dict") else dict(config)
+
+    def before_fit(self) -> None:
+        self._attach_config()
+
+    def before_test(self) -> None:
+        self._attach_config()
+
+    def before_validate(self) -> None:
+        self._attach_config()
+
+
+def build_cli(args: ArgsType = None, run: bool = True) -> FedRepCLI:
+    """Parse ``args`` (the command line by default), build and, with ``run``, execute the subcommand."""
+    return FedRepCLI(
+        L.LightningModule,
+        FederatedDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+    )
+
+
+def main(args: ArgsType = None) -> None:
+    """Entry point of the ``lightning-fedrep`` console script."""
+    build_cli(args)
+
+
+if __name__ == "__main__":
+    main()
