@@ -1,5 +1,5 @@
 # The two set-up commands of the README:
-#   make demo   creates .venv if missing, installs everything and runs the offline quickstart
+#   make demo   creates .venv if missing, installs everything and runs the offline quickstart recipe
 #   make test   creates .venv if missing, installs everything and runs the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/python -m lightning_fedrep.quickstart
+	$(BIN)/lightning-fedrep fit --config recipes/digits/fedrep.yaml
 
 test: $(STAMP)
 	WANDB_MODE=disabled $(BIN)/python -m pytest -q
