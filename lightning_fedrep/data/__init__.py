@@ -1,1 +1,21 @@
 """Federated data: the data module, the per-round client iterables and the partitioners."""
+
+from lightning_fedrep.data.leaf import LEAFDataModule
+from lightning_fedrep.data.partition import NaturalPartitioner
+from lightning_fedrep.data.synthetic import SyntheticClassificationDataModule
+from lightning_fedrep.data.vision import (
+    CIFAR10DataModule,
+    CIFAR100DataModule,
+    EMNISTDataModule,
+    MNISTDataModule,
+)
+
+__all__ = [
+    "CIFAR100DataModule",
+    "CIFAR10DataModule",
+    "EMNISTDataModule",
+    "LEAFDataModule",
+    "MNISTDataModule",
+    "NaturalPartitioner",
+    "SyntheticClassificationDataModule",
+]

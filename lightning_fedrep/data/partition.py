@@ -33,6 +33,7 @@ __all__ = [
     "ClientSplit",
     "DirichletPartitioner",
     "IIDPartitioner",
+    "NaturalPartitioner",
     "Partitioner",
     "ShardPartitioner",
 ]
@@ -458,3 +459,66 @@ class IIDPartitioner(Partitioner):
             np.arange(self.num_clients), _even_sizes(num_samples, self.num_clients)
         )
         return owner
+
+
+# --------------------------------------------------------------------------------------------------
+# natural partition: one client per user / writer / speaker
+# --------------------------------------------------------------------------------------------------
+
+
+class NaturalPartitioner(Partitioner):
+    """One client per natural group (a LEAF user, a writer, a speaker), from per-sample group ids.
+
+    Unlike the other partitioners the assignment is fixed by the data, not drawn: ``train_groups[j]`` is
+    the integer id of the group that owns train sample ``j`` and ``test_groups[j]`` that of test sample
+    ``j``. The clients are the distinct train group ids in ascending order (client ``i`` is the
+    ``i``-th smallest id, so ids ``0 .. N-1`` map to clients ``0 .. N-1``), and ``num_clients`` is their
+    number. Every train sample belongs to its group's client; a test sample whose group has no train
+    sample is assigned to no client, and a client whose group has no test sample gets an empty test split.
+
+    :meth:`split` takes the same arguments as every :class:`Partitioner`, so
+    :meth:`FederatedDataModule.setup` works unchanged; the labels it is given are only checked to have
+    one entry per sample (their values do not matter), and ``seed`` is unused (there is no randomness).
+    """
+
+    def __init__(self, train_groups: torch.Tensor, test_groups: torch.Tensor | None = None) -> None:
+        """Create a partitioner from the group id of each train sample (and of each test sample)."""
+        self.train_groups = _labels_to_numpy(train_groups, "train_groups")
+        if self.train_groups.size == 0:
+            raise ValueError("train_groups is empty; there is nothing to partition.")
+        self.test_groups = None if test_groups is None else _labels_to_numpy(test_groups, "test_groups")
+        self.groups = np.unique(self.train_groups)
+        self.num_clients = int(self.groups.size)
+
+    def __repr__(self) -> str:
+        num_test = None if self.test_groups is None else self.test_groups.size
+        return (
+            f"{type(self).__name__}(num_clients={self.num_clients}, train_samples={self.train_groups.size}, "
+            f"test_samples={num_test})"
+        )
+
+    def _owners(self, groups: np.ndarray) -> np.ndarray:
+        pos = np.searchsorted(self.groups, groups)
+        pos_clipped = np.minimum(pos, self.groups.size - 1)
+        return np.where(self.groups[pos_clipped] == groups, pos_clipped, -1)
+
+    def split(self, train_labels: torch.Tensor, test_labels: torch.Tensor | None, seed: int) -> ClientSplit:
+        """Give each client the samples of its group, in train and in test."""
+        _check_seed(seed)
+        if len(train_labels) != self.train_groups.size:
+            raise ValueError(
+                f"NaturalPartitioner was built with {self.train_groups.size} train group ids but the train set "
+                f"has {len(train_labels)} samples; give one group id per train sample."
+            )
+        train = _indices_per_owner(self._owners(self.train_groups), self.num_clients)
+        if test_labels is None:
+            return ClientSplit(train=train, test=_empty_split(self.num_clients))
+        if self.test_groups is None or len(test_labels) != self.test_groups.size:
+            have = 0 if self.test_groups is None else self.test_groups.size
+            raise ValueError(
+                f"NaturalPartitioner was built with {have} test group ids but the test set has "
+                f"{len(test_labels)} samples; give test_groups with one group id per test sample."
+            )
+        return ClientSplit(
+            train=train, test=_indices_per_owner(self._owners(self.test_groups), self.num_clients)
+        )

@@ -1,6 +1,8 @@
 """Reference LightningModules with their head marked (``fedrep_head``)."""
 
+from lightning_fedrep.models.cnn import CIFAR10CNN, CIFAR100CNN
+from lightning_fedrep.models.femnist import FEMNISTMLP
 from lightning_fedrep.models.linear import LowRankLinear
 from lightning_fedrep.models.mlp import MLPClassifier
 
-__all__ = ["LowRankLinear", "MLPClassifier"]
+__all__ = ["CIFAR100CNN", "CIFAR10CNN", "FEMNISTMLP", "LowRankLinear", "MLPClassifier"]

@@ -1,0 +1,334 @@
+"""CIFAR-10, CIFAR-100, MNIST and EMNIST split over clients, read with torchvision's own data set classes.
+
+Each data module takes plain arguments (so a LightningCLI YAML can build it) and touches the disk only in
+``prepare_data`` (which downloads when ``download=True``) and ``setup`` (which loads the files); building
+one, or printing its configuration, reads nothing. torchvision is imported only then, so the core package
+works without the ``vision`` extra.
+
+By default the clients are cut FedRep-style, ``ShardPartitioner(num_clients, classes_per_client)``: each
+client holds ``classes_per_client`` classes and is tested on exactly those classes of the test set (the
+official code's ``utils/sampling.py::noniid``). Pass any other :class:`Partitioner` to change that.
+
+Transforms follow the official FedRep code (``lgcollins/FedRep``):
+
+* CIFAR-10: training images get ``RandomCrop(32, padding=4)`` and ``RandomHorizontalFlip()``, then
+  ``ToTensor()`` and ``Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))``; test images only the
+  last two.
+* CIFAR-100: the same, normalised with ``(0.507, 0.487, 0.441), (0.267, 0.256, 0.276)``.
+* MNIST and EMNIST: ``ToTensor()`` and ``Normalize((0.1307,), (0.3081,))``, no augmentation.
+
+``augment=False`` drops the CIFAR training augmentation. A validation split (``val_fraction > 0``) is
+carved from the training images but always read with the *test* transform.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from torch.utils.data import Dataset
+
+from lightning_fedrep.data.loaders import ClientData
+from lightning_fedrep.data.module import FederatedDataModule
+from lightning_fedrep.data.partition import Partitioner, ShardPartitioner
+
+__all__ = [
+    "CIFAR100DataModule",
+    "CIFAR10DataModule",
+    "EMNISTDataModule",
+    "MNISTDataModule",
+    "TorchvisionDataModule",
+]
+
+CIFAR10_MEAN, CIFAR10_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+CIFAR100_MEAN, CIFAR100_STD = (0.507, 0.487, 0.441), (0.267, 0.256, 0.276)
+MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
+
+
+def _torchvision() -> Any:
+    try:
+        import torchvision
+    except ImportError as error:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "The CIFAR/MNIST/EMNIST data modules need torchvision: pip install 'lightning-fedrep[vision]'."
+        ) from error
+    return torchvision
+
+
+def _with_transform(dataset: Any, transform: Callable) -> Any:
+    """A shallow copy of a torchvision data set (sharing its arrays) that applies ``transform`` instead."""
+    from torchvision.datasets.vision import StandardTransform
+
+    clone = copy.copy(dataset)
+    clone.transform = transform
+    clone.transforms = StandardTransform(transform, dataset.target_transform)
+    return clone
+
+
+class TorchvisionDataModule(FederatedDataModule):
+    """Base of the torchvision-backed data modules: lazy loading, download handling, transforms.
+
+    Subclasses set :attr:`display_name`, :attr:`expected_files` and :attr:`num_classes` and implement
+    :meth:`_make_dataset` and :meth:`_transform`.
+
+    Args:
+        root: folder holding the data set (torchvision's layout, e.g. ``root/cifar-10-batches-py``).
+        num_clients: number of clients of the default :class:`ShardPartitioner`.
+        classes_per_client: classes per client of the default :class:`ShardPartitioner`.
+        partitioner: any partitioner instead of the default shards; ``num_clients`` and
+            ``classes_per_client`` are then ignored.
+        download: download the files in ``prepare_data`` when they are missing. Without it, missing
+            files raise a ``FileNotFoundError`` that says where to put them.
+        batch_size: training batch size (the official FedRep scripts use 10).
+        eval_batch_size: batch size of validation and test.
+        val_fraction: fraction of each client's training samples kept for validation.
+        num_workers: ``DataLoader`` workers used to load and transform the images.
+        seed: seed of the partition, of the validation split and of the data order.
+    """
+
+    display_name: ClassVar[str] = ""
+    expected_files: str = ""
+    """Where the files must lie, for the error raised when they are missing."""
+    num_classes: int = 0
+    """Number of classes (the head size a model needs)."""
+
+    def __init__(
+        self,
+        root: str = "data",
+        num_clients: int = 100,
+        classes_per_client: int = 2,
+        partitioner: Partitioner | None = None,
+        download: bool = False,
+        batch_size: int = 10,
+        eval_batch_size: int = 256,
+        val_fraction: float = 0.0,
+        num_workers: int = 0,
+        seed: int = 0,
+    ):
+        super().__init__(
+            partitioner=partitioner or ShardPartitioner(num_clients, classes_per_client),
+            batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+            val_fraction=val_fraction,
+            num_workers=num_workers,
+            seed=seed,
+        )
+        self.root = str(root)
+        self.download = download
+
+    # -- subclass hooks ---------------------------------------------------------------------------
+
+    def _make_dataset(self, train: bool, download: bool, transform: Callable | None) -> Dataset:
+        raise NotImplementedError
+
+    def _transform(self, train: bool) -> Callable:
+        raise NotImplementedError
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def prepare_data(self) -> None:
+        """Download the training and test files when ``download=True`` (Lightning calls this once)."""
+        if self.download:
+            _torchvision()
+            for train in (True, False):
+                self._make_dataset(train, download=True, transform=None)
+
+    def _load(self, train: bool, transform: Callable) -> Dataset:
+        try:
+            return self._make_dataset(train, download=False, transform=transform)
+        except RuntimeError as error:
+            if self.download:  # prepare_data was not called in this process: download now
+                self.prepare_data()
+                return self._make_dataset(train, download=False, transform=transform)
+            raise FileNotFoundError(
+                f"{self.display_name} was not found (or failed torchvision's checksum) under "
+                f"{os.path.abspath(self.root)!r}: expected {self.expected_files}. Pass download=True "
+                f"(on the command line: --data.download true) to download it, or put the files there "
+                f"(or point root= at the folder that holds them). torchvision said: {error}"
+            ) from error
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the data sets (once) and partition them over the clients."""
+        if self._train is not None:
+            return
+        _torchvision()
+        self.train_set = self._load(True, self._transform(train=True))
+        self.test_set = self._load(False, self._transform(train=False))
+        super().setup(stage)
+        if self._val is not None:  # validation images carved from the training set: no augmentation
+            eval_train = _with_transform(self.train_set, self._transform(train=False))
+            self._val = [ClientData(eval_train, c.indices) for c in self._val]
+
+
+class _CIFARDataModule(TorchvisionDataModule):
+    mean: ClassVar[tuple[float, ...]] = CIFAR10_MEAN
+    std: ClassVar[tuple[float, ...]] = CIFAR10_STD
+    dataset_class: ClassVar[str] = "CIFAR10"
+
+    def __init__(
+        self,
+        root: str = "data",
+        num_clients: int = 100,
+        classes_per_client: int = 2,
+        partitioner: Partitioner | None = None,
+        download: bool = False,
+        batch_size: int = 10,
+        eval_batch_size: int = 256,
+        val_fraction: float = 0.0,
+        num_workers: int = 0,
+        seed: int = 0,
+        augment: bool = True,
+    ):
+        super().__init__(
+            root,
+            num_clients,
+            classes_per_client,
+            partitioner,
+            download,
+            batch_size,
+            eval_batch_size,
+            val_fraction,
+            num_workers,
+            seed,
+        )
+        self.augment = augment
+
+    def _make_dataset(self, train: bool, download: bool, transform: Callable | None) -> Dataset:
+        cls = getattr(_torchvision().datasets, self.dataset_class)
+        return cls(self.root, train=train, download=download, transform=transform)
+
+    def _transform(self, train: bool) -> Callable:
+        transforms = _torchvision().transforms
+        steps: list[Callable] = []
+        if train and self.augment:
+            steps += [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
+        steps += [transforms.ToTensor(), transforms.Normalize(self.mean, self.std)]
+        return transforms.Compose(steps)
+
+
+class CIFAR10DataModule(_CIFARDataModule):
+    """CIFAR-10 (50,000 train / 10,000 test 3x32x32 images, 10 classes) split over clients.
+
+    The defaults are the FedRep paper's main setting: 100 clients with 2 classes each, so each client
+    has 500 training and 100 test images. Training images are randomly cropped and flipped
+    (``augment=True``, as the official code); see the module docstring for the transforms and
+    :class:`TorchvisionDataModule` for the arguments. Files: ``root/cifar-10-batches-py/``.
+    """
+
+    display_name = "CIFAR-10"
+    expected_files = "<root>/cifar-10-batches-py/{data_batch_1..data_batch_5, test_batch, batches.meta}"
+    num_classes = 10
+    dataset_class = "CIFAR10"
+
+
+class CIFAR100DataModule(_CIFARDataModule):
+    """CIFAR-100 (50,000 train / 10,000 test 3x32x32 images, 100 fine classes) split over clients.
+
+    FedRep's settings are 100 clients with 5 or 20 classes each (``classes_per_client=5``). Normalised
+    with the CIFAR-100 statistics the official code uses; otherwise as :class:`CIFAR10DataModule`.
+    Files: ``root/cifar-100-python/``.
+    """
+
+    display_name = "CIFAR-100"
+    expected_files = "<root>/cifar-100-python/{train, test, meta}"
+    num_classes = 100
+    mean = CIFAR100_MEAN
+    std = CIFAR100_STD
+    dataset_class = "CIFAR100"
+
+
+class MNISTDataModule(TorchvisionDataModule):
+    """MNIST (60,000 train / 10,000 test 1x28x28 digits) split over clients.
+
+    Images are ``ToTensor()`` then ``Normalize((0.1307,), (0.3081,))``; see
+    :class:`TorchvisionDataModule` for the arguments. Files: the four uncompressed idx files
+    ``root/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``.
+    """
+
+    display_name = "MNIST"
+    expected_files = "<root>/MNIST/raw/{train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte}"
+    num_classes = 10
+
+    def _make_dataset(self, train: bool, download: bool, transform: Callable | None) -> Dataset:
+        return _torchvision().datasets.MNIST(self.root, train=train, download=download, transform=transform)
+
+    def _transform(self, train: bool) -> Callable:
+        transforms = _torchvision().transforms
+        return transforms.Compose([transforms.ToTensor(), transforms.Normalize(MNIST_MEAN, MNIST_STD)])
+
+
+EMNIST_SPLITS: dict[str, int] = {
+    "byclass": 62,
+    "bymerge": 47,
+    "balanced": 47,
+    "letters": 26,
+    "digits": 10,
+    "mnist": 10,
+}
+"""Number of classes of each EMNIST split (``letters`` after the shift to 0-25, see below)."""
+
+
+class EMNISTDataModule(MNISTDataModule):
+    """One EMNIST split (``"digits"``, ``"letters"``, ``"balanced"``, ``"byclass"``, ``"bymerge"``,
+    ``"mnist"``) split over clients, with MNIST's transforms.
+
+    Two properties of the data to know:
+
+    * ``split="letters"``: torchvision labels the letters 1-26 (class 0, "N/A", is empty). This module
+      shifts them to 0-25 (``targets - 1``; ``classes`` loses "N/A"), so a 26-way head works.
+      ``num_classes`` gives the head size of every split.
+    * The EMNIST idx files store every image transposed relative to MNIST, and torchvision does not undo
+      that; neither does this module (it does not matter for training on EMNIST alone, but a model
+      trained on MNIST sees EMNIST images transposed).
+
+    This is NIST's EMNIST, not LEAF's FEMNIST (which keeps the writers, i.e. the natural clients): for
+    FedRep's FEMNIST use :class:`lightning_fedrep.data.leaf.LEAFDataModule`. Files:
+    ``root/EMNIST/raw/emnist-<split>-{train,test}-{images-idx3,labels-idx1}-ubyte``.
+    """
+
+    display_name = "EMNIST"
+
+    def __init__(
+        self,
+        root: str = "data",
+        split: str = "digits",
+        num_clients: int = 100,
+        classes_per_client: int = 2,
+        partitioner: Partitioner | None = None,
+        download: bool = False,
+        batch_size: int = 10,
+        eval_batch_size: int = 256,
+        val_fraction: float = 0.0,
+        num_workers: int = 0,
+        seed: int = 0,
+    ):
+        if split not in EMNIST_SPLITS:
+            raise ValueError(f"EMNIST split must be one of {sorted(EMNIST_SPLITS)}, got {split!r}.")
+        super().__init__(
+            root,
+            num_clients,
+            classes_per_client,
+            partitioner,
+            download,
+            batch_size,
+            eval_batch_size,
+            val_fraction,
+            num_workers,
+            seed,
+        )
+        self.split = split
+        self.num_classes = EMNIST_SPLITS[split]
+        self.expected_files = (
+            f"<root>/EMNIST/raw/emnist-{split}-{{train,test}}-{{images-idx3,labels-idx1}}-ubyte (4 files)"
+        )
+
+    def _make_dataset(self, train: bool, download: bool, transform: Callable | None) -> Dataset:
+        dataset = _torchvision().datasets.EMNIST(
+            self.root, split=self.split, train=train, download=download, transform=transform
+        )
+        if self.split == "letters":
+            dataset.targets = dataset.targets - 1
+            dataset.classes = list(dataset.classes[1:])
+        return dataset
