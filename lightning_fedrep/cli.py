@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
 
 import lightning_fedrep  # noqa: F401  (registers the strategy names)
 from lightning_fedrep.callbacks.summary import RunSummary
@@ -28,6 +28,17 @@ def wandb_credentials_present() -> bool:
         return True
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+class LogConfigCallback(SaveConfigCallback):
+    """Saves ``config.yaml`` in the run folder (Lightning's behaviour) and also sends the whole run
+    configuration (strategy, data, model, trainer) to every logger, so W&B shows it."""
+
+    def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        config = self.config.as_dict() if hasattr(self.config, "as_dict") else dict(self.config)
+        config.pop("config", None)
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"config": config})
 
 
 class FedRepCLI(LightningCLI):
@@ -61,6 +72,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> FedRepCLI:
         FederatedDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        save_config_callback=LogConfigCallback,
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,

@@ -52,6 +52,13 @@ def test_every_digits_recipe_smoke(recipe, tmp_path, monkeypatch):
     assert cli.trainer.global_step >= 1
 
 
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (RECIPES / "synthetic").glob("*.yaml")))
+def test_every_synthetic_recipe_smoke(recipe, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = run_cli("fit", "--config", str(RECIPES / "synthetic" / recipe), "--trainer.fast_dev_run=true")
+    assert cli.trainer.global_step >= 1
+
+
 def test_synthetic_recipe_reduced(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = run_cli(
