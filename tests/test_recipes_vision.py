@@ -33,7 +33,7 @@ def _no_md5(monkeypatch):
 
 RECIPE_FILES = sorted(
     str(p.relative_to(RECIPES))
-    for d in ("cifar10", "cifar100", "femnist")
+    for d in ("cifar10", "cifar100", "femnist", "flute")
     for p in (RECIPES / d).glob("*.yaml")
 )
 
