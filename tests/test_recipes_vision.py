@@ -15,7 +15,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 def data_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     write_cifar10(root, per_batch=400, n_test=2000)  # 2,000 images: 1,000 clients x 2 classes get shards
-    write_cifar100(root, n_train=2000, n_test=2000)
+    write_cifar100(root, n_train=4000, n_test=4000)  # CIFAR-100 (100, 40): 40 shards per class
     users = {f"f_{u:03d}": _leaf_user(u, 6) for u in range(12)}
     _write_leaf_file(root / "femnist" / "train" / "train.json", users)
     _write_leaf_file(
