@@ -45,10 +45,13 @@ def test_digits_fedrep_recipe_runs_as_shipped(tmp_path, monkeypatch, capsys):
     assert cli.trainer.strategy.algorithm.name == "fedrep"
 
 
-@pytest.mark.parametrize("recipe", sorted(p.name for p in (RECIPES / "digits").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "recipe",
+    sorted(str(p.relative_to(RECIPES)) for d in ("digits", "srpfl") for p in (RECIPES / d).glob("*.yaml")),
+)
 def test_every_digits_recipe_smoke(recipe, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cli = run_cli("fit", "--config", str(RECIPES / "digits" / recipe), "--trainer.fast_dev_run=true")
+    cli = run_cli("fit", "--config", str(RECIPES / recipe), "--trainer.fast_dev_run=true")
     assert cli.trainer.global_step >= 1
 
 
