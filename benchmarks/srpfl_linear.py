@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_fedrep import FedRepStrategy, Phase  # noqa: E402
 from lightning_fedrep.callbacks import AdaptiveParticipation, FixedExponential  # noqa: E402
-from lightning_fedrep.data.synthetic import FreshLowRankLinearDataModule, principal_angle_distance  # noqa: E402
+from lightning_fedrep.data.synthetic import LowRankLinearDataModule, principal_angle_distance  # noqa: E402
 from lightning_fedrep.models import LowRankLinear  # noqa: E402
 from tests.reference_srpfl_linear import srpfl_linear_reference, time_to_reach  # noqa: E402
 
@@ -70,7 +70,7 @@ class Trajectory(Callback):
 
 
 def run(seed: int, fresh: bool, initial_clients: int | None, rounds: int, cost: float = 0.0) -> Trajectory:
-    dm = FreshLowRankLinearDataModule(20, 2, 100, 10, 10, noise_std=0.5, fresh_samples=fresh, seed=seed)
+    dm = LowRankLinearDataModule(20, 2, 100, 10, 10, noise_std=0.5, fresh_samples=fresh, seed=seed)
     participation = AdaptiveParticipation(
         initial_clients, 10, latency=FixedExponential(seed=seed), communication_cost=cost
     )
@@ -179,7 +179,7 @@ def main() -> None:
     for fresh in (True, False):
         for method, n0 in METHODS:
             trajectory = results[fresh][method][0]
-            dm = FreshLowRankLinearDataModule(20, 2, 100, 10, 10, noise_std=0.5, fresh_samples=fresh, seed=0)
+            dm = LowRankLinearDataModule(20, 2, 100, 10, 10, noise_std=0.5, fresh_samples=fresh, seed=0)
             latency = FixedExponential(seed=0)
             times, distances = srpfl_linear_reference(
                 dm.problem,

@@ -307,7 +307,7 @@ def linear_recipe(method: str) -> tuple[str, dict]:
             },
         },
         "data": {
-            "class_path": "lightning_fedrep.data.lowrank.LowRankLinearDataModule",
+            "class_path": "lightning_fedrep.data.synthetic.LowRankLinearDataModule",
             "init_args": {
                 "dim": 20,
                 "rank": 2,

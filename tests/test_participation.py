@@ -24,10 +24,9 @@ from lightning_fedrep.callbacks import (
     TwoClassExponential,
 )
 from lightning_fedrep.callbacks.latency import exponential_order_statistic_mean
-from lightning_fedrep.data.lowrank import LowRankLinearDataModule
 from lightning_fedrep.data.synthetic import (
-    FreshLowRankLinearDataModule,
     FreshSampleRoundLoader,
+    LowRankLinearDataModule,
     principal_angle_distance,
 )
 from lightning_fedrep.models import LowRankLinear
@@ -476,7 +475,7 @@ def _batches(loader, plan):
 
 
 def test_fresh_samples_every_round_deterministic_and_resumable():
-    dm = FreshLowRankLinearDataModule(
+    dm = LowRankLinearDataModule(
         dim=6, rank=2, num_clients=5, samples_per_client=4, fresh_samples=True, seed=3
     )
     phases = [Phase("head", steps=1), Phase("body", steps=2)]
@@ -497,15 +496,14 @@ def test_fresh_samples_every_round_deterministic_and_resumable():
     replay = dm.train_dataloader()
     replay.load_state_dict({"round": 0, "position": 4})
     assert all(torch.equal(a[0], b[0]) for a, b in zip(round0[4:], _batches(replay, plans[0])))
-    fixed = FreshLowRankLinearDataModule(
+    fixed = LowRankLinearDataModule(
         dim=6, rank=2, num_clients=5, samples_per_client=4, fresh_samples=False, seed=3
     )
     batch = _batches(fixed.train_dataloader(), plans[1])[0][0]
     assert torch.equal(batch.sort(0).values, fixed.problem.train[0].tensors[0].sort(0).values)
     assert torch.equal(fixed.problem.ground_truth_body, dm.problem.ground_truth_body)
-    recipe_module = LowRankLinearDataModule(dim=6, rank=2, num_clients=5, samples_per_client=4, seed=3)
-    assert torch.equal(recipe_module.problem.train[4].tensors[0], fixed.problem.train[4].tensors[0])
-    torch.testing.assert_close(dm.method_of_moments_init(), recipe_module.method_of_moments_init())
+    assert torch.equal(dm.problem.train[4].tensors[0], fixed.problem.train[4].tensors[0])
+    torch.testing.assert_close(dm.method_of_moments_init(), fixed.method_of_moments_init())
 
 
 # ---------------------------------------------------------------------------------------------- E2
@@ -560,7 +558,7 @@ def test_e2_reduced_srpfl_reaches_target_5x_faster():
     Required: at least 5x less simulated time to 0.1 (the reference: 10.6x for this seed, ~19x averaged
     over seeds). The speed-up shrinks as a per-round communication cost grows."""
     seed = 0
-    dm = FreshLowRankLinearDataModule(20, 2, 100, 10, 10, noise_std=0.5, fresh_samples=True, seed=seed)
+    dm = LowRankLinearDataModule(20, 2, 100, 10, 10, noise_std=0.5, fresh_samples=True, seed=seed)
     latency = FixedExponential(seed=seed)
     reached = {}
     for name, n0, rounds in (("srpfl", 10, 40), ("fedrep", None, 6)):

@@ -139,10 +139,14 @@ class RoundLoader:
         first = plan.locate(start)
         for work in plan.work[first.work_index :]:
             offset = first.client_step if work is plan.work[first.work_index] else 0
-            index_batches = self.client_index_batches(work.client, plan.round, offset, work.steps - offset)
-            for batch in self.fetcher.batches(self.clients[work.client].dataset, index_batches):
+            for batch in self.client_batches(work.client, plan.round, offset, work.steps - offset):
                 self._position += 1
                 yield batch
+
+    def client_batches(self, client: int, round_index: int, first_step: int, num_steps: int) -> Iterator[Any]:
+        """The batches of a client's steps ``first_step ..`` in a round (subclasses may draw other data)."""
+        index_batches = self.client_index_batches(client, round_index, first_step, num_steps)
+        return self.fetcher.batches(self.clients[client].dataset, index_batches)
 
     def state_dict(self) -> dict[str, int]:
         """Position in the round, saved by Lightning with the fit loop for mid-round resume."""

@@ -26,7 +26,7 @@ from lightning_fedrep.data.partition import NaturalPartitioner
 from lightning_fedrep.plan import round_generator
 
 __all__ = [
-    "FreshLowRankLinearDataModule",
+    "LowRankLinearDataModule",
     "FreshSampleRoundLoader",
     "LowRankLinearProblem",
     "SyntheticClassificationDataModule",
@@ -386,33 +386,19 @@ class FreshSampleRoundLoader(RoundLoader):
         generator = round_generator(self.seed, round_index, client)
         return TensorDataset(*self.problem.draw(client, self.samples_per_round, generator))
 
-    def __iter__(self) -> Iterator[Any]:
-        # RoundLoader.__iter__ with the client's round samples in place of its fixed data set.
-        plan = self._plan()
-        start, self._resume_position = self._resume_position, 0
-        if self._round is not None and self._round != plan.round:
-            start = 0
-        self._round = plan.round
-        self._position = start
-        if start >= plan.length:
-            return
-        first = plan.locate(start)
-        for work in plan.work[first.work_index :]:
-            offset = first.client_step if work is plan.work[first.work_index] else 0
-            index_batches = self.client_index_batches(work.client, plan.round, offset, work.steps - offset)
-            samples = self.round_samples(work.client, plan.round)
-            for batch in self.fetcher.batches(samples, index_batches):
-                self._position += 1
-                yield batch
+    def client_batches(self, client: int, round_index: int, first_step: int, num_steps: int) -> Iterator[Any]:
+        """The client's batches from its round samples (in place of its fixed data set)."""
+        index_batches = self.client_index_batches(client, round_index, first_step, num_steps)
+        return self.fetcher.batches(self.round_samples(client, round_index), index_batches)
 
 
-class FreshLowRankLinearDataModule(FederatedDataModule):
-    """:func:`make_low_rank_problem`'s clients drawing a fresh sample every round (or a fixed one).
+class LowRankLinearDataModule(FederatedDataModule):
+    """:func:`make_low_rank_problem`'s clients, with a fixed sample each or a fresh sample every round.
 
     ``fresh_samples=True``: in every round client ``i`` trains on ``samples_per_client`` new samples
     (:class:`FreshSampleRoundLoader`, FedRep's Algorithm 2 and the SRPFL analysis taken literally).
-    ``fresh_samples=False``: it reuses its fixed sample ``problem.train[i]`` every round, exactly the
-    clients of :class:`lightning_fedrep.data.lowrank.LowRankLinearDataModule` with the same arguments.
+    ``fresh_samples=False`` (default): it reuses its fixed sample ``problem.train[i]`` every round, as
+    the FedRep paper's notebook does.
     Either way ``client_data(i, "train")`` is the fixed initial sample, which
     :meth:`method_of_moments_init` uses (Algorithm 2's initialisation, ``LowRankLinear(init="mom")``),
     and validation and test use ``problem.test``. ``batch_size=None`` gives full-batch steps.
@@ -427,7 +413,7 @@ class FreshLowRankLinearDataModule(FederatedDataModule):
         samples_per_client: int = 10,
         test_samples_per_client: int = 50,
         noise_std: float = 1e-3,
-        fresh_samples: bool = True,
+        fresh_samples: bool = False,
         batch_size: int | None = None,
         seed: int = 0,
         **kwargs: Any,
@@ -444,8 +430,8 @@ class FreshLowRankLinearDataModule(FederatedDataModule):
 
     @classmethod
     def from_problem(
-        cls, problem: LowRankLinearProblem, fresh_samples: bool = True, **kwargs: Any
-    ) -> FreshLowRankLinearDataModule:
+        cls, problem: LowRankLinearProblem, fresh_samples: bool = False, **kwargs: Any
+    ) -> LowRankLinearDataModule:
         """A data module over an existing problem (``samples_per_client`` = its training set size)."""
         module = cls(
             dim=problem.dim,
