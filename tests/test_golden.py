@@ -109,3 +109,67 @@ def test_strategy_matches_plain_loop(algorithm, keep_opt):
         expected = ref_heads.get(cid, {k: init.state_dict()[k] for k in HEAD})
         for name in HEAD:
             torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def plain_joint(init, dm, rounds, per_round, epochs, seed, shared):
+    """FedPer / LG-FedAvg / FedAvg / Local Only written out: every parameter trains jointly for
+    ``epochs`` local epochs with a fresh SGD; the server averages the ``shared`` keys (by samples)
+    and every client keeps the others."""
+    start = init.state_dict()
+    global_part = {k: v.clone() for k, v in start.items() if k in shared}
+    local = {}
+    for r in range(rounds):
+        total, weight = {k: torch.zeros_like(v) for k, v in global_part.items()}, 0.0
+        for cid in sample_clients(dm.num_clients, per_round, seed, r):
+            model = copy.deepcopy(init)
+            state = {k: v.clone() for k, v in start.items()}
+            state.update(local.get(cid, {}))
+            state.update(global_part)
+            model.load_state_dict(state)
+            opt = model.configure_optimizers()
+            steps = epochs * math.ceil(dm.client_num_samples(cid) / dm.batch_size)
+            for x, y in client_batches(dm, dm.seed, r, cid, steps):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            trained = model.state_dict()
+            local[cid] = {k: v.clone() for k, v in trained.items() if k not in shared}
+            n_i = float(dm.client_num_samples(cid))
+            for k in total:
+                total[k] += trained[k] * n_i
+            weight += n_i
+        if global_part:
+            global_part = {k: v / weight for k, v in total.items()}
+    return global_part, local
+
+
+@pytest.mark.parametrize("algorithm", ["lg_fedavg", "fedavg", "local"])
+def test_joint_algorithms_match_plain_loop(algorithm):
+    torch.manual_seed(0)
+    init = TinyNet()
+    dm = tiny_datamodule(num_clients=6, seed=3)
+    dm.setup()
+    rounds, per_round, seed = 3, 3, 5
+    names = list(init.state_dict())
+    shared = {
+        "lg_fedavg": {n for n in names if n.startswith("classifier")},  # LG-FedAvg: the head part is global
+        "fedavg": set(names),
+        "local": set(),
+    }[algorithm]
+    strategy = FedRepStrategy(
+        head="classifier", algorithm=algorithm, clients_per_round=per_round, local_epochs=2, seed=seed
+    )
+    quiet_trainer(strategy=strategy, max_epochs=rounds, limit_val_batches=0).fit(
+        copy.deepcopy(init), datamodule=dm
+    )
+    ref_global, ref_local = plain_joint(init, dm, rounds, per_round, 2, seed, shared)
+    for cid in range(dm.num_clients):
+        got = strategy.client_state_dict(cid)
+        expected = {k: v for k, v in init.state_dict().items()}
+        expected.update(ref_local.get(cid, {}))
+        expected.update(ref_global)
+        for name in names:
+            torch.testing.assert_close(
+                got[name], expected[name], rtol=1e-5, atol=1e-6, msg=f"client {cid} {name}"
+            )
+    assert set(strategy.store.local) == set(ref_local)
