@@ -19,6 +19,8 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from flute.generate import all_recipes as flute_recipes  # noqa: E402  (the FLUTE table lives beside its recipes)
 
 # column: (folder, data class, data args, model class, LG-FedAvg's shared part, rounds, body epochs, Table 1 row)
 TABLE1 = {
@@ -372,7 +374,9 @@ def all_recipes() -> dict[str, str]:
     recipes = [digits_recipe(m) for m in METHODS] + [table1_recipe(c, m) for c in TABLE1 for m in METHODS]
     recipes += [linear_recipe(m) for m in LINEAR]
     recipes += [srpfl_recipe(a) for a in SRPFL]
-    return {path: render(recipe) for path, recipe in recipes}
+    texts = {path: render(recipe) for path, recipe in recipes}
+    texts.update({f"flute/{path}": text for path, text in flute_recipes().items()})
+    return texts
 
 
 def main() -> int:

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_fedrep.models._optim import fedrep_sgd
+
 
 class MLPClassifier(L.LightningModule):
     """``body`` (two hidden layers) then the ``classifier`` head, trained with FedRep's SGD recipe.
@@ -48,10 +50,4 @@ class MLPClassifier(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        decay = [p for n, p in self.named_parameters() if not n.endswith("bias")]
-        no_decay = [p for n, p in self.named_parameters() if n.endswith("bias")]
-        groups = [
-            {"params": decay, "weight_decay": hp.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        return torch.optim.SGD(groups, lr=hp.lr, momentum=hp.momentum)
+        return fedrep_sgd(self, hp.lr, hp.momentum, hp.weight_decay)

@@ -1,7 +1,7 @@
 """Writes the FLUTE / FLUTE* recipes for the 8 columns of Table 1 of Liu, Shen & Yang (ICML 2024).
 
-    python recipes/flute/generate.py          # rewrite recipes/flute/*.yaml
-    python recipes/flute/generate.py --check  # exit 1 if a recipe differs from this table
+    python recipes/generate.py          # rewrites every recipe, these included
+    python recipes/generate.py --check  # exit 1 if a recipe differs from its table
 
 Settings are the official code's (``RenpuLiu/flute``, a fork of ``lgcollins/FedRep``; see
 ``shared/reference/flute.md`` §4 and §6): the FedRep CNNs, SGD lr 0.01, momentum 0.5, weight decay 1e-4
@@ -16,8 +16,6 @@ on weights, batch size 10, participation 0.1, 100 rounds, the loss
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
 import yaml
@@ -128,25 +126,3 @@ def recipe(column: str, variant: str) -> tuple[str, str]:
 
 def all_recipes() -> dict[str, str]:
     return dict(recipe(c, v) for c in COLUMNS for v in VARIANTS)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if a written recipe differs")
-    args = parser.parse_args()
-    stale = []
-    for path, text in all_recipes().items():
-        target = HERE / path
-        if args.check:
-            if not target.is_file() or target.read_text() != text:
-                stale.append(path)
-        else:
-            target.write_text(text)
-    if stale:
-        print("Recipes differ from recipes/flute/generate.py; run it:", *stale, sep="\n  ")
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
