@@ -33,7 +33,7 @@ from lightning_fedrep.flute_linear import (
     make_linear_flute_problem,
 )
 from lightning_fedrep.models import MLPClassifier
-from tests.tiny import MarkedTinyNet, TinyNet, quiet_trainer, tiny_datamodule
+from tests.fixtures import MarkedTinyNet, TinyNet, quiet_trainer, tiny_datamodule
 
 
 @pytest.fixture(autouse=True)

@@ -32,7 +32,7 @@ from lightning_fedrep.data import (
 from lightning_fedrep.data.partition import IIDPartitioner, ShardPartitioner
 from lightning_fedrep.data.synthetic import make_synthetic_classification
 from lightning_fedrep.models import CIFAR10CNN, CIFAR100CNN, FEMNISTMLP, MLPClassifier
-from tests.tiny import quiet_trainer
+from tests.fixtures import quiet_trainer
 
 torchvision = pytest.importorskip("torchvision")
 

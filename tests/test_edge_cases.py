@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FedRepStrategy
-from tests.tiny import TinyNet, quiet_trainer, tiny_datamodule
+from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
 
 
 def unequal_datamodule():

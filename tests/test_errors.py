@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 import lightning_fedrep  # noqa: F401  (registers the strategy names)
 from lightning_fedrep import FedRepStrategy, SplitError, resolve_split
-from tests.tiny import MarkedTinyNet, TinyNet, quiet_trainer, tiny_datamodule, tiny_datasets
+from tests.fixtures import MarkedTinyNet, TinyNet, quiet_trainer, tiny_datamodule, tiny_datasets
 
 
 class Counting(TinyNet):

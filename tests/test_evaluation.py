@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy
 from lightning_fedrep.evaluation import summarize
-from tests.tiny import TinyNet, quiet_trainer, tiny_datamodule
+from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
 
 
 def trained(rounds=3, **trainer_kw):

@@ -9,7 +9,7 @@ from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy
 from lightning_fedrep.plan import round_generator, sample_clients
-from tests.tiny import TinyNet, quiet_trainer, tiny_datamodule
+from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
 
 HEAD = ("classifier.weight", "classifier.bias")
 

@@ -10,8 +10,8 @@ from lightning_fedrep.data.synthetic import (
 )
 from lightning_fedrep.models import LowRankLinear
 from lightning_fedrep.plan import sample_clients
+from tests.fixtures import quiet_trainer
 from tests.reference_fedrep_linear import fedrep_linear_reference
-from tests.tiny import quiet_trainer
 
 SEED = 7
 

@@ -31,8 +31,8 @@ from lightning_fedrep.data.synthetic import (
 )
 from lightning_fedrep.models import LowRankLinear
 from lightning_fedrep.plan import plan_round, round_generator, sample_clients
+from tests.fixtures import MarkedTinyNet, quiet_trainer, tiny_datamodule
 from tests.reference_srpfl_linear import srpfl_linear_reference, time_to_reach
-from tests.tiny import MarkedTinyNet, quiet_trainer, tiny_datamodule
 
 
 @pytest.fixture(autouse=True)

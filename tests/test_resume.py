@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fedrep import CHECKPOINT_KEY, FedRepStrategy, personalized_state_dict
-from tests.tiny import TinyNet, quiet_trainer, tiny_datamodule
+from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
 
 ROUNDS = 4
 
@@ -100,7 +100,7 @@ FRESH_PROCESS_TEST = textwrap.dedent(
     import json, sys
     import torch
     from lightning_fedrep import FedRepStrategy
-    from tests.tiny import TinyNet, quiet_trainer, tiny_datamodule
+    from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
     strategy = FedRepStrategy(head="classifier", clients_per_round=3, head_epochs=1, body_epochs=1, seed=5)
     trainer = quiet_trainer(strategy=strategy)
     out = trainer.test(TinyNet(dropout=0.2), datamodule=tiny_datamodule(num_clients=6, seed=1), ckpt_path=sys.argv[1], verbose=False)
