@@ -1,5 +1,5 @@
-"""Helpers shared by the paper-reproduction benchmarks (``linear_fig1``, ``linear_fig4``,
-``fedavg_ft_linear``, ``digits_family``) and by ``tests/test_reproductions.py``.
+"""Helpers shared by the paper-reproduction benchmarks (``fedrep/linear_fig1``, ``fedrep/linear_fig4``,
+``fedavg_ft/linear``, ``fedrep/digits_family``) and by ``tests/test_reproductions.py``.
 
 Everything here is plumbing around the library: a quiet Trainer, the linear model without its
 per-step training log, fresh clients of a low-rank linear problem, a callback that records the
@@ -23,7 +23,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule
-from lightning_fedrep.data.synthetic import LowRankLinearProblem, principal_angle_distance
+from lightning_fedrep.data.low_rank import LowRankLinearProblem
+from lightning_fedrep.data.subspace import principal_angle_distance
 from lightning_fedrep.models import LowRankLinear
 from lightning_fedrep.newclients import evaluate_new_clients
 from lightning_fedrep.strategy import FedRepStrategy

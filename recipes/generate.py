@@ -309,7 +309,7 @@ def linear_recipe(method: str) -> tuple[str, dict]:
             },
         },
         "data": {
-            "class_path": "lightning_fedrep.data.synthetic.LowRankLinearDataModule",
+            "class_path": "lightning_fedrep.data.low_rank.LowRankLinearDataModule",
             "init_args": {
                 "dim": 20,
                 "rank": 2,

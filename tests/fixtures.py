@@ -1,8 +1,16 @@
-"""A tiny classifier and a small label-skewed federation, shared by the tests."""
+"""What the tests share: a tiny classifier and a small label-skewed federation, a quiet Trainer, the
+per-step batches of the plain-PyTorch reference loops, and writers of tiny data files in each data
+set's real on-disk format."""
 
 from __future__ import annotations
 
+import json
+import math
+import pickle
+from pathlib import Path
+
 import lightning as L
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -10,6 +18,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule
 from lightning_fedrep.data.partition import ShardPartitioner
+from lightning_fedrep.plan import round_generator
 
 
 class TinyNet(L.LightningModule):
@@ -86,3 +95,107 @@ def quiet_trainer(**kwargs) -> L.Trainer:
     )
     defaults.update(kwargs)
     return L.Trainer(**defaults)
+
+
+# ----------------------------------------------------------------------------- reference loops' batches
+
+HEAD = ("classifier.weight", "classifier.bias")
+
+
+def client_batches(dm, seed, round_index, client, num_steps):
+    """Batches of a client's steps in a round, re-derived here: a fresh permutation per pass."""
+    data = dm.client_data(client)
+    x, y = data.dataset.tensors
+    per_epoch = math.ceil(len(data) / dm.batch_size)
+    for step in range(num_steps):
+        epoch_pass, j = divmod(step, per_epoch)
+        perm = torch.randperm(len(data), generator=round_generator(seed, round_index, client, epoch_pass))
+        idx = data.indices[perm[j * dm.batch_size : (j + 1) * dm.batch_size]]
+        yield x[idx], y[idx]
+
+
+# ----------------------------------------------------------------------------- real-format data files
+
+
+def random_images(n: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(n, *shape), dtype=np.uint8)
+
+
+def _pickle(path: Path, obj: dict) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(obj, f, protocol=2)
+
+
+def write_cifar10(root: Path, per_batch: int = 8, n_test: int = 20) -> None:
+    """``cifar-10-batches-py``: ``data_batch_1..5`` and ``test_batch`` ({'data': (n, 3072) uint8 in CHW
+    order, 'labels': list}), and ``batches.meta`` ({'label_names': ...})."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for b in range(1, 6):
+        _pickle(
+            folder / f"data_batch_{b}",
+            {
+                "batch_label": f"training batch {b} of 5",
+                "labels": [(b * per_batch + i) % 10 for i in range(per_batch)],
+                "data": random_images(per_batch, (3072,), b),
+                "filenames": [f"img_{b}_{i}.png" for i in range(per_batch)],
+            },
+        )
+    _pickle(
+        folder / "test_batch",
+        {
+            "batch_label": "testing batch 1 of 1",
+            "labels": [i % 10 for i in range(n_test)],
+            "data": random_images(n_test, (3072,), 99),
+            "filenames": [f"test_{i}.png" for i in range(n_test)],
+        },
+    )
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    _pickle(
+        folder / "batches.meta", {"num_cases_per_batch": per_batch, "label_names": names, "num_vis": 3072}
+    )
+
+
+def write_cifar100(root: Path, n_train: int = 200, n_test: int = 100) -> None:
+    """``cifar-100-python``: ``train``/``test`` ({'data', 'fine_labels', 'coarse_labels', ...}), ``meta``."""
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True)
+    for name, n, seed in (("train", n_train, 1), ("test", n_test, 2)):
+        fine = [i % 100 for i in range(n)]
+        _pickle(
+            folder / name,
+            {
+                "filenames": [f"{name}_{i}.png" for i in range(n)],
+                "batch_label": f"{name}ing batch 1 of 1",
+                "fine_labels": fine,
+                "coarse_labels": [f // 5 for f in fine],
+                "data": random_images(n, (3072,), seed),
+            },
+        )
+    _pickle(
+        folder / "meta",
+        {
+            "fine_label_names": [f"class{i}" for i in range(100)],
+            "coarse_label_names": [f"super{i}" for i in range(20)],
+        },
+    )
+
+
+def leaf_user(user_index: int, n: int, label_offset: int = 0) -> dict:
+    """FEMNIST-like samples: 784 floats in [0, 1] (1.0 = white), pixel 0 encodes the user and sample."""
+    xs = []
+    for j in range(n):
+        pixels = [1.0] * 784
+        pixels[0] = user_index / 10 + j / 1000
+        xs.append(pixels)
+    return {"x": xs, "y": [(user_index + label_offset + j) % 10 for j in range(n)]}
+
+
+def write_leaf_file(path: Path, users: dict[str, dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    content = {
+        "users": list(users),
+        "num_samples": [len(d["y"]) for d in users.values()],
+        "user_data": users,
+    }
+    path.write_text(json.dumps(content))

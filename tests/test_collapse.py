@@ -12,6 +12,13 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
+from benchmarks.flute.linear_flute import (
+    empirical_rank_k_fit,
+    flute_regularizer,
+    flute_regularizer_grad,
+    linear_flute,
+    make_linear_flute_problem,
+)
 from lightning_fedrep import FederatedDataModule, FedRepStrategy, Phase
 from lightning_fedrep.callbacks import NeuralCollapse
 from lightning_fedrep.collapse import (
@@ -25,13 +32,6 @@ from lightning_fedrep.collapse import (
     server_nc_step,
 )
 from lightning_fedrep.data.partition import ShardPartitioner
-from lightning_fedrep.flute_linear import (
-    empirical_rank_k_fit,
-    flute_regularizer,
-    flute_regularizer_grad,
-    linear_flute,
-    make_linear_flute_problem,
-)
 from lightning_fedrep.models import MLPClassifier
 from tests.fixtures import MarkedTinyNet, TinyNet, quiet_trainer, tiny_datamodule
 
@@ -425,7 +425,7 @@ def test_linear_regularizer_gradients_and_balanced_identity():
 
 
 def test_linear_client_gradients_match_autograd_on_the_samples():
-    from lightning_fedrep.flute_linear import client_gradients
+    from benchmarks.flute.linear_flute import client_gradients
 
     problem = make_linear_flute_problem(dim=6, num_clients=4, samples_per_client=20, seed=1)
     g = torch.Generator().manual_seed(0)

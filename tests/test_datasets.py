@@ -9,9 +9,7 @@ checks CIFAR files against the real files' md5 sums, so the CIFAR tests (only) r
 from __future__ import annotations
 
 import ast
-import json
 import os
-import pickle
 import struct
 from pathlib import Path
 
@@ -30,77 +28,20 @@ from lightning_fedrep.data import (
     SyntheticClassificationDataModule,
 )
 from lightning_fedrep.data.partition import IIDPartitioner, ShardPartitioner
-from lightning_fedrep.data.synthetic import make_synthetic_classification
+from lightning_fedrep.data.synthetic_classification import make_synthetic_classification
 from lightning_fedrep.models import CIFAR10CNN, CIFAR100CNN, FEMNISTMLP, MLPClassifier
-from tests.fixtures import quiet_trainer
+from tests.fixtures import (
+    leaf_user,
+    quiet_trainer,
+    random_images,
+    write_cifar10,
+    write_cifar100,
+    write_leaf_file,
+)
 
 torchvision = pytest.importorskip("torchvision")
 
 # ----------------------------------------------------------------------------- real-format writers
-
-
-def _images(n: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size=(n, *shape), dtype=np.uint8)
-
-
-def _pickle(path: Path, obj: dict) -> None:
-    with open(path, "wb") as f:
-        pickle.dump(obj, f, protocol=2)
-
-
-def write_cifar10(root: Path, per_batch: int = 8, n_test: int = 20) -> None:
-    """``cifar-10-batches-py``: ``data_batch_1..5`` and ``test_batch`` ({'data': (n, 3072) uint8 in CHW
-    order, 'labels': list}), and ``batches.meta`` ({'label_names': ...})."""
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    for b in range(1, 6):
-        _pickle(
-            folder / f"data_batch_{b}",
-            {
-                "batch_label": f"training batch {b} of 5",
-                "labels": [(b * per_batch + i) % 10 for i in range(per_batch)],
-                "data": _images(per_batch, (3072,), b),
-                "filenames": [f"img_{b}_{i}.png" for i in range(per_batch)],
-            },
-        )
-    _pickle(
-        folder / "test_batch",
-        {
-            "batch_label": "testing batch 1 of 1",
-            "labels": [i % 10 for i in range(n_test)],
-            "data": _images(n_test, (3072,), 99),
-            "filenames": [f"test_{i}.png" for i in range(n_test)],
-        },
-    )
-    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
-    _pickle(
-        folder / "batches.meta", {"num_cases_per_batch": per_batch, "label_names": names, "num_vis": 3072}
-    )
-
-
-def write_cifar100(root: Path, n_train: int = 200, n_test: int = 100) -> None:
-    """``cifar-100-python``: ``train``/``test`` ({'data', 'fine_labels', 'coarse_labels', ...}), ``meta``."""
-    folder = root / "cifar-100-python"
-    folder.mkdir(parents=True)
-    for name, n, seed in (("train", n_train, 1), ("test", n_test, 2)):
-        fine = [i % 100 for i in range(n)]
-        _pickle(
-            folder / name,
-            {
-                "filenames": [f"{name}_{i}.png" for i in range(n)],
-                "batch_label": f"{name}ing batch 1 of 1",
-                "fine_labels": fine,
-                "coarse_labels": [f // 5 for f in fine],
-                "data": _images(n, (3072,), seed),
-            },
-        )
-    _pickle(
-        folder / "meta",
-        {
-            "fine_label_names": [f"class{i}" for i in range(100)],
-            "coarse_label_names": [f"super{i}" for i in range(20)],
-        },
-    )
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
@@ -113,7 +54,7 @@ def write_mnist_like(raw: Path, prefixes: dict[str, str], labels: dict[str, np.n
     raw.mkdir(parents=True)
     for split, prefix in prefixes.items():
         y = labels[split]
-        write_idx(raw / f"{prefix}-images-idx3-ubyte", _images(len(y), (28, 28), len(y)))
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", random_images(len(y), (28, 28), len(y)))
         write_idx(raw / f"{prefix}-labels-idx1-ubyte", y.astype(np.uint8))
 
 
@@ -301,44 +242,24 @@ def test_emnist_letters_are_shifted_to_zero_based(tmp_path):
 # ----------------------------------------------------------------------------- LEAF
 
 
-def _leaf_user(user_index: int, n: int, label_offset: int = 0) -> dict:
-    """FEMNIST-like samples: 784 floats in [0, 1] (1.0 = white), pixel 0 encodes the user and sample."""
-    xs = []
-    for j in range(n):
-        pixels = [1.0] * 784
-        pixels[0] = user_index / 10 + j / 1000
-        xs.append(pixels)
-    return {"x": xs, "y": [(user_index + label_offset + j) % 10 for j in range(n)]}
-
-
-def _write_leaf_file(path: Path, users: dict[str, dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    content = {
-        "users": list(users),
-        "num_samples": [len(d["y"]) for d in users.values()],
-        "user_data": users,
-    }
-    path.write_text(json.dumps(content))
-
-
 @pytest.fixture
 def leaf_dirs(tmp_path):
     train, test = tmp_path / "train", tmp_path / "test"
     # users f_b, f_a, f_c in both splits (over two files each); one user only in each split
-    _write_leaf_file(
-        train / "all_data_0_niid_05_keep_50_train_9.json", {"f_b": _leaf_user(1, 3), "f_a": _leaf_user(0, 5)}
+    write_leaf_file(
+        train / "all_data_0_niid_05_keep_50_train_9.json", {"f_b": leaf_user(1, 3), "f_a": leaf_user(0, 5)}
     )
-    _write_leaf_file(
+    write_leaf_file(
         train / "all_data_1_niid_05_keep_50_train_9.json",
-        {"f_c": _leaf_user(2, 4), "f_train_only": _leaf_user(7, 2)},
+        {"f_c": leaf_user(2, 4), "f_train_only": leaf_user(7, 2)},
     )
-    _write_leaf_file(
+    write_leaf_file(
         test / "all_data_0_niid_05_keep_50_test_9.json",
-        {"f_a": _leaf_user(0, 2, 5), "f_b": _leaf_user(1, 1, 5)},
+        {"f_a": leaf_user(0, 2, 5), "f_b": leaf_user(1, 1, 5)},
     )
-    _write_leaf_file(
+    write_leaf_file(
         test / "all_data_1_niid_05_keep_50_test_9.json",
-        {"f_c": _leaf_user(2, 2, 5), "f_test_only": _leaf_user(8, 1)},
+        {"f_c": leaf_user(2, 2, 5), "f_test_only": leaf_user(8, 1)},
     )
     return train, test
 
@@ -385,13 +306,13 @@ def test_leaf_errors(tmp_path, leaf_dirs):
     with pytest.raises(FileNotFoundError, match="json"):
         (tmp_path / "empty").mkdir()
         LEAFDataModule(str(tmp_path / "empty"), str(test)).setup()
-    _write_leaf_file(train / "zz_duplicate.json", {"f_a": _leaf_user(0, 1)})
+    write_leaf_file(train / "zz_duplicate.json", {"f_a": leaf_user(0, 1)})
     with pytest.raises(ValueError, match="appears twice"):
         LEAFDataModule(str(train), str(test)).setup()
     text_train, text_test = tmp_path / "t_train", tmp_path / "t_test"
     tweet = {"x": [["id", "date", "query", "user", "so happy today"]], "y": [1]}
-    _write_leaf_file(text_train / "a.json", {"u": tweet})
-    _write_leaf_file(text_test / "a.json", {"u": tweet})
+    write_leaf_file(text_train / "a.json", {"u": tweet})
+    write_leaf_file(text_test / "a.json", {"u": tweet})
     with pytest.raises(ValueError, match="numeric"):
         LEAFDataModule(str(text_train), str(text_test), image_shape=None).setup()
 
@@ -500,8 +421,8 @@ def _emnist(tmp_path):
 def _leaf(tmp_path):
     for split, offset in (("train", 0), ("test", 5)):
         for f in range(2):
-            users = {f"w{f}{u}": _leaf_user(2 * f + u, 4, offset) for u in range(2)}
-            _write_leaf_file(tmp_path / split / f"part{f}.json", users)
+            users = {f"w{f}{u}": leaf_user(2 * f + u, 4, offset) for u in range(2)}
+            write_leaf_file(tmp_path / split / f"part{f}.json", users)
     return LEAFDataModule(str(tmp_path / "train"), str(tmp_path / "test"), batch_size=2), FEMNISTMLP(
         output="softmax"
     )

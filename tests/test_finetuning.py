@@ -7,8 +7,7 @@ from torch.nn import functional as F
 from lightning_fedrep import FedRepStrategy
 from lightning_fedrep.callbacks import HeadFineTuning
 from lightning_fedrep.newclients import evaluate_new_clients
-from tests.fixtures import MarkedTinyNet, TinyNet, quiet_trainer, tiny_datamodule
-from tests.test_golden import HEAD, client_batches
+from tests.fixtures import HEAD, MarkedTinyNet, TinyNet, client_batches, quiet_trainer, tiny_datamodule
 
 ROUNDS = 3
 

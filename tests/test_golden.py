@@ -8,22 +8,8 @@ import torch
 from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy
-from lightning_fedrep.plan import round_generator, sample_clients
-from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
-
-HEAD = ("classifier.weight", "classifier.bias")
-
-
-def client_batches(dm, seed, round_index, client, num_steps):
-    """Batches of a client's steps in a round, re-derived here: a fresh permutation per pass."""
-    data = dm.client_data(client)
-    x, y = data.dataset.tensors
-    per_epoch = math.ceil(len(data) / dm.batch_size)
-    for step in range(num_steps):
-        epoch_pass, j = divmod(step, per_epoch)
-        perm = torch.randperm(len(data), generator=round_generator(seed, round_index, client, epoch_pass))
-        idx = data.indices[perm[j * dm.batch_size : (j + 1) * dm.batch_size]]
-        yield x[idx], y[idx]
+from lightning_fedrep.plan import sample_clients
+from tests.fixtures import HEAD, TinyNet, client_batches, quiet_trainer, tiny_datamodule
 
 
 def plain_fedrep(init, dm, rounds, per_round, head_epochs, body_epochs, seed, joint=False, keep_opt=False):

@@ -2,16 +2,13 @@
 
 import pytest
 
+from benchmarks.fedrep.reference_linear import fedrep_linear_reference
 from lightning_fedrep import FederatedDataModule, FedRepStrategy, Phase
-from lightning_fedrep.data.synthetic import (
-    make_low_rank_problem,
-    method_of_moments_init,
-    principal_angle_distance,
-)
+from lightning_fedrep.data.low_rank import make_low_rank_problem
+from lightning_fedrep.data.subspace import method_of_moments_init, principal_angle_distance
 from lightning_fedrep.models import LowRankLinear
 from lightning_fedrep.plan import sample_clients
 from tests.fixtures import quiet_trainer
-from tests.reference_fedrep_linear import fedrep_linear_reference
 
 SEED = 7
 

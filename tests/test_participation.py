@@ -2,7 +2,7 @@
 
 Expected values come from the SRPFL digest (``reference/srpfl.md`` §5): exact order statistics of
 exponentials (E0), the exact expected time of the schedule (E1), and an independent plain-PyTorch
-loop of FedRep-SRPFL on the synthetic linear problem (E2, ``tests/reference_srpfl_linear.py``).
+loop of FedRep-SRPFL on the synthetic linear problem (E2, ``benchmarks/srpfl/reference.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from benchmarks.srpfl.reference import srpfl_linear_reference, time_to_reach
 from lightning_fedrep import FedRepStrategy, Phase
 from lightning_fedrep.callbacks import (
     AdaptiveParticipation,
@@ -24,15 +25,11 @@ from lightning_fedrep.callbacks import (
     TwoClassExponential,
 )
 from lightning_fedrep.callbacks.latency import exponential_order_statistic_mean
-from lightning_fedrep.data.synthetic import (
-    FreshSampleRoundLoader,
-    LowRankLinearDataModule,
-    principal_angle_distance,
-)
+from lightning_fedrep.data.low_rank import FreshSampleRoundLoader, LowRankLinearDataModule
+from lightning_fedrep.data.subspace import principal_angle_distance
 from lightning_fedrep.models import LowRankLinear
 from lightning_fedrep.plan import plan_round, round_generator, sample_clients
 from tests.fixtures import MarkedTinyNet, quiet_trainer, tiny_datamodule
-from tests.reference_srpfl_linear import srpfl_linear_reference, time_to_reach
 
 
 @pytest.fixture(autouse=True)
@@ -554,7 +551,7 @@ def test_e2_reduced_srpfl_reaches_target_5x_faster():
     seed 0. FedRep-SRPFL runs through the Trainer until dist(B, B*) <= 0.1 and matches the plain-loop
     reference round by round. FedRep (the same callback with ``initial_clients=None``) runs through the
     Trainer for its first 6 rounds, matching the reference, whose continuation gives FedRep's time to 0.1
-    (a full FedRep run costs ~5,400 Trainer steps; ``benchmarks/srpfl_linear.py`` runs both methods fully).
+    (a full FedRep run costs ~5,400 Trainer steps; ``benchmarks/srpfl/linear.py`` runs both methods fully).
     Required: at least 5x less simulated time to 0.1 (the reference: 10.6x for this seed, ~19x averaged
     over seeds). The speed-up shrinks as a per-round communication cost grows."""
     seed = 0

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from lightning_fedrep.cli import build_cli
-from tests.test_datasets import _leaf_user, _write_leaf_file, write_cifar10, write_cifar100
+from tests.fixtures import leaf_user, write_cifar10, write_cifar100, write_leaf_file
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -16,10 +16,10 @@ def data_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     write_cifar10(root, per_batch=400, n_test=2000)  # 2,000 images: 1,000 clients x 2 classes get shards
     write_cifar100(root, n_train=4000, n_test=4000)  # CIFAR-100 (100, 40): 40 shards per class
-    users = {f"f_{u:03d}": _leaf_user(u, 6) for u in range(12)}
-    _write_leaf_file(root / "femnist" / "train" / "train.json", users)
-    _write_leaf_file(
-        root / "femnist" / "test" / "test.json", {u: _leaf_user(i, 2) for i, u in enumerate(users)}
+    users = {f"f_{u:03d}": leaf_user(u, 6) for u in range(12)}
+    write_leaf_file(root / "femnist" / "train" / "train.json", users)
+    write_leaf_file(
+        root / "femnist" / "test" / "test.json", {u: leaf_user(i, 2) for i, u in enumerate(users)}
     )
     return root
 

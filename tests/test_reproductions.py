@@ -1,21 +1,22 @@
 """Reduced paper reproductions: the claimed ORDERINGS, through the benchmarks' own functions.
 
-Each test calls the same function its benchmark script runs (``benchmarks/linear_fig1.py``,
-``linear_fig4.py``, ``fedavg_ft_linear.py``, ``digits_family.py``) with smaller sizes, and asserts the
-paper's qualitative claim with a wide margin, never exact numbers. The margins are far from the
-measured values (see ``benchmarks/RESULTS_family.md``) but fail if the mechanism breaks: e.g. a
-FedRep that stops personalizing heads, aggregation that stops averaging, or a fine-tuning round
-that trains the wrong part.
+Each test calls the same function its benchmark script runs (``benchmarks/fedrep/linear_fig1.py``,
+``fedrep/linear_fig4.py``, ``fedavg_ft/linear.py``, ``fedrep/digits_family.py``) with smaller sizes,
+and asserts the paper's qualitative claim with a wide margin, never exact numbers. The margins are
+far from the measured values (see ``benchmarks/fedrep/RESULTS_family.md``) but fail if the mechanism
+breaks: e.g. a FedRep that stops personalizing heads, aggregation that stops averaging, or a
+fine-tuning round that trains the wrong part.
 """
 
 import pytest
 import torch
 
-from benchmarks.digits_family import Settings, run_seed
-from benchmarks.fedavg_ft_linear import fedavg_ft, make_problem
-from benchmarks.linear_fig1 import fig1
-from benchmarks.linear_fig4 import fig4
-from lightning_fedrep.data.synthetic import make_low_rank_problem, principal_angle_distance
+from benchmarks.fedavg_ft.linear import fedavg_ft, make_problem
+from benchmarks.fedrep.digits_family import Settings, run_seed
+from benchmarks.fedrep.linear_fig1 import fig1
+from benchmarks.fedrep.linear_fig4 import fig4
+from lightning_fedrep.data.low_rank import make_low_rank_problem
+from lightning_fedrep.data.subspace import principal_angle_distance
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,13 +9,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_fedrep.data.synthetic import (
-    make_low_rank_problem,
-    method_of_moments_init,
-    principal_angle_distance,
-)
+from benchmarks.fedrep.reference_linear import fedrep_linear_reference, subspace_distance
+from lightning_fedrep.data.low_rank import make_low_rank_problem
+from lightning_fedrep.data.subspace import method_of_moments_init, principal_angle_distance
 from lightning_fedrep.models.linear import LowRankLinear
-from tests.reference_fedrep_linear import fedrep_linear_reference, subspace_distance
 
 
 def _residuals(problem, datasets) -> torch.Tensor:

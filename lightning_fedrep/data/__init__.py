@@ -2,7 +2,7 @@
 
 from lightning_fedrep.data.leaf import LEAFDataModule
 from lightning_fedrep.data.partition import NaturalPartitioner
-from lightning_fedrep.data.synthetic import SyntheticClassificationDataModule
+from lightning_fedrep.data.synthetic_classification import SyntheticClassificationDataModule
 from lightning_fedrep.data.vision import (
     CIFAR10DataModule,
     CIFAR100DataModule,

@@ -12,7 +12,7 @@ import lightning
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.data.synthetic import principal_angle_distance
+from lightning_fedrep.data.subspace import principal_angle_distance
 
 __all__ = ["LowRankLinear"]
 
@@ -33,7 +33,7 @@ class LowRankLinear(lightning.LightningModule):
             head to the exact least-squares solution on each batch before computing the loss.
         init: ``"mom"`` takes the initial body from the data module's method-of-moments estimate
             (Algorithm 2) when fit starts; the data module must offer ``method_of_moments_init()``
-            (:class:`~lightning_fedrep.data.synthetic.LowRankLinearDataModule`). Its ground truth is
+            (:class:`~lightning_fedrep.data.low_rank.LowRankLinearDataModule`). Its ground truth is
             then also used for ``val/principal_angle`` if none was given.
     """
 

@@ -31,7 +31,7 @@ clients' rather than drawn from ``N(0, I_k)``, and their test labels carry the s
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/linear_fig4.py [--rounds 200] [--seed 0]
+    .venv/bin/python benchmarks/fedrep/linear_fig4.py [--rounds 200] [--seed 0]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import (  # noqa: E402
     Stopwatch,
@@ -55,8 +55,8 @@ from benchmarks._common import (  # noqa: E402
     print_footer,
     quiet,
 )
-from benchmarks.linear_fig1 import train_linear  # noqa: E402
-from lightning_fedrep.data.synthetic import make_low_rank_problem  # noqa: E402
+from benchmarks.fedrep.linear_fig1 import train_linear  # noqa: E402
+from lightning_fedrep.data.low_rank import make_low_rank_problem  # noqa: E402
 
 
 def fig4(

@@ -14,9 +14,9 @@ in this run:
 4. the final distances (mean over the last 10 rounds), which must agree between the methods.
 
 Seed 0 is also checked round by round against the plain-PyTorch reference of
-``tests/reference_srpfl_linear.py``. Usage (about 20 minutes on 2 busy CPU cores with the defaults):
+``benchmarks/srpfl/reference.py``. Usage (about 20 minutes on 2 busy CPU cores with the defaults):
 
-    .venv/bin/python benchmarks/srpfl_linear.py [--seeds 5] [--fixed-seeds 3] [--rounds 80]
+    .venv/bin/python benchmarks/srpfl/linear.py [--seeds 5] [--fixed-seeds 3] [--rounds 80]
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.srpfl.reference import srpfl_linear_reference, time_to_reach  # noqa: E402
 from lightning_fedrep import FedRepStrategy, Phase  # noqa: E402
 from lightning_fedrep.callbacks import AdaptiveParticipation, FixedExponential  # noqa: E402
-from lightning_fedrep.data.synthetic import LowRankLinearDataModule, principal_angle_distance  # noqa: E402
+from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: E402
+from lightning_fedrep.data.subspace import principal_angle_distance  # noqa: E402
 from lightning_fedrep.models import LowRankLinear  # noqa: E402
-from tests.reference_srpfl_linear import srpfl_linear_reference, time_to_reach  # noqa: E402
 
 TARGETS = (0.2, 0.1, 0.05, 0.03)
 COSTS = (0.0, 1.0, 5.0, 10.0)

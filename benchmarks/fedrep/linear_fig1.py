@@ -34,7 +34,7 @@ Noise std 1e-3, ``||w_i*|| = sqrt(k)`` as in the paper.
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/linear_fig1.py [--rounds 200] [--seed 0]
+    .venv/bin/python benchmarks/fedrep/linear_fig1.py [--rounds 200] [--seed 0]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -64,12 +64,8 @@ from benchmarks._common import (  # noqa: E402
     quiet,
 )
 from lightning_fedrep import FederatedDataModule, FedRepStrategy, Phase  # noqa: E402
-from lightning_fedrep.data.synthetic import (  # noqa: E402
-    LowRankLinearProblem,
-    make_low_rank_problem,
-    method_of_moments_init,
-    principal_angle_distance,
-)
+from lightning_fedrep.data.low_rank import LowRankLinearProblem, make_low_rank_problem  # noqa: E402
+from lightning_fedrep.data.subspace import method_of_moments_init, principal_angle_distance  # noqa: E402
 
 METHODS = ("local", "fedavg", "fedrep")
 

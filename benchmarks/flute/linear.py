@@ -19,7 +19,7 @@ is the digest's; the paper's claims are qualitative):
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/flute_linear.py [--seed 0]
+    .venv/bin/python benchmarks/flute/linear.py [--seed 0]
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import warnings
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
 from benchmarks._common import Stopwatch, format_table, print_footer  # noqa: E402
-from lightning_fedrep.flute_linear import (  # noqa: E402
+from benchmarks.flute.linear_flute import (  # noqa: E402
     empirical_rank_k_fit,
     linear_flute,
     make_linear_flute_problem,

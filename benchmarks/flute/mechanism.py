@@ -16,7 +16,7 @@ than the baselines within noise.
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/flute_mechanism.py [--seeds 0 1] [--rounds 30]
+    .venv/bin/python benchmarks/flute/mechanism.py [--seeds 0 1] [--rounds 30]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_fedrep.data.synthetic import LowRankLinearProblem
+from lightning_fedrep.data.low_rank import LowRankLinearProblem
 
 
 def subspace_distance(estimate: Tensor, truth: Tensor) -> float:

@@ -35,7 +35,7 @@ seeds averaged over ``--seeds`` (default 2).
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/fedavg_ft_linear.py [--rounds 150] [--seeds 0 1]
+    .venv/bin/python benchmarks/fedavg_ft/linear.py [--rounds 150] [--seeds 0 1]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402

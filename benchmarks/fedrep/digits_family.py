@@ -36,7 +36,7 @@ easy, so Local Only stays strong (as in the paper's CIFAR10 (100, 2) column, whe
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/digits_family.py [--rounds 50] [--seeds 0 1 2]
+    .venv/bin/python benchmarks/fedrep/digits_family.py [--rounds 50] [--seeds 0 1 2]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_fedrep.data.synthetic import LowRankLinearProblem
+from lightning_fedrep.data.low_rank import LowRankLinearProblem
 from lightning_fedrep.plan import round_generator
 
 
