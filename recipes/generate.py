@@ -14,25 +14,40 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from flute.generate import all_recipes as flute_recipes  # noqa: E402  (the FLUTE table lives beside its recipes)
+from writer import render, trainer_section  # noqa: E402
 
-# column: (folder, data class, data args, model class, LG-FedAvg's shared part, rounds, body epochs, Table 1 row)
+
+@dataclass(frozen=True)
+class Table1Column:
+    """One column of the FedRep paper's Table 1: its data, model and schedule, and the paper's results."""
+
+    folder: str  # recipes/<folder>/ and runs/<folder>/
+    data_class: str
+    data_args: dict
+    model_class: str
+    lg_shared: tuple[str, ...]  # LG-FedAvg's shared (averaged) modules
+    rounds: int
+    body_epochs: int  # FedRep's body epochs, and every baseline's local epochs
+    paper: dict[str, float]  # mean client test accuracy (%) per method
+
+
 TABLE1 = {
-    "cifar10_100_2": (
-        "cifar10",
-        "lightning_fedrep.data.vision.CIFAR10DataModule",
-        {"num_clients": 100, "classes_per_client": 2},
-        "lightning_fedrep.models.CIFAR10CNN",
-        ["fc2", "fc3"],
-        100,
-        1,
-        {
+    "cifar10_100_2": Table1Column(
+        folder="cifar10",
+        data_class="lightning_fedrep.data.vision.CIFAR10DataModule",
+        data_args={"num_clients": 100, "classes_per_client": 2},
+        model_class="lightning_fedrep.models.CIFAR10CNN",
+        lg_shared=("fc2", "fc3"),
+        rounds=100,
+        body_epochs=1,
+        paper={
             "local": 89.79,
             "fedavg": 42.65,
             "fedavg_ft": 87.65,
@@ -41,15 +56,15 @@ TABLE1 = {
             "fedrep": 87.70,
         },
     ),
-    "cifar10_100_5": (
-        "cifar10",
-        "lightning_fedrep.data.vision.CIFAR10DataModule",
-        {"num_clients": 100, "classes_per_client": 5},
-        "lightning_fedrep.models.CIFAR10CNN",
-        ["fc2", "fc3"],
-        100,
-        5,
-        {
+    "cifar10_100_5": Table1Column(
+        folder="cifar10",
+        data_class="lightning_fedrep.data.vision.CIFAR10DataModule",
+        data_args={"num_clients": 100, "classes_per_client": 5},
+        model_class="lightning_fedrep.models.CIFAR10CNN",
+        lg_shared=("fc2", "fc3"),
+        rounds=100,
+        body_epochs=5,
+        paper={
             "local": 70.68,
             "fedavg": 51.78,
             "fedavg_ft": 73.68,
@@ -58,15 +73,15 @@ TABLE1 = {
             "fedrep": 75.68,
         },
     ),
-    "cifar10_1000_2": (
-        "cifar10",
-        "lightning_fedrep.data.vision.CIFAR10DataModule",
-        {"num_clients": 1000, "classes_per_client": 2},
-        "lightning_fedrep.models.CIFAR10CNN",
-        ["fc2", "fc3"],
-        100,
-        5,
-        {
+    "cifar10_1000_2": Table1Column(
+        folder="cifar10",
+        data_class="lightning_fedrep.data.vision.CIFAR10DataModule",
+        data_args={"num_clients": 1000, "classes_per_client": 2},
+        model_class="lightning_fedrep.models.CIFAR10CNN",
+        lg_shared=("fc2", "fc3"),
+        rounds=100,
+        body_epochs=5,
+        paper={
             "local": 78.30,
             "fedavg": 44.31,
             "fedavg_ft": 82.04,
@@ -75,15 +90,15 @@ TABLE1 = {
             "fedrep": 83.27,
         },
     ),
-    "cifar100_100_5": (
-        "cifar100",
-        "lightning_fedrep.data.vision.CIFAR100DataModule",
-        {"num_clients": 100, "classes_per_client": 5},
-        "lightning_fedrep.models.CIFAR100CNN",
-        ["fc2", "fc3"],
-        100,
-        5,
-        {
+    "cifar100_100_5": Table1Column(
+        folder="cifar100",
+        data_class="lightning_fedrep.data.vision.CIFAR100DataModule",
+        data_args={"num_clients": 100, "classes_per_client": 5},
+        model_class="lightning_fedrep.models.CIFAR100CNN",
+        lg_shared=("fc2", "fc3"),
+        rounds=100,
+        body_epochs=5,
+        paper={
             "local": 75.29,
             "fedavg": 23.94,
             "fedavg_ft": 79.34,
@@ -92,15 +107,15 @@ TABLE1 = {
             "fedrep": 79.15,
         },
     ),
-    "cifar100_100_20": (
-        "cifar100",
-        "lightning_fedrep.data.vision.CIFAR100DataModule",
-        {"num_clients": 100, "classes_per_client": 20},
-        "lightning_fedrep.models.CIFAR100CNN",
-        ["fc2", "fc3"],
-        100,
-        5,
-        {
+    "cifar100_100_20": Table1Column(
+        folder="cifar100",
+        data_class="lightning_fedrep.data.vision.CIFAR100DataModule",
+        data_args={"num_clients": 100, "classes_per_client": 20},
+        model_class="lightning_fedrep.models.CIFAR100CNN",
+        lg_shared=("fc2", "fc3"),
+        rounds=100,
+        body_epochs=5,
+        paper={
             "local": 41.29,
             "fedavg": 31.97,
             "fedavg_ft": 55.44,
@@ -109,15 +124,15 @@ TABLE1 = {
             "fedrep": 56.10,
         },
     ),
-    "femnist_150_3": (
-        "femnist",
-        "lightning_fedrep.data.leaf.LEAFDataModule",
-        {"train_dir": "data/femnist/train", "test_dir": "data/femnist/test", "max_clients": 150},
-        "lightning_fedrep.models.FEMNISTMLP",
-        ["layer_hidden2", "layer_out"],
-        200,
-        5,
-        {
+    "femnist_150_3": Table1Column(
+        folder="femnist",
+        data_class="lightning_fedrep.data.leaf.LEAFDataModule",
+        data_args={"train_dir": "data/femnist/train", "test_dir": "data/femnist/test", "max_clients": 150},
+        model_class="lightning_fedrep.models.FEMNISTMLP",
+        lg_shared=("layer_hidden2", "layer_out"),
+        rounds=200,
+        body_epochs=5,
+        paper={
             "local": 60.86,
             "fedavg": 51.64,
             "fedavg_ft": 72.41,
@@ -128,123 +143,118 @@ TABLE1 = {
     ),
 }
 
+
+def head_fine_tuning(epochs: int) -> dict:
+    """FedAvg + FT's extra round: every client fine-tunes only the head for ``epochs`` epochs."""
+    return {
+        "class_path": "lightning_fedrep.callbacks.HeadFineTuning",
+        "init_args": {"epochs": epochs, "mode": "head"},
+    }
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method of the FedRep family as a recipe: the strategy's algorithm, the callbacks it adds (each
+    built from the setting's head epochs) and its header line (``{body}``, ``{lg}``, ``{local_rounds}``
+    filled in per setting)."""
+
+    algorithm: str
+    description: str
+    callbacks: tuple[Callable[[int], dict], ...] = ()
+
+
 METHODS = {
-    "fedrep": "FedRep: 10 head epochs (body frozen) then {body} body epoch(s) (head frozen); body averaged",
-    "fedper": "FedPer: head and body trained jointly for {body} epoch(s); body averaged, heads local",
-    "lg_fedavg": "LG-FedAvg: trained jointly for {body} epoch(s); {lg} averaged, the rest stays local",
-    "fedavg": "FedAvg: one global model, {body} local epoch(s), everything averaged (global model evaluated)",
-    "fedavg_ft": "FedAvg + FT: FedAvg, then one extra round in which every client fine-tunes only the head for 10 epochs",
-    "local": "Local Only: no communication; every client trains its own model ({body} epoch(s) a round, all clients, "
-    "{local_rounds} rounds = the expected local epochs of a client under 10% participation)",
+    "fedrep": Method(
+        algorithm="fedrep",
+        description="FedRep: 10 head epochs (body frozen) then {body} body epoch(s) (head frozen); body averaged",
+    ),
+    "fedper": Method(
+        algorithm="fedper",
+        description="FedPer: head and body trained jointly for {body} epoch(s); body averaged, heads local",
+    ),
+    "lg_fedavg": Method(
+        algorithm="lg_fedavg",
+        description="LG-FedAvg: trained jointly for {body} epoch(s); {lg} averaged, the rest stays local",
+    ),
+    "fedavg": Method(
+        algorithm="fedavg",
+        description="FedAvg: one global model, {body} local epoch(s), everything averaged (global model evaluated)",
+    ),
+    "fedavg_ft": Method(
+        algorithm="fedavg",
+        description="FedAvg + FT: FedAvg, then one extra round in which every client fine-tunes only the head for 10 epochs",
+        callbacks=(head_fine_tuning,),
+    ),
+    "local": Method(
+        algorithm="local",
+        description="Local Only: no communication; every client trains its own model ({body} epoch(s) a round, all clients, "
+        "{local_rounds} rounds = the expected local epochs of a client under 10% participation)",
+    ),
 }
 
 
-def trainer_section(folder: str, name: str, rounds: int, strategy: dict, callbacks: list) -> dict:
-    return {
-        "accelerator": "auto",
-        "devices": 1,
-        "max_epochs": rounds,
-        "check_val_every_n_epoch": 1,
-        "num_sanity_val_steps": 0,
-        "default_root_dir": f"runs/{folder}",
-        "strategy": {"class_path": "lightning_fedrep.FedRepStrategy", "init_args": strategy},
-        "logger": {
-            "class_path": "lightning.pytorch.loggers.WandbLogger",
-            "init_args": {"project": "lightning-fedrep", "name": name, "save_dir": f"runs/{folder}"},
-        },
-        "callbacks": [
-            {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}},
-            *callbacks,
-            {"class_path": "lightning_fedrep.callbacks.RunSummary"},
-        ],
-    }
-
-
-def table1_recipe(column: str, method: str) -> tuple[str, dict]:
-    folder, data_class, data_args, model_class, lg_shared, rounds, body, paper = TABLE1[column]
-    algorithm = "fedavg" if method == "fedavg_ft" else method
-    strategy: dict = {"algorithm": algorithm, "clients_per_round": 0.1, "seed": 0}
-    callbacks = []
-    if method == "fedrep":
-        strategy.update(head_epochs=10, body_epochs=body)
+def family_strategy(
+    method: Method, participation: float, head_epochs: int, body_epochs: int, lg_shared: tuple[str, ...]
+) -> dict:
+    """The strategy's arguments for ``method``: FedRep trains ``head_epochs`` then ``body_epochs``, the
+    others ``body_epochs`` local epochs; Local Only trains every client every round."""
+    strategy: dict = {"algorithm": method.algorithm, "clients_per_round": participation, "seed": 0}
+    if method.algorithm == "fedrep":
+        strategy.update(head_epochs=head_epochs, body_epochs=body_epochs)
     else:
-        strategy["local_epochs"] = body
-    if method == "lg_fedavg":
-        strategy["head"] = lg_shared
-    if method == "fedavg_ft":
-        callbacks.append(
-            {
-                "class_path": "lightning_fedrep.callbacks.HeadFineTuning",
-                "init_args": {"epochs": 10, "mode": "head"},
-            }
-        )
-    local_rounds = max(1, round(rounds * 0.1))
-    if method == "local":
+        strategy["local_epochs"] = body_epochs
+    if method.algorithm == "lg_fedavg":
+        strategy["head"] = list(lg_shared)
+    if method.algorithm == "local":
         strategy["clients_per_round"] = 1.0
-        rounds = local_rounds
-    name = f"{column}-{method}"
+    return strategy
+
+
+def table1_recipe(column: str, method: str) -> tuple[str, str]:
+    setting, spec = TABLE1[column], METHODS[method]
+    strategy = family_strategy(
+        spec, participation=0.1, head_epochs=10, body_epochs=setting.body_epochs, lg_shared=setting.lg_shared
+    )
+    local_rounds = max(1, round(setting.rounds * 0.1))
+    rounds = local_rounds if spec.algorithm == "local" else setting.rounds
+    path = f"{setting.folder}/{column.split('_', 1)[1]}_{method}.yaml"
+    callbacks = [make(10) for make in spec.callbacks]
     recipe = {
         "seed_everything": 0,
-        "trainer": trainer_section(folder, name, rounds, strategy, callbacks),
+        "trainer": trainer_section(setting.folder, f"{column}-{method}", rounds, strategy, callbacks),
         "model": {
-            "class_path": model_class,
+            "class_path": setting.model_class,
             "init_args": {"lr": 0.01, "momentum": 0.5, "weight_decay": 1e-4},
         },
-        "data": {"class_path": data_class, "init_args": {**data_args, "batch_size": 10, "seed": 0}},
+        "data": {
+            "class_path": setting.data_class,
+            "init_args": {**setting.data_args, "batch_size": 10, "seed": 0},
+        },
     }
-    if data_class.endswith(("CIFAR10DataModule", "CIFAR100DataModule")):
+    if setting.data_class.endswith(("CIFAR10DataModule", "CIFAR100DataModule")):
         recipe["data"]["init_args"]["root"] = "data"
         recipe["data"]["init_args"]["download"] = True
     n, s = column.rsplit("_", 2)[-2:]
+    paper = setting.paper
     header = (
-        f"FedRep paper Table 1, {folder.upper()} (n={n} clients, S={s} classes per client), r=0.1, T={TABLE1[column][5]} rounds.\n"
-        + METHODS[method].format(body=body, lg="+".join(lg_shared), local_rounds=local_rounds)
+        f"FedRep paper Table 1, {setting.folder.upper()} (n={n} clients, S={s} classes per client), r=0.1, T={setting.rounds} rounds.\n"
+        + spec.description.format(
+            body=setting.body_epochs, lg="+".join(setting.lg_shared), local_rounds=local_rounds
+        )
         + f".\nPaper: {paper[method]:.2f}% mean client test accuracy (FedRep {paper['fedrep']:.2f}%)."
         + "\nThe paper's figure is the mean over the last 10 rounds: val/acc_last10 (validation runs on each client's"
         + "\ntest split, as the paper's code does)."
-        + f"\nRun: lightning-fedrep fit --config recipes/{folder}/{column.split('_', 1)[1]}_{method}.yaml"
+        + f"\nRun: lightning-fedrep fit --config recipes/{path}"
     )
-    return f"{folder}/{column.split('_', 1)[1]}_{method}.yaml", {"_header": header, **recipe}
+    return path, render(header, recipe)
 
 
-def digits_recipe(method: str) -> tuple[str, dict]:
-    algorithm = "fedavg" if method == "fedavg_ft" else method
-    strategy: dict = {"algorithm": algorithm, "clients_per_round": 0.5, "seed": 0}
-    callbacks = []
-    rounds = 30
-    if method == "fedrep":
-        strategy.update(head_epochs=5, body_epochs=1)
-    else:
-        strategy["local_epochs"] = 1
-    if method == "lg_fedavg":
-        strategy["head"] = ["body.2", "classifier"]
-    if method == "fedavg_ft":
-        callbacks.append(
-            {
-                "class_path": "lightning_fedrep.callbacks.HeadFineTuning",
-                "init_args": {"epochs": 5, "mode": "head"},
-            }
-        )
-    if method == "local":
-        strategy["clients_per_round"] = 1.0
-        rounds = 15
-    trainer = trainer_section("digits", f"digits-{method}", rounds, strategy, callbacks)
-    trainer["callbacks"] = trainer["callbacks"][1:]  # no checkpoints for the one-minute demo
-    trainer["enable_checkpointing"] = False
-    trainer["accelerator"] = "cpu"
-    header = (
-        "Offline demo on scikit-learn's handwritten digits: 20 clients with 2 classes each, "
-        + ("every client each round" if method == "local" else "half of them per round")
-        + ", a 64-64-32-10 MLP.\n"
-        + METHODS[method]
-        .format(body=1, lg="body.2+classifier", local_rounds=rounds)
-        .replace("10 head epochs", "5 head epochs")
-        + ".\nNot a paper setting: a small, real, offline stand-in that runs in about a minute on 2 CPU cores."
-        + f"\nRun: lightning-fedrep fit --config recipes/digits/{method}.yaml"
-    )
-    recipe = {
-        "seed_everything": 0,
-        "trainer": trainer,
+DIGITS_LG_SHARED = ("body.2", "classifier")
+
+
+def digits_model_and_data() -> dict:
+    """The offline digits demo's model and data: a 64-64-32-10 MLP, 20 clients with 2 classes each."""
+    return {
         "model": {
             "class_path": "lightning_fedrep.models.MLPClassifier",
             "init_args": {"lr": 0.05, "momentum": 0.5, "weight_decay": 1e-4},
@@ -254,45 +264,84 @@ def digits_recipe(method: str) -> tuple[str, dict]:
             "init_args": {"num_clients": 20, "classes_per_client": 2, "batch_size": 10, "seed": 0},
         },
     }
-    return f"digits/{method}.yaml", {"_header": header, **recipe}
+
+
+def digits_recipe(method: str) -> tuple[str, str]:
+    spec = METHODS[method]
+    strategy = family_strategy(
+        spec, participation=0.5, head_epochs=5, body_epochs=1, lg_shared=DIGITS_LG_SHARED
+    )
+    rounds = 15 if spec.algorithm == "local" else 30
+    callbacks = [make(5) for make in spec.callbacks]
+    # no checkpoints for the one-minute demo
+    trainer = trainer_section(
+        "digits", f"digits-{method}", rounds, strategy, callbacks, accelerator="cpu", checkpoints=False
+    )
+    header = (
+        "Offline demo on scikit-learn's handwritten digits: 20 clients with 2 classes each, "
+        + ("every client each round" if spec.algorithm == "local" else "half of them per round")
+        + ", a 64-64-32-10 MLP.\n"
+        + spec.description.format(body=1, lg="+".join(DIGITS_LG_SHARED), local_rounds=rounds).replace(
+            "10 head epochs", "5 head epochs"
+        )
+        + ".\nNot a paper setting: a small, real, offline stand-in that runs in about a minute on 2 CPU cores."
+        + f"\nRun: lightning-fedrep fit --config recipes/digits/{method}.yaml"
+    )
+    recipe = {"seed_everything": 0, "trainer": trainer, **digits_model_and_data()}
+    return f"digits/{method}.yaml", render(header, recipe)
+
+
+@dataclass(frozen=True)
+class LinearMethod:
+    """A method on the synthetic low-rank linear problem: its local phases and the expected outcome."""
+
+    description: str
+    phases: tuple[dict, ...]
+    expected: str
 
 
 LINEAR = {
-    "fedrep": (
-        "FedRep (Algorithm 2): exact least-squares head, then one full-batch gradient step on the body",
-        [{"train": "head", "steps": 1}, {"train": "body", "steps": 1}],
-        "dist(B, B*) ~2e-4 by round 200 (Fig. 3); val/loss (MSE) near the noise floor",
+    "fedrep": LinearMethod(
+        description="FedRep (Algorithm 2): exact least-squares head, then one full-batch gradient step on the body",
+        phases=({"train": "head", "steps": 1}, {"train": "body", "steps": 1}),
+        expected="dist(B, B*) ~2e-4 by round 200 (Fig. 3); val/loss (MSE) near the noise floor",
     ),
-    "fedavg": (
-        "FedAvg: one full-batch gradient step on the shared (B, w) per client, everything averaged",
-        [{"train": "all", "steps": 1}],
-        "stays far from B* (dist ~1), val/loss (MSE) ~2, i.e. the paper's 1/2 MSE ~1 (Fig. 1); measured 1.95",
+    "fedavg": LinearMethod(
+        description="FedAvg: one full-batch gradient step on the shared (B, w) per client, everything averaged",
+        phases=({"train": "all", "steps": 1},),
+        expected="stays far from B* (dist ~1), val/loss (MSE) ~2, i.e. the paper's 1/2 MSE ~1 (Fig. 1); measured 1.95",
     ),
-    "local": (
-        "Local Only: every client fits its own (B, w) by gradient steps on its 10 samples, no communication",
-        [{"train": "all", "steps": 1}],
-        "val/loss far above FedRep's: m=10 < d=20 samples cannot pin down a 20-dim model (Fig. 1)",
+    "local": LinearMethod(
+        description="Local Only: every client fits its own (B, w) by gradient steps on its 10 samples, no communication",
+        phases=({"train": "all", "steps": 1},),
+        expected="val/loss far above FedRep's: m=10 < d=20 samples cannot pin down a 20-dim model (Fig. 1)",
     ),
 }
 
 
-def linear_recipe(method: str) -> tuple[str, dict]:
-    description, phases, expected = LINEAR[method]
+def linear_recipe(method: str) -> tuple[str, str]:
+    spec = LINEAR[method]
     strategy = {
         "algorithm": method,
         "clients_per_round": 1.0 if method == "local" else 10,
-        "phases": phases,
+        "phases": [dict(phase) for phase in spec.phases],
         "weighting": "uniform",
         "seed": 0,
     }
-    trainer = trainer_section("synthetic", f"synthetic-{method}-linear", 200, strategy, [])
-    trainer["callbacks"] = trainer["callbacks"][1:]
-    trainer.update(accelerator="cpu", enable_checkpointing=False, check_val_every_n_epoch=20)
+    trainer = trainer_section(
+        "synthetic",
+        f"synthetic-{method}-linear",
+        200,
+        strategy,
+        accelerator="cpu",
+        val_every=20,
+        checkpoints=False,
+    )
     header = (
         "FedRep paper Sec. 5.1: low-rank linear regression, d=20, k=2, n=100 clients with m=10 samples each,\n"
         "noise std 1e-3, method-of-moments init, 10% participation (Local Only: all clients, random init,\n"
         "no communication).\n"
-        f"{description}.\nExpected: {expected}; watch val/principal_angle and val/loss (MSE).\n"
+        f"{spec.description}.\nExpected: {spec.expected}; watch val/principal_angle and val/loss (MSE).\n"
         f"Run: lightning-fedrep fit --config recipes/synthetic/{method}_linear.yaml"
     )
     recipe = {
@@ -321,21 +370,19 @@ def linear_recipe(method: str) -> tuple[str, dict]:
             },
         },
     }
-    return f"synthetic/{method}_linear.yaml", {"_header": header, **recipe}
+    return f"synthetic/{method}_linear.yaml", render(header, recipe)
 
 
 SRPFL = {"fedrep": "FedRep-SRPFL", "lg_fedavg": "LG-SRPFL", "fedavg": "FLANP"}
 
 
-def srpfl_recipe(algorithm: str) -> tuple[str, dict]:
+def srpfl_recipe(algorithm: str) -> tuple[str, str]:
     """Digits, full participation, the n fastest clients (n = 5, doubling every 5 rounds), simulated
     Exp(1) client speeds (the SRPFL paper's fixed model); sim/time is the simulated clock."""
-    name = SRPFL[algorithm]
-    path, recipe = digits_recipe(algorithm)
-    strategy = recipe["trainer"]["strategy"]["init_args"]
-    strategy["clients_per_round"] = 1.0
-    recipe["trainer"]["max_epochs"] = 30
-    recipe["trainer"]["logger"]["init_args"]["name"] = f"digits-{name.lower()}"
+    name, spec = SRPFL[algorithm], METHODS[algorithm]
+    strategy = family_strategy(
+        spec, participation=1.0, head_epochs=5, body_epochs=1, lg_shared=DIGITS_LG_SHARED
+    )
     participation = {
         "class_path": "lightning_fedrep.callbacks.AdaptiveParticipation",
         "init_args": {
@@ -348,33 +395,26 @@ def srpfl_recipe(algorithm: str) -> tuple[str, dict]:
             "communication_cost": 0.0,
         },
     }
-    recipe["trainer"]["callbacks"].insert(0, participation)
-    recipe["_header"] = (
+    callbacks = [participation, *(make(5) for make in spec.callbacks)]
+    trainer = trainer_section(
+        "digits", f"digits-{name.lower()}", 30, strategy, callbacks, accelerator="cpu", checkpoints=False
+    )
+    header = (
         f"{name} (SRPFL paper): {algorithm} on the digits (20 clients, 2 classes each), every client in the pool;\n"
         "each round only the n fastest train, n = 5 doubling every 5 rounds (capped at 20). Client speeds are\n"
         "simulated, drawn once from Exp(1) (the paper's fixed model; drop `latency` to measure real step times).\n"
         "Plot val/acc against sim/time (the simulated clock) and compare with initial_clients: null (no selection).\n"
         f"Run: lightning-fedrep fit --config recipes/srpfl/digits_{algorithm}.yaml"
     )
-    return f"srpfl/digits_{algorithm}.yaml", recipe
-
-
-def render(recipe: dict) -> str:
-    recipe = dict(recipe)
-    header = recipe.pop("_header")
-    comment = "".join(f"# {line}\n" for line in header.splitlines())
-    return (
-        comment
-        + "# Generated by recipes/generate.py; edit the table there, not this file.\n"
-        + yaml.safe_dump(recipe, sort_keys=False, default_flow_style=False)
-    )
+    recipe = {"seed_everything": 0, "trainer": trainer, **digits_model_and_data()}
+    return f"srpfl/digits_{algorithm}.yaml", render(header, recipe)
 
 
 def all_recipes() -> dict[str, str]:
     recipes = [digits_recipe(m) for m in METHODS] + [table1_recipe(c, m) for c in TABLE1 for m in METHODS]
     recipes += [linear_recipe(m) for m in LINEAR]
     recipes += [srpfl_recipe(a) for a in SRPFL]
-    texts = {path: render(recipe) for path, recipe in recipes}
+    texts = dict(recipes)
     texts.update({f"flute/{path}": text for path, text in flute_recipes().items()})
     return texts
 

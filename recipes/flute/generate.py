@@ -16,33 +16,64 @@ on weights, batch size 10, participation 0.1, 100 rounds, the loss
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
 
-import yaml
+from writer import render, trainer_section  # recipes/, put on sys.path by recipes/generate.py
 
-HERE = Path(__file__).resolve().parent
 
-# column: (dataset, N clients, S classes per client, paper FLUTE, paper FLUTE*)  (Table 1, mean ± std %)
+@dataclass(frozen=True)
+class Column:
+    """One column of Table 1: the data set, ``n`` clients with ``s`` classes each, and the paper's
+    FLUTE and FLUTE* results (mean ± std %)."""
+
+    dataset: str
+    n: int
+    s: int
+    flute: str
+    flute_star: str
+
+
 COLUMNS = {
-    "cifar10_50_2": ("cifar10", 50, 2, "87.012 ± 0.453", "87.713 ± 1.365"),
-    "cifar10_50_5": ("cifar10", 50, 5, "76.478 ± 0.484", "76.543 ± 0.921"),
-    "cifar10_100_2": ("cifar10", 100, 2, "86.128 ± 1.007", "88.567 ± 0.457"),
-    "cifar10_100_5": ("cifar10", 100, 5, "76.918 ± 0.712", "78.255 ± 0.688"),
-    "cifar100_100_5": ("cifar100", 100, 5, "77.750 ± 0.615", "79.560 ± 0.627"),
-    "cifar100_100_10": ("cifar100", 100, 10, "70.598 ± 0.282", "70.844 ± 0.419"),
-    "cifar100_100_20": ("cifar100", 100, 20, "59.243 ± 0.334", "59.714 ± 0.448"),
-    "cifar100_100_40": ("cifar100", 100, 40, "48.169 ± 0.597", "48.170 ± 0.440"),
+    "cifar10_50_2": Column("cifar10", n=50, s=2, flute="87.012 ± 0.453", flute_star="87.713 ± 1.365"),
+    "cifar10_50_5": Column("cifar10", n=50, s=5, flute="76.478 ± 0.484", flute_star="76.543 ± 0.921"),
+    "cifar10_100_2": Column("cifar10", n=100, s=2, flute="86.128 ± 1.007", flute_star="88.567 ± 0.457"),
+    "cifar10_100_5": Column("cifar10", n=100, s=5, flute="76.918 ± 0.712", flute_star="78.255 ± 0.688"),
+    "cifar100_100_5": Column("cifar100", n=100, s=5, flute="77.750 ± 0.615", flute_star="79.560 ± 0.627"),
+    "cifar100_100_10": Column("cifar100", n=100, s=10, flute="70.598 ± 0.282", flute_star="70.844 ± 0.419"),
+    "cifar100_100_20": Column("cifar100", n=100, s=20, flute="59.243 ± 0.334", flute_star="59.714 ± 0.448"),
+    "cifar100_100_40": Column("cifar100", n=100, s=40, flute="48.169 ± 0.597", flute_star="48.170 ± 0.440"),
 }
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A data set's data module, its FedRep CNN and FLUTE's joint epochs per round on it."""
+
+    data_class: str
+    model_class: str
+    joint_epochs: int
+
+
 DATA = {
-    "cifar10": ("lightning_fedrep.data.vision.CIFAR10DataModule", "lightning_fedrep.models.CIFAR10CNN", 1),
-    "cifar100": ("lightning_fedrep.data.vision.CIFAR100DataModule", "lightning_fedrep.models.CIFAR100CNN", 5),
+    "cifar10": Dataset(
+        data_class="lightning_fedrep.data.vision.CIFAR10DataModule",
+        model_class="lightning_fedrep.models.CIFAR10CNN",
+        joint_epochs=1,
+    ),
+    "cifar100": Dataset(
+        data_class="lightning_fedrep.data.vision.CIFAR100DataModule",
+        model_class="lightning_fedrep.models.CIFAR100CNN",
+        joint_epochs=5,
+    ),
 }
 VARIANTS = ("flute", "flute_star")
 
 
 def recipe(column: str, variant: str) -> tuple[str, str]:
-    dataset, n, s, paper_flute, paper_star = COLUMNS[column]
-    data_class, model_class, joint = DATA[dataset]
+    setting = COLUMNS[column]
+    dataset, n, s = setting.dataset, setting.n, setting.s
+    data = DATA[dataset]
+    joint = data.joint_epochs
     phases = [{"train": "all", "epochs": joint}]
     if variant == "flute_star":
         phases.insert(0, {"train": "head", "epochs": 10})
@@ -50,43 +81,17 @@ def recipe(column: str, variant: str) -> tuple[str, str]:
     callback["local_classes"] = s  # Averaged Local NC2 with the code's S = shard_per_user
     if dataset == "cifar100":
         callback["features_module"] = "drop"  # φ(X) before the dropout, as the official code
-    name = f"flute-{column}-{variant}"
+    strategy = {"algorithm": "fedrep", "clients_per_round": 0.1, "seed": 0, "phases": phases}
+    collapse = {"class_path": "lightning_fedrep.callbacks.NeuralCollapse", "init_args": callback}
     config = {
         "seed_everything": 0,
-        "trainer": {
-            "accelerator": "auto",
-            "devices": 1,
-            "max_epochs": 100,
-            "check_val_every_n_epoch": 1,
-            "num_sanity_val_steps": 0,
-            "default_root_dir": f"runs/flute/{column}",
-            "strategy": {
-                "class_path": "lightning_fedrep.FedRepStrategy",
-                "init_args": {"algorithm": "fedrep", "clients_per_round": 0.1, "seed": 0, "phases": phases},
-            },
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.WandbLogger",
-                "init_args": {
-                    "project": "lightning-fedrep",
-                    "name": name,
-                    "save_dir": f"runs/flute/{column}",
-                },
-            },
-            "callbacks": [
-                {
-                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                    "init_args": {"save_last": True},
-                },
-                {"class_path": "lightning_fedrep.callbacks.NeuralCollapse", "init_args": callback},
-                {"class_path": "lightning_fedrep.callbacks.RunSummary"},
-            ],
-        },
+        "trainer": trainer_section(f"flute/{column}", f"flute-{column}-{variant}", 100, strategy, [collapse]),
         "model": {
-            "class_path": model_class,
+            "class_path": data.model_class,
             "init_args": {"lr": 0.01, "momentum": 0.5, "weight_decay": 1e-4},
         },
         "data": {
-            "class_path": data_class,
+            "class_path": data.data_class,
             "init_args": {
                 "num_clients": n,
                 "classes_per_client": s,
@@ -103,6 +108,7 @@ def recipe(column: str, variant: str) -> tuple[str, str]:
         if variant == "flute"
         else f"10 head-only epochs, then {joint} joint epoch(s) per round (the code's order)"
     )
+    paper_flute, paper_star = setting.flute, setting.flute_star
     path = f"{column}_{variant}.yaml"
     header = [
         f"FLUTE paper (Liu, Shen & Yang, ICML 2024) Table 1, {dataset.upper()} (N={n} clients, S={s} classes "
@@ -116,12 +122,8 @@ def recipe(column: str, variant: str) -> tuple[str, str]:
         "Not as the official code: every client uses all its shard samples (the code caps at m_tr=500, which",
         "matters for N=50); no extra all-client head fine-tuning round (the code's, excluded from its figure).",
         f"Run: lightning-fedrep fit --config recipes/flute/{path}",
-        "Generated by recipes/flute/generate.py; edit the table there, not this file.",
     ]
-    text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(
-        config, sort_keys=False, default_flow_style=False
-    )
-    return path, text
+    return path, render("\n".join(header), config, generator="recipes/flute/generate.py")
 
 
 def all_recipes() -> dict[str, str]:
