@@ -1,38 +1,80 @@
 """lightning_fedrep: personalized federated learning as a drop-in PyTorch Lightning strategy.
 
-Importing the package registers the strategy names ``"fedrep"``, ``"fedper"``, ``"lg_fedavg"``,
-``"fedavg"`` and ``"local"`` with Lightning, so ``Trainer(strategy="fedrep")`` works for a module
-that marks its own head (``fedrep_head = "classifier"``).
+Importing the package registers one strategy name per algorithm with Lightning (``"fedrep"``,
+``"fedper"``, ``"lg_fedavg"``, ``"fedavg"``, ``"local"``), so ``Trainer(strategy="fedrep")`` works for
+a module that marks its own head (``fedrep_head = "classifier"``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase
-from lightning_fedrep.data.loaders import ClientData, EvalLoader, RoundLoader
+from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, FedRep, Phase, register_algorithm
+from lightning_fedrep.callbacks import (
+    AdaptiveParticipation,
+    FederatedProgressBar,
+    HeadFineTuning,
+    NeuralCollapse,
+    RunSummary,
+)
 from lightning_fedrep.data.module import FederatedDataModule
+from lightning_fedrep.data.partition import (
+    ClientSplit,
+    DirichletPartitioner,
+    IIDPartitioner,
+    NaturalPartitioner,
+    Partitioner,
+    ShardPartitioner,
+)
 from lightning_fedrep.export import personalized_state_dict
-from lightning_fedrep.plan import RoundPlan, sample_clients
+from lightning_fedrep.federation import ClientResult, Federation, RoundResult
+from lightning_fedrep.hooks import FederatedCallback, LiveStep
+from lightning_fedrep.participation import (
+    DynamicExponential,
+    FixedExponential,
+    LatencyModel,
+    TwoClassExponential,
+)
+from lightning_fedrep.plan import ClientWork, RoundPlan, RoundSpec, StepLocation
 from lightning_fedrep.split import ParameterSplit, SplitError, resolve_split
-from lightning_fedrep.strategy import CHECKPOINT_KEY, FedRepStrategy
+from lightning_fedrep.strategy import CHECKPOINT_KEY, FederatedStrategy, FedRepStrategy
 
 __all__ = [
     "ALGORITHMS",
+    "AdaptiveParticipation",
     "Algorithm",
     "CHECKPOINT_KEY",
-    "ClientData",
-    "EvalLoader",
+    "ClientResult",
+    "ClientSplit",
+    "ClientWork",
+    "DirichletPartitioner",
+    "DynamicExponential",
+    "FedRep",
     "FedRepStrategy",
+    "FederatedCallback",
     "FederatedDataModule",
+    "FederatedProgressBar",
+    "FederatedStrategy",
+    "Federation",
+    "FixedExponential",
+    "HeadFineTuning",
+    "IIDPartitioner",
+    "LatencyModel",
+    "LiveStep",
+    "NaturalPartitioner",
+    "NeuralCollapse",
     "ParameterSplit",
+    "Partitioner",
     "Phase",
-    "RoundLoader",
     "RoundPlan",
+    "RoundResult",
+    "RoundSpec",
+    "RunSummary",
+    "ShardPartitioner",
     "SplitError",
+    "StepLocation",
+    "TwoClassExponential",
     "personalized_state_dict",
+    "register_algorithm",
     "resolve_split",
-    "sample_clients",
 ]
 
-for _name, _algorithm in ALGORITHMS.items():
-    if _name not in StrategyRegistry:
-        StrategyRegistry.register(_name, FedRepStrategy, description=_algorithm.description, algorithm=_name)
+FederatedStrategy.register_strategies(StrategyRegistry)

@@ -1,18 +1,39 @@
-"""The FedRep family as data: what each algorithm shares with the server and its local phases.
+"""The FedRep family as objects: what each algorithm shares, its local phases, how a round aggregates.
 
-An algorithm is not a strategy subclass. It is a small description the one strategy core reads:
-which part of the model is averaged by the server (``shared``), and which parts train in which
-order on a client (``phases``). Everything the algorithm does not share stays on the client.
+The strategy never checks an algorithm's name. It asks the algorithm object:
+
+* ``shares`` — which groups of the body/head split the server averages (``{"body"}`` for FedRep and
+  FedPer, ``{"head"}`` for LG-FedAvg, both for FedAvg, none for Local Only); everything else stays on
+  the client;
+* :meth:`Algorithm.default_phases` — the local work when only the epoch shorthands are given;
+* :meth:`Algorithm.aggregate` — the new global shared state from the round's weighted average;
+* :meth:`Algorithm.loss_term` — an extra term added to every local training loss (e.g. FedProx's
+  proximal term);
+* :meth:`Algorithm.state_dict` — server state the algorithm keeps across rounds (saved in checkpoints).
+
+A new algorithm is a subclass (or an instance) passed as ``FederatedStrategy(algorithm=...)``, or
+registered by name with :func:`register_algorithm`; the strategy needs no change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from lightning_fedrep.server import WeightedAverage
 
 Part = Literal["head", "body", "all"]
-Shared = Literal["body", "head", "all", "none"]
+"""What trains in a local phase: the head, the body, or both."""
+
+Group = Literal["head", "body"]
+"""A group of the body/head split."""
+
+PART_GROUPS: dict[str, tuple[Group, ...]] = {"head": ("head",), "body": ("body",), "all": ("head", "body")}
+"""The split groups each phase part trains."""
 
 
 @dataclass(frozen=True)
@@ -28,64 +49,17 @@ class Phase:
     steps: int | None = None
 
     def __post_init__(self) -> None:
-        if self.train not in ("head", "body", "all"):
+        if self.train not in PART_GROUPS:
             raise ValueError(f"Phase.train must be 'head', 'body' or 'all', got {self.train!r}.")
         if (self.epochs is None) == (self.steps is None):
             raise ValueError(f"Give a phase exactly one of epochs= or steps=, got {self!r}.")
         budget = self.epochs if self.epochs is not None else self.steps
-        if not isinstance(budget, int) or budget < 0:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"A phase's epochs/steps must be a non-negative integer, got {budget!r}.")
 
     def num_steps(self, steps_per_epoch: int) -> int:
         """Optimizer steps of this phase for a client with ``steps_per_epoch`` batches per epoch."""
         return self.steps if self.steps is not None else self.epochs * steps_per_epoch
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """What the server averages (``shared``) and the default local phases of one algorithm."""
-
-    name: str
-    shared: Shared
-    needs_split: bool
-    description: str
-
-    def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
-        """Local phases when the user gives only the epoch shorthands."""
-        if self.name == "fedrep":
-            return (Phase("head", epochs=head_epochs), Phase("body", epochs=body_epochs))
-        return (Phase("all", epochs=local_epochs),)
-
-
-ALGORITHMS: dict[str, Algorithm] = {
-    a.name: a
-    for a in (
-        Algorithm(
-            "fedrep",
-            "body",
-            True,
-            "FedRep: head epochs with the body frozen, then body epochs with the head frozen; "
-            "the body is averaged, heads stay local.",
-        ),
-        Algorithm("fedper", "body", True, "FedPer: head and body trained jointly; the body is averaged."),
-        Algorithm(
-            "lg_fedavg",
-            "head",
-            True,
-            "LG-FedAvg: trained jointly; the head part is averaged, the representation stays local.",
-        ),
-        Algorithm("fedavg", "all", False, "FedAvg: one global model, everything averaged."),
-        Algorithm("local", "none", False, "Local Only: no communication, every client trains alone."),
-    )
-}
-
-
-def get_algorithm(name: str) -> Algorithm:
-    """Look up an algorithm by name, with an error that lists the valid names."""
-    try:
-        return ALGORITHMS[name]
-    except KeyError:
-        raise ValueError(f"Unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}.") from None
 
 
 def parse_phases(phases: Sequence[Phase | dict]) -> tuple[Phase, ...]:
@@ -94,3 +68,115 @@ def parse_phases(phases: Sequence[Phase | dict]) -> tuple[Phase, ...]:
     if not parsed:
         raise ValueError("phases must name at least one phase, e.g. [{'train': 'all', 'epochs': 1}].")
     return parsed
+
+
+class Algorithm:
+    """A federated algorithm of the FedRep family: what the server averages and how clients train.
+
+    The base class is FedAvg-shaped: every phase trains jointly for ``local_epochs``, and the server
+    replaces the shared part by the (sample-weighted) mean of the participants'. Subclasses override
+    the methods below; the strategy calls them and nothing else.
+
+    Args:
+        name: the algorithm's name (also its registered strategy name).
+        shares: the split groups the server averages: ``"body"``, ``"head"``, both, or none.
+        description: one line for ``StrategyRegistry`` and the CLI.
+    """
+
+    def __init__(self, name: str, shares: Iterable[Group], description: str):
+        groups = frozenset(shares)
+        unknown = groups - {"body", "head"}
+        if unknown:
+            raise ValueError(f"Algorithm shares must be among 'body' and 'head', got {sorted(unknown)}.")
+        self.name = name
+        self.shares: frozenset[Group] = groups
+        self.description = description
+
+    @property
+    def needs_split(self) -> bool:
+        """Whether the algorithm must know which parameters are the head (it shares one group only)."""
+        return len(self.shares) == 1
+
+    def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
+        """Local phases when the user gives only the epoch shorthands (called at construction)."""
+        return (Phase("all", epochs=local_epochs),)
+
+    def aggregate(self, global_state: list[Tensor], average: WeightedAverage) -> list[Tensor]:
+        """The new global shared state at the end of a round (called once per aggregating round).
+
+        ``global_state`` is the state the round started from, ``average`` the running weighted sum
+        of the participants' shared tensors. The default is the weighted mean (FedAvg's server step).
+        """
+        return average.mean(global_state)
+
+    def loss_term(self, module: nn.Module, global_state: Mapping[str, Tensor]) -> Tensor | None:
+        """An extra term for the live client's training loss, or ``None`` (called every local step).
+
+        ``global_state`` maps shared tensor names to the round's starting global values (read-only).
+        Automatic optimization only.
+        """
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Server state kept across rounds (e.g. server momentum); saved with the federation."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, shares={sorted(self.shares)})"
+
+
+class FedRep(Algorithm):
+    """FedRep: head epochs with the body frozen, then body epochs with the head frozen; body averaged."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "fedrep",
+            {"body"},
+            "FedRep: head epochs with the body frozen, then body epochs with the head frozen; "
+            "the body is averaged, heads stay local.",
+        )
+
+    def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
+        return (Phase("head", epochs=head_epochs), Phase("body", epochs=body_epochs))
+
+
+ALGORITHMS: dict[str, Algorithm] = {}
+"""The registered algorithms by name (each is also a strategy name after ``import lightning_fedrep``)."""
+
+
+def register_algorithm(algorithm: Algorithm, *, override: bool = False) -> Algorithm:
+    """Make ``algorithm`` available by name (``FederatedStrategy(algorithm=algorithm.name)``)."""
+    if not isinstance(algorithm, Algorithm):
+        raise TypeError(f"register_algorithm takes an Algorithm, got {type(algorithm).__name__}.")
+    if algorithm.name in ALGORITHMS and not override:
+        raise ValueError(f"An algorithm named {algorithm.name!r} is registered already; pass override=True.")
+    ALGORITHMS[algorithm.name] = algorithm
+    return algorithm
+
+
+for _algorithm in (
+    FedRep(),
+    Algorithm("fedper", {"body"}, "FedPer: head and body trained jointly; the body is averaged."),
+    Algorithm(
+        "lg_fedavg",
+        {"head"},
+        "LG-FedAvg: trained jointly; the head part is averaged, the representation stays local.",
+    ),
+    Algorithm("fedavg", {"body", "head"}, "FedAvg: one global model, everything averaged."),
+    Algorithm("local", (), "Local Only: no communication, every client trains alone."),
+):
+    register_algorithm(_algorithm)
+
+
+def get_algorithm(algorithm: str | Algorithm) -> Algorithm:
+    """An algorithm object from a registered name (or the object itself), with an error listing names."""
+    if isinstance(algorithm, Algorithm):
+        return algorithm
+    if isinstance(algorithm, str) and algorithm in ALGORITHMS:
+        return ALGORITHMS[algorithm]
+    raise ValueError(
+        f"Unknown algorithm {algorithm!r}; choose one of {sorted(ALGORITHMS)} or pass an Algorithm object."
+    )

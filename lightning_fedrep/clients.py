@@ -7,6 +7,7 @@ Everything here is tensors, ints and dicts, so checkpoints load with ``weights_o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,6 +30,13 @@ class ClientStore:
     def get(self, client: int) -> list[Tensor]:
         """The client's local tensors (the template for a client that never trained). Do not modify."""
         return self.local.get(client, self.template)
+
+    def personal(self, client: int, local_names: Sequence[str]) -> dict[str, Tensor]:
+        """What makes ``client``'s model its own, by name: its local part (the template if it never
+        trained) and any shared tensors it fine-tuned. Not copies: do not modify."""
+        tensors = dict(zip(local_names, self.get(client)))
+        tensors.update(self.finetuned.get(client, {}))
+        return tensors
 
     def put(self, client: int, tensors: list[Tensor]) -> None:
         """Store a copy of the client's local tensors."""

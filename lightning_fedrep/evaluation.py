@@ -1,11 +1,12 @@
-"""Personalized evaluation: per-client metric accumulators and their summary over clients."""
+"""Personalized evaluation: per-client metric accumulators, one evaluation pass, the summary over clients."""
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import lightning as L
@@ -61,6 +62,11 @@ class ClientMetrics:
         self.samples: dict[int, int] = defaultdict(int)
         self.options: dict[str, dict[str, Any]] = {}
         """Per user-logged key, the ``prog_bar``/``logger`` flags it was logged with."""
+
+    @property
+    def names(self) -> list[str]:
+        """The metrics measured in this pass (e.g. ``val/acc``, ``val/loss``, the user's own keys)."""
+        return list(self.sums)
 
     def add(self, name: str, client: int, total: float, count: float) -> None:
         self.sums[name][client] += total
@@ -130,3 +136,75 @@ def capture_logs(
         yield keys
     finally:
         del module.log
+
+
+class EvaluationPass:
+    """One personalized evaluation pass (a validation or test run over every client's batches).
+
+    The strategy loads each batch's client, then :meth:`step` runs the user's step with its logging
+    captured per client and adds the headline metrics from ``model(x)``; :meth:`summary` reduces every
+    metric over clients at the end of the pass.
+    """
+
+    def __init__(self, stage: str, headline: bool = True):
+        self.stage = stage
+        self.headline = headline
+        """Whether headline metrics are computed; turned off (with a warning) if ``model(x)`` fails."""
+        self.metrics = ClientMetrics()
+
+    def step(
+        self,
+        module: L.LightningModule,
+        run_step: Callable[[], Any],
+        batch: Any,
+        client: int,
+        precision_context: Callable[[], AbstractContextManager],
+    ) -> Any:
+        """Run the user's evaluation step on ``client``'s batch and record its metrics."""
+        size = batch_size_of(batch)
+        self.metrics.samples[client] += size
+        with capture_logs(module, self.metrics, client, size) as user_keys:
+            output = run_step()
+        if self.headline and isinstance(batch, list | tuple) and len(batch) == 2:
+            self._add_headline(module, batch, client, size, user_keys, precision_context)
+        return output
+
+    def _add_headline(
+        self,
+        module: L.LightningModule,
+        batch: Any,
+        client: int,
+        size: int,
+        user_keys: set[str],
+        precision_context: Callable[[], AbstractContextManager],
+    ) -> None:
+        try:
+            with torch.no_grad(), precision_context():
+                sums = headline_sums(module(batch[0]), batch[1])
+        except Exception as error:  # the module's forward may not take ``x`` alone
+            self.headline = False
+            warnings.warn(
+                f"Could not compute {self.stage}/acc and {self.stage}/loss from model(x) on (x, y) batches "
+                f"({error!r}); they are turned off. Log your own metrics in validation_step/test_step, or "
+                "pass headline_metrics=False to silence this.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        for name, total in (sums or {}).items():
+            key = f"{self.stage}/{name}"
+            if key not in user_keys:
+                self.metrics.add(key, client, total.item(), size)
+
+    def summary(self, prefix: str = "") -> dict[str, float]:
+        """Every metric's summary over clients: ``prefix + name + suffix`` for each of ``SUMMARY_SUFFIXES``."""
+        return {
+            prefix + name + suffix: value
+            for name in self.metrics.names
+            for suffix, value in self.metrics.summary(name).items()
+        }
+
+    def logging_options(self, key: str) -> dict[str, Any]:
+        """The ``prog_bar``/``logger`` flags the user logged ``key`` with (headline ``/acc``: progress bar)."""
+        options = self.metrics.options.get(key, {})
+        return {"prog_bar": options.get("prog_bar", key.endswith("/acc")), "logger": options.get("logger")}

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fedrep.clients import ClientStore
 from lightning_fedrep.strategy import CHECKPOINT_KEY
 
 
@@ -15,21 +16,19 @@ def personalized_state_dict(checkpoint: str | Path | dict[str, Any], client: int
     """Client ``client``'s personalized ``state_dict`` for the user's module, read from a checkpoint
     written during a federated fit (a path, or the already loaded dict).
 
-    The result loads with ``MyModule(...).load_state_dict(...)``: the global shared part from the
-    checkpoint's ``state_dict`` and the client's own local part (its head, for FedRep). A client that
-    never trained gets the initial local part, as it would during training.
+    The same as ``strategy.client_state_dict(client)`` on the live strategy: the checkpoint's
+    ``state_dict`` (the global shared part) with the client's own tensors — its local part (the initial
+    one for a client that never trained) and whatever it fine-tuned (``HeadFineTuning``). The result
+    loads with ``MyModule(...).load_state_dict(...)``.
     """
     if not isinstance(checkpoint, dict):
         checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=True)
     if CHECKPOINT_KEY not in checkpoint:
         raise ValueError(
             f"This checkpoint has no '{CHECKPOINT_KEY}' entry; it was not written by a federated fit "
-            "(FedRepStrategy), so it holds no per-client state."
+            "(FederatedStrategy), so it holds no per-client state."
         )
     state = checkpoint[CHECKPOINT_KEY]
-    clients = state["clients"]
-    local = clients["local"].get(client, clients["template"])
-    out = dict(checkpoint["state_dict"])
-    for name, value in zip(state["local_names"], local):
-        out[name] = value
-    return out
+    store = ClientStore([])
+    store.load_state_dict(state["clients"])
+    return {**checkpoint["state_dict"], **store.personal(client, state["local_names"])}

@@ -7,11 +7,10 @@ from typing import Any
 
 import lightning as L
 
-from lightning_fedrep.algorithms import Phase
+from lightning_fedrep.callbacks.finetuning import HeadFineTuning
 from lightning_fedrep.data.module import FederatedDataModule
-from lightning_fedrep.plan import RoundSpec
 from lightning_fedrep.split import HeadSpec
-from lightning_fedrep.strategy import FedRepStrategy
+from lightning_fedrep.strategy import FederatedStrategy
 
 
 def evaluate_new_clients(
@@ -29,16 +28,17 @@ def evaluate_new_clients(
 
     ``model`` is the federation's model for a client that never trained: typically
     ``strategy.client_model(-1)`` (global body, initial head), or FedAvg's global model. It is not
-    modified. The fit runs through :class:`FedRepStrategy` (one head-only round over all the new
-    clients, nothing aggregated), so the user's ``training_step`` and optimizer are used as in training.
+    modified. The fit runs through :class:`FederatedStrategy` with no federated round and one
+    :class:`HeadFineTuning` round (head-only, every new client, nothing aggregated), so the user's
+    ``training_step`` and optimizer are used as in training.
     """
     module = copy.deepcopy(model)
     data = datamodule.with_train_samples(samples, seed) if samples is not None else datamodule
-    phase = Phase("head", epochs=epochs) if steps is None else Phase("head", steps=steps)
-    strategy = FedRepStrategy(head=head, clients_per_round=1.0, phases=[phase], seed=seed)
-    strategy.schedule_round(0, RoundSpec(phases=(phase,), aggregate=False))
+    strategy = FederatedStrategy(head=head, clients_per_round=1.0, seed=seed)
+    finetuning = HeadFineTuning(epochs=epochs, steps=steps, mode="head")
     settings = dict(
-        max_epochs=1,
+        max_epochs=0,
+        callbacks=[finetuning, *trainer_kwargs.pop("callbacks", [])],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

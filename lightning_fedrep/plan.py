@@ -1,20 +1,21 @@
 """Round planning: which clients train in a round, in which order, and for how many steps per phase.
 
-A plan is a pure function of the seed, the round index and the clients' sizes, so every process
-and every resumed run computes the same plan without communicating. Lightning's ``batch_idx`` is
-an index into the plan: ``plan.locate(batch_idx)`` says which client and phase a step belongs to.
+A plan is a pure function of the seed, the round index, the clients' sizes and what the federated
+callbacks decide (their decisions are checkpointed), so a resumed run computes the same plan.
+Lightning's ``batch_idx`` is an index into the plan: ``plan.locate(batch_idx)`` says which client and
+phase a step belongs to.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from lightning_fedrep.algorithms import Part, Phase
+from lightning_fedrep.algorithms import Part, Phase, parse_phases
 
 
 def round_generator(seed: int, *keys: int) -> torch.Generator:
@@ -54,19 +55,25 @@ def sample_clients(
     return sorted(chosen.tolist())
 
 
+def steps_per_epoch(num_samples: int, batch_size: int) -> int:
+    """Batches in one pass over a client's data (the last batch may be smaller)."""
+    return math.ceil(num_samples / batch_size)
+
+
 @dataclass(frozen=True)
 class RoundSpec:
-    """A round that departs from the algorithm's usual round (e.g. fine-tuning after training).
+    """What a round does, before it is turned into step counts: the part callbacks may change.
 
-    ``clients=None`` means every client. A round with ``aggregate=False`` changes no global state:
-    each client keeps whatever it trained, including trained parts the algorithm normally shares
-    (the fine-tuned models of FedAvg + fine-tuning). ``prefix`` is put before the names of the metrics
-    validation logs after this round (``"finetune/"`` gives ``finetune/val/acc``), so these rounds
-    stay out of the federated rounds' figures.
+    ``clients`` train in this order; ``phases`` is each client's local work. A round with
+    ``aggregate=False`` changes no global state: each client keeps whatever it trained, including
+    trained parts the algorithm normally shares (the fine-tuned models of FedAvg + fine-tuning); it is
+    not a federated round (no history row, no participation accounting, no server step). ``prefix``
+    is put before the names of the metrics validation logs after the round (``"finetune/"`` gives
+    ``finetune/val/acc``).
     """
 
+    clients: tuple[int, ...]
     phases: tuple[Phase, ...]
-    clients: tuple[int, ...] | None = None
     aggregate: bool = True
     prefix: str = ""
 
@@ -98,12 +105,18 @@ class StepLocation:
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """The frozen schedule of one round: clients in order, each with its phases' step counts."""
+    """The frozen schedule of one round: its spec, and each client's phases as step counts.
+
+    Federated callbacks receive the plan before the round (``FederatedCallback.configure_round``) and
+    return a changed one with :meth:`replace`, which re-derives the step counts.
+    """
 
     round: int
+    spec: RoundSpec
     work: tuple[ClientWork, ...]
-    spec: RoundSpec | None = None
-    _starts: tuple[int, ...] = field(init=False, repr=False)
+    client_sizes: tuple[int, ...] = field(repr=False)
+    batch_size: int = field(repr=False)
+    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         starts, total = [], 0
@@ -119,7 +132,66 @@ class RoundPlan:
 
     @property
     def clients(self) -> list[int]:
+        """The clients that train in the round (those with at least one step), in order."""
         return [w.client for w in self.work]
+
+    @property
+    def num_clients(self) -> int:
+        """Number of clients in the federation (not only this round's)."""
+        return len(self.client_sizes)
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        return self.spec.phases
+
+    @property
+    def aggregate(self) -> bool:
+        return self.spec.aggregate
+
+    @property
+    def federated(self) -> bool:
+        """Whether this is a federated round (it aggregates), not a fine-tuning or evaluation round."""
+        return self.spec.aggregate
+
+    @property
+    def prefix(self) -> str:
+        return self.spec.prefix
+
+    def steps_of(self, client: int) -> int:
+        """The planned steps of ``client`` in this round (0 if it does not train)."""
+        return next((w.steps for w in self.work if w.client == client), 0)
+
+    def replace(
+        self,
+        *,
+        clients: Iterable[int] | None = None,
+        phases: Sequence[Phase | dict] | None = None,
+        aggregate: bool | None = None,
+        prefix: str | None = None,
+    ) -> RoundPlan:
+        """This round with other clients, phases, aggregation or metric prefix (the rest unchanged)."""
+        spec = replace(
+            self.spec,
+            **{
+                k: v
+                for k, v in dict(
+                    clients=None if clients is None else tuple(int(c) for c in clients),
+                    phases=None if phases is None else parse_phases(phases),
+                    aggregate=aggregate,
+                    prefix=prefix,
+                ).items()
+                if v is not None
+            },
+        )
+        return plan_round(
+            self.round,
+            spec.clients,
+            spec.phases,
+            self.client_sizes,
+            self.batch_size,
+            aggregate=spec.aggregate,
+            prefix=spec.prefix,
+        )
 
     def locate(self, step: int) -> StepLocation:
         """Which client and phase the round's ``step``-th batch belongs to."""
@@ -144,24 +216,30 @@ class RoundPlan:
         )
 
 
-def steps_per_epoch(num_samples: int, batch_size: int) -> int:
-    """Batches in one pass over a client's data (the last batch may be smaller)."""
-    return math.ceil(num_samples / batch_size)
-
-
 def plan_round(
     round_index: int,
     clients: Sequence[int],
     phases: Sequence[Phase],
     client_sizes: Sequence[int],
     batch_size: int,
-    spec: RoundSpec | None = None,
+    *,
+    aggregate: bool = True,
+    prefix: str = "",
 ) -> RoundPlan:
-    """Turn the sampled ``clients`` and the algorithm's ``phases`` into a step-exact round plan.
+    """Turn the round's ``clients`` and ``phases`` into a step-exact round plan.
 
     Epoch budgets become ``epochs * ceil(n_i / batch_size)`` steps for client ``i``; phases with a
     zero budget are dropped; a client left with no steps is skipped.
     """
+    clients = tuple(int(c) for c in clients)
+    unknown = [c for c in clients if not 0 <= c < len(client_sizes)]
+    if unknown:
+        raise ValueError(
+            f"Round {round_index} names clients {unknown[:10]}, but the federation has clients "
+            f"0..{len(client_sizes) - 1}."
+        )
+    if len(set(clients)) != len(clients):
+        raise ValueError(f"Round {round_index} names a client twice: {list(clients)}.")
     work = []
     for cid in clients:
         per_epoch = steps_per_epoch(client_sizes[cid], batch_size)
@@ -169,4 +247,5 @@ def plan_round(
         steps = tuple(s for s in steps if s[1] > 0)
         if steps:
             work.append(ClientWork(cid, steps))
-    return RoundPlan(round_index, tuple(work), spec)
+    spec = RoundSpec(clients, tuple(phases), aggregate, prefix)
+    return RoundPlan(round_index, spec, tuple(work), tuple(client_sizes), batch_size)

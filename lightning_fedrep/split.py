@@ -134,3 +134,56 @@ def resolve_split(module: nn.Module, head: HeadSpec = None, *, allow_frozen: boo
             f"share. Mark only the last layer(s) as head; {_describe(module)}."
         )
     return ParameterSplit(head=ordered_head, body=body, frozen=tuple(frozen))
+
+
+def split_without_head(module: nn.Module, *, allow_frozen: bool = False) -> ParameterSplit:
+    """The split of an algorithm that never needs the head (FedAvg, Local Only): everything is body."""
+    named = list(module.named_parameters())
+    frozen = tuple(n for n, p in named if not p.requires_grad)
+    if frozen and not allow_frozen:
+        raise SplitError(
+            f"Parameters {list(frozen)} have requires_grad=False; unfreeze them or pass allow_frozen=True."
+        )
+    return ParameterSplit(head=(), body=tuple(n for n, p in named if p.requires_grad), frozen=frozen)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Which named tensors of the module the server shares and which each client keeps.
+
+    ``shared`` are averaged by the server (the split groups the algorithm shares, plus buffers when
+    they follow a shared body); ``local`` are stored per client. Frozen parameters are in neither.
+    """
+
+    split: ParameterSplit
+    shared: tuple[str, ...]
+    local: tuple[str, ...]
+
+
+def resolve_layout(
+    module: nn.Module,
+    head: HeadSpec,
+    *,
+    shares: frozenset[str],
+    needs_head: bool,
+    buffers: str = "shared",
+    allow_frozen: bool = False,
+) -> TensorLayout:
+    """Resolve the split and the shared/local tensor names for an algorithm sharing ``shares``.
+
+    The head must be marked when ``needs_head`` (the algorithm shares one group only, or a phase
+    trains only one) or when the user marked one anyway; otherwise everything trainable is body.
+    Buffers follow the body (shared when the body is) unless ``buffers="local"``.
+    """
+    marked = head is not None or _spec_from_module(module) is not None
+    if needs_head or marked:
+        split = resolve_split(module, head, allow_frozen=allow_frozen)
+    else:
+        split = split_without_head(module, allow_frozen=allow_frozen)
+    names = [n for n, _ in module.named_parameters()]
+    shared = [n for n in names if split.group(n) in shares]
+    local = [n for n in names if split.group(n) in ("body", "head") and n not in shared]
+    state_names = module.state_dict().keys()
+    buffer_names = [n for n, _ in module.named_buffers() if n in state_names]
+    (shared if buffers == "shared" and "body" in shares else local).extend(buffer_names)
+    return TensorLayout(split, tuple(shared), tuple(local))

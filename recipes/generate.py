@@ -389,7 +389,7 @@ def srpfl_recipe(algorithm: str) -> tuple[str, str]:
             "initial_clients": 5,
             "rounds_per_stage": 5,
             "latency": {
-                "class_path": "lightning_fedrep.callbacks.FixedExponential",
+                "class_path": "lightning_fedrep.participation.FixedExponential",
                 "init_args": {"rate": 1.0, "seed": 1},
             },
             "communication_cost": 0.0,

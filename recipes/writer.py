@@ -22,7 +22,7 @@ def trainer_section(
     val_every: int = 1,
     checkpoints: bool = True,
 ) -> dict:
-    """A recipe's ``trainer:`` section: ``FedRepStrategy(**strategy)`` for ``rounds`` rounds, logged to
+    """A recipe's ``trainer:`` section: ``FederatedStrategy(**strategy)`` for ``rounds`` rounds, logged to
     W&B run ``name``, with files under ``runs/<root>``.
 
     ``callbacks`` come after the last-round ``ModelCheckpoint`` (left out, and checkpointing switched
@@ -39,7 +39,7 @@ def trainer_section(
         "check_val_every_n_epoch": val_every,
         "num_sanity_val_steps": 0,
         "default_root_dir": f"runs/{root}",
-        "strategy": {"class_path": "lightning_fedrep.FedRepStrategy", "init_args": strategy},
+        "strategy": {"class_path": "lightning_fedrep.FederatedStrategy", "init_args": strategy},
         "logger": {
             "class_path": "lightning.pytorch.loggers.WandbLogger",
             "init_args": {"project": "lightning-fedrep", "name": name, "save_dir": f"runs/{root}"},

@@ -49,8 +49,12 @@ def run(root, ckpt=None, callbacks=(), rounds=4, **trainer_kw):
 
 
 def same_federation(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a.global_state, b.global_state)) and all(
-        torch.equal(x, y) for c in a.store.local for x, y in zip(a.store.local[c], b.store.local[c])
+    return all(
+        torch.equal(x, y) for x, y in zip(a.federation.global_state, b.federation.global_state)
+    ) and all(
+        torch.equal(x, y)
+        for c in a.federation.store.local
+        for x, y in zip(a.federation.store.local[c], b.federation.store.local[c])
     )
 
 
@@ -161,8 +165,8 @@ def test_buffers_follow_the_body_unless_local(algorithm, buffers, shared):
     quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0).fit(
         BNNet(), datamodule=tiny_datamodule()
     )
-    assert ("body.1.running_mean" in strategy.shared_names) == shared
-    assert ("body.1.running_mean" in strategy.local_names) != shared
+    assert ("body.1.running_mean" in strategy.federation.shared_names) == shared
+    assert ("body.1.running_mean" in strategy.federation.local_names) != shared
 
 
 def test_one_batch_limit_and_accumulation_scheduler_are_refused():

@@ -157,5 +157,5 @@ def test_fast_dev_run_truncates_and_still_closes_the_round():
     model = TinyNet()
     trainer.fit(model, datamodule=tiny_datamodule())
     assert trainer.global_step == 1
-    assert not trainer.strategy._round_open
-    assert len(trainer.strategy.store.local) == 1
+    assert not trainer.strategy.federation.round_open
+    assert len(trainer.strategy.federation.store.local) == 1

@@ -68,20 +68,20 @@ def test_mid_round_validation_does_not_change_training():
     """val_check_interval < 1 validates mid-round with the global body; training is unaffected."""
     plain_model, _, plain, _ = trained(rounds=2, limit_val_batches=0)
     model, _, strategy, trainer = trained(rounds=2, val_check_interval=0.5)
-    for a, b in zip(plain.global_state, strategy.global_state):
+    for a, b in zip(plain.federation.global_state, strategy.federation.global_state):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for cid, tensors in plain.store.local.items():
-        for a, b in zip(tensors, strategy.store.local[cid]):
+    for cid, tensors in plain.federation.store.local.items():
+        for a, b in zip(tensors, strategy.federation.store.local[cid]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_unsampled_clients_keep_their_heads():
     model, dm, strategy, _ = trained(rounds=1, limit_val_batches=0)
     sampled = set(strategy.round_plan(0).clients)
-    assert set(strategy.store.local) == sampled and len(sampled) == 4
+    assert set(strategy.federation.store.local) == sampled and len(sampled) == 4
     for cid in set(range(dm.num_clients)) - sampled:
         head = strategy.client_state_dict(cid)["classifier.weight"]
-        torch.testing.assert_close(head, strategy.store.template[0])
+        torch.testing.assert_close(head, strategy.federation.store.template[0])
 
 
 def test_max_steps_mid_round_averages_the_clients_that_trained():
@@ -95,9 +95,9 @@ def test_max_steps_mid_round_averages_the_clients_that_trained():
         trainer.fit(model, datamodule=dm)
     length = strategy.round_plan(0).length
     assert trainer.global_step == 10 < length
-    assert not strategy._round_open
+    assert not strategy.federation.round_open
     first = strategy.round_plan(0).work[0]
-    assert set(strategy.store.local) == {first.client} or first.steps < 10
+    assert set(strategy.federation.store.local) == {first.client} or first.steps < 10
 
 
 def test_val_split_is_used_when_present():

@@ -46,7 +46,7 @@ def test_fedavg_finetuning_matches_plain_finetuning(mode):
     model, dm, strategy, trainer = fit(HeadFineTuning(epochs=2, mode=mode))
     assert trainer.current_epoch == ROUNDS + 1
     # the federated rounds are unchanged and fine-tuning aggregates nothing
-    for a, b in zip(plain.global_state, strategy.global_state):
+    for a, b in zip(plain.federation.global_state, strategy.federation.global_state):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for cid in range(dm.num_clients):
         got = strategy.client_state_dict(cid)
@@ -76,9 +76,11 @@ def test_finetuning_improves_fedavg_under_label_skew():
 def test_fedrep_final_head_round_keeps_the_body():
     _, _, plain, _ = fit(algorithm="fedrep")
     _, dm, strategy, _ = fit(HeadFineTuning(epochs=1), algorithm="fedrep")
-    for a, b in zip(plain.global_state, strategy.global_state):
+    for a, b in zip(plain.federation.global_state, strategy.federation.global_state):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert set(strategy.store.local) == set(range(dm.num_clients))  # every client got the final round
+    assert set(strategy.federation.store.local) == set(
+        range(dm.num_clients)
+    )  # every client got the final round
 
 
 def test_head_mode_needs_a_head():

@@ -158,4 +158,4 @@ def test_joint_algorithms_match_plain_loop(algorithm):
             torch.testing.assert_close(
                 got[name], expected[name], rtol=1e-5, atol=1e-6, msg=f"client {cid} {name}"
             )
-    assert set(strategy.store.local) == set(ref_local)
+    assert set(strategy.federation.store.local) == set(ref_local)

@@ -18,16 +18,16 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from benchmarks.srpfl.reference import srpfl_linear_reference, time_to_reach
 from lightning_fedrep import FedRepStrategy, Phase
-from lightning_fedrep.callbacks import (
+from lightning_fedrep.data.low_rank import FreshSampleRoundLoader, LowRankLinearDataModule
+from lightning_fedrep.data.subspace import principal_angle_distance
+from lightning_fedrep.models import LowRankLinear
+from lightning_fedrep.participation import (
     AdaptiveParticipation,
     DynamicExponential,
     FixedExponential,
     TwoClassExponential,
+    exponential_order_statistic_mean,
 )
-from lightning_fedrep.callbacks.latency import exponential_order_statistic_mean
-from lightning_fedrep.data.low_rank import FreshSampleRoundLoader, LowRankLinearDataModule
-from lightning_fedrep.data.subspace import principal_angle_distance
-from lightning_fedrep.models import LowRankLinear
 from lightning_fedrep.plan import plan_round, round_generator, sample_clients
 from tests.fixtures import MarkedTinyNet, quiet_trainer, tiny_datamodule
 
@@ -285,7 +285,7 @@ def test_simulated_mode_is_deterministic(tmp_path):
         runs.append((participation, strategy, recorder))
     (pa, sa, ra), (pb, sb, rb) = runs
     assert ra.clients == rb.clients and pa.rounds == pb.rounds and pa.time == pb.time
-    for x, y in zip(sa.global_state, sb.global_state):
+    for x, y in zip(sa.federation.global_state, sb.federation.global_state):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     # the dynamic speeds change the fastest set from round to round
     assert len({tuple(ra.clients[r]) for r in (0, 1)} | {tuple(ra.clients[r]) for r in (2, 3)}) > 2
@@ -320,7 +320,7 @@ def test_resume_mid_round_repeats_decisions_and_clock(tmp_path):
     assert resumed.rounds == full.rounds and resumed.time == full.time
     assert {r: resumed.decisions[r] for r in range(6)} == {r: full.decisions[r] for r in range(6)}
     assert all(plans.clients[r] == full_plans.clients[r] for r in plans.clients)
-    for x, y in zip(full_strategy.global_state, strategy.global_state):
+    for x, y in zip(full_strategy.federation.global_state, strategy.federation.global_state):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert trainer.callback_metrics["sim/time"].item() == pytest.approx(full.time, rel=1e-6)
 
@@ -420,7 +420,7 @@ def test_measured_mode_times_only_steady_steps(tmp_path, monkeypatch, on_top):
     """Exact arithmetic of the measurement on a fake clock: first step after a switch and the round's last
     step excluded, a moving average of seconds per step, the clock = slowest planned steps x its seconds.
     ``on_top``: a simulated latency model multiplies the measured seconds per step (clock and ranking)."""
-    import lightning_fedrep.callbacks.participation as module
+    import lightning_fedrep.federation as module
 
     clock = FakeClock()
     monkeypatch.setattr(module, "time", clock)

@@ -37,11 +37,11 @@ def fit(tmp_path, ckpt_path=None, callbacks=(), keep="reset", max_epochs=ROUNDS)
 
 
 def assert_same_federation(a, b):
-    for x, y in zip(a.global_state, b.global_state):
+    for x, y in zip(a.federation.global_state, b.federation.global_state):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
-    assert a.store.local.keys() == b.store.local.keys()
-    for cid in a.store.local:
-        for x, y in zip(a.store.local[cid], b.store.local[cid]):
+    assert a.federation.store.local.keys() == b.federation.store.local.keys()
+    for cid in a.federation.store.local:
+        for x, y in zip(a.federation.store.local[cid], b.federation.store.local[cid]):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
@@ -79,7 +79,7 @@ def test_checkpoint_loads_safely_and_exports_clients(tmp_path):
     ckpt = torch.load(path, weights_only=True)  # no pickled objects in the federated state
     # the user's own module still loads (strictly), with the global body
     loaded = TinyNet.load_from_checkpoint(path)
-    for name, value in zip(strategy.shared_names, strategy.global_state):
+    for name, value in zip(strategy.federation.shared_names, strategy.federation.global_state):
         torch.testing.assert_close(loaded.state_dict()[name], value)
     # personalized models out: from the live strategy and from the file agree
     for cid in range(6):
@@ -91,7 +91,7 @@ def test_checkpoint_loads_safely_and_exports_clients(tmp_path):
         personal = strategy.client_model(cid)
         assert personal.classifier.weight.data_ptr() != model.classifier.weight.data_ptr()
         torch.testing.assert_close(personal.classifier.weight, live["classifier.weight"])
-    trained = set(strategy.store.local)
+    trained = set(strategy.federation.store.local)
     assert trained and trained != set(range(6)) or len(trained) == 6
 
 
@@ -130,7 +130,7 @@ def test_test_from_checkpoint_in_fresh_process(tmp_path):
     assert after["test/acc"] == pytest.approx(before["test/acc"], abs=1e-6)
     assert after["test/loss"] == pytest.approx(before["test/loss"], abs=1e-5)
     # the heads matter: with every client given the initial head, accuracy differs
-    assert strategy.store.local, "no client trained"
+    assert strategy.federation.store.local, "no client trained"
 
 
 def test_resume_requires_same_split(tmp_path):

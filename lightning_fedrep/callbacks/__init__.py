@@ -1,23 +1,9 @@
-"""Callbacks that plug into the federated strategy through its public surface."""
+"""Federated callbacks: each one a :class:`~lightning_fedrep.hooks.FederatedCallback`."""
 
-from lightning_fedrep.callbacks.collapse import NeuralCollapse
 from lightning_fedrep.callbacks.finetuning import HeadFineTuning
-from lightning_fedrep.callbacks.latency import (
-    DynamicExponential,
-    FixedExponential,
-    LatencyModel,
-    TwoClassExponential,
-)
-from lightning_fedrep.callbacks.participation import AdaptiveParticipation
+from lightning_fedrep.callbacks.neural_collapse import NeuralCollapse
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from lightning_fedrep.callbacks.summary import RunSummary
+from lightning_fedrep.participation import AdaptiveParticipation
 
-__all__ = ["FederatedProgressBar", "HeadFineTuning", "RunSummary"]
-__all__ += [
-    "AdaptiveParticipation",
-    "DynamicExponential",
-    "FixedExponential",
-    "LatencyModel",
-    "TwoClassExponential",
-]
-__all__ += ["NeuralCollapse"]
+__all__ = ["AdaptiveParticipation", "FederatedProgressBar", "HeadFineTuning", "NeuralCollapse", "RunSummary"]

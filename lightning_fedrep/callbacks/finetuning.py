@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 
 from lightning_fedrep.algorithms import Phase
-from lightning_fedrep.plan import RoundSpec
-from lightning_fedrep.strategy import FedRepStrategy
+from lightning_fedrep.hooks import FederatedCallback
+from lightning_fedrep.lightning_internals import set_max_rounds
+from lightning_fedrep.plan import RoundPlan
 
 
-class HeadFineTuning(Callback):
+class HeadFineTuning(FederatedCallback):
     """After the federated rounds, every client fine-tunes its own model on its own training data.
 
     ``mode="head"`` trains only the head with the body frozen (the FedRep paper's FedAvg + FT
@@ -24,7 +24,8 @@ class HeadFineTuning(Callback):
 
     The callback appends ``rounds`` rounds to ``max_epochs`` when fit starts (each is one pass of
     ``epochs`` local epochs, or ``steps`` steps, over all clients), so set ``max_epochs`` to the
-    number of federated rounds.
+    number of federated rounds. It plans them through ``configure_round``: a fine-tuning round is the
+    round's plan with every client, the fine-tuning phase, no aggregation and the ``finetune/`` prefix.
     """
 
     def __init__(
@@ -45,26 +46,27 @@ class HeadFineTuning(Callback):
         self.rounds = rounds
         self.federated_rounds: int | None = None
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, FedRepStrategy):
-            raise TypeError("HeadFineTuning works with a FedRepStrategy (e.g. Trainer(strategy='fedavg')).")
-
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Extend the fit by the fine-tuning rounds and schedule them on the strategy."""
-        strategy: FedRepStrategy = trainer.strategy
-        if self.mode == "head" and not strategy.split.head:
+        """Extend the fit by the fine-tuning rounds."""
+        if self.mode == "head" and not self.federation(trainer).split.head:
             raise ValueError(
                 "HeadFineTuning(mode='head') needs to know the head: pass head=... to the strategy or set "
                 "`fedrep_head` on the module (or use mode='full')."
             )
         if self.federated_rounds is None:
-            max_epochs = trainer.fit_loop.max_epochs
+            max_epochs = trainer.max_epochs
             if max_epochs is None or max_epochs < 0:
                 raise ValueError("HeadFineTuning needs Trainer(max_epochs=<number of federated rounds>).")
             self.federated_rounds = max_epochs
-        trainer.fit_loop.max_epochs = self.federated_rounds + self.rounds
-        for r in range(self.federated_rounds, self.federated_rounds + self.rounds):
-            strategy.schedule_round(r, RoundSpec(phases=(self.phase,), aggregate=False, prefix="finetune/"))
+        set_max_rounds(trainer, self.federated_rounds + self.rounds)
+
+    def configure_round(self, trainer: L.Trainer, plan: RoundPlan) -> RoundPlan:
+        """The rounds after the federated ones fine-tune every client (head-only or full), unaggregated."""
+        if self.federated_rounds is None or plan.round < self.federated_rounds:
+            return plan
+        return plan.replace(
+            clients=range(plan.num_clients), phases=(self.phase,), aggregate=False, prefix="finetune/"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"federated_rounds": self.federated_rounds}

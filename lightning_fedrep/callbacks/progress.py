@@ -7,12 +7,18 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from lightning_fedrep.hooks import FederatedCallback
 
-class FederatedProgressBar(TQDMProgressBar):
+
+class FederatedProgressBar(TQDMProgressBar, FederatedCallback):
     """``Round 3: 45%|... client 4/10 (#17), phase head`` instead of epochs and batches.
 
     The federated strategy puts it in place of Lightning's default progress bar by itself.
     """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        FederatedCallback.setup(self, trainer, pl_module, stage)
+        TQDMProgressBar.setup(self, trainer, pl_module, stage)
 
     def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
         super().on_train_epoch_start(trainer, *args)
@@ -21,10 +27,10 @@ class FederatedProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
-        strategy = trainer.strategy
-        if getattr(strategy, "current_client", None) is not None and trainer.training:
+        strategy = self.strategy(trainer)
+        client = strategy.current_client
+        if client is not None and trainer.training:
             clients = strategy.round_plan(trainer.current_epoch).clients
-            position = clients.index(strategy.current_client) + 1
-            items["client"] = f"{position}/{len(clients)} (#{strategy.current_client})"
+            items["client"] = f"{clients.index(client) + 1}/{len(clients)} (#{client})"
             items["phase"] = strategy.current_phase
         return items

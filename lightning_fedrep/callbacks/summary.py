@@ -7,11 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_fedrep.strategy import FedRepStrategy
+from lightning_fedrep.hooks import FederatedCallback
 
 
 def run_folder(trainer: L.Trainer) -> Path:
@@ -25,7 +24,7 @@ def run_folder(trainer: L.Trainer) -> Path:
     return Path(save_dir) / str(logger.name) / version
 
 
-class RunSummary(Callback):
+class RunSummary(FederatedCallback):
     """At the end of ``fit`` and ``test``, write ``summary.json`` and print a per-client table.
 
     The file holds the final and last-10-round figures (``strategy.results()``), every client's
@@ -42,16 +41,12 @@ class RunSummary(Callback):
         self.config: dict[str, Any] | None = None
         self.path: Path | None = None
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, FedRepStrategy):
-            raise TypeError("RunSummary reports a federated run: use it with a FedRepStrategy.")
-
     def summary(self, trainer: L.Trainer) -> dict[str, Any]:
         """The summary as a dict (what the file holds)."""
-        strategy: FedRepStrategy = trainer.strategy
+        strategy = self.strategy(trainer)
         per_client = {}
         for stage, metrics in strategy.client_metrics.items():
-            per_client[stage] = {name: metrics.per_client(name) for name in metrics.sums}
+            per_client[stage] = {name: metrics.per_client(name) for name in metrics.names}
             per_client[stage]["samples"] = dict(metrics.samples)
         return {
             "algorithm": strategy.algorithm.name,

@@ -9,12 +9,12 @@ FedRep-SRPFL, LG-FedAvg gives LG-SRPFL, FedAvg gives FLANP.
 
 "Fastest" comes from a latency estimate per client:
 
-* **measured** (default): the callback times every step of every client (wall clock, the device
-  synchronised on GPU; the first step after a client switch, which includes loading the client, and
-  the round's last step, which includes the aggregation, are not timed) and keeps an exponential
-  moving average of each client's seconds per step. A client's expected local time is its planned
+* **measured** (default): the strategy times every step of every client (wall clock, the device
+  synchronised on GPU; the first step after a client was loaded, which pays for the swap, and the
+  round's last step, which pays for the aggregation, are not timed; ``ClientResult.seconds``) and the
+  callback keeps an exponential moving average of each client's seconds per step. A client's expected local time is its planned
   steps times that estimate; a client never measured counts as fastest, so it gets measured.
-* **simulated**: a :class:`~lightning_fedrep.callbacks.latency.LatencyModel` (fixed or dynamic
+* **simulated**: a :class:`~lightning_fedrep.participation.latency.LatencyModel` (fixed or dynamic
   exponential speeds, ...) gives each client's latency in the round; the selection uses the current
   round's draws (the server aggregates the first ``n`` models that come back, Remark 3.1).
 * **both** (``latency=...`` and ``measure=True``): the simulated value multiplies the measured seconds
@@ -22,8 +22,8 @@ FedRep-SRPFL, LG-FedAvg gives LG-SRPFL, FedAvg gives FLANP.
 
 A simulated clock advances every round by the slowest selected client's local time plus
 ``communication_cost``; it is logged as ``sim/time`` (and the round's participant count as
-``sim/participants``) so metrics can be plotted against it, and written into every validated round of
-``strategy.history`` (hence the run summary). The schedule's decisions, the estimates and the clock are
+``sim/participants``) so metrics can be plotted against it, and recorded as the ``sim/time`` column of
+every round's history row (``strategy.history``, hence the run summary). The schedule's decisions, the estimates and the clock are
 saved with the checkpoint: a resumed run makes exactly the decisions the interrupted run made, even
 when they came from wall-clock measurements that a rerun could not reproduce. In simulated mode
 everything is a deterministic function of the seeds.
@@ -33,25 +33,22 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
-import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_fedrep.callbacks.latency import LatencyModel
-from lightning_fedrep.plan import plan_round, sample_clients
-from lightning_fedrep.strategy import FedRepStrategy
+from lightning_fedrep.hooks import ClientResult, FederatedCallback, RoundResult
+from lightning_fedrep.participation.latency import LatencyModel
+from lightning_fedrep.plan import RoundPlan, sample_clients
 
 __all__ = ["AdaptiveParticipation"]
 
 _STATE_VERSION = 1
 
 
-class AdaptiveParticipation(Callback):
+class AdaptiveParticipation(FederatedCallback):
     """Train each round with only the fastest clients of the pool, doubling their number every stage.
 
     Args:
@@ -109,6 +106,7 @@ class AdaptiveParticipation(Callback):
         self.measure = latency is None if measure is None else bool(measure)
         if not self.measure and latency is None:
             raise ValueError("measure=False needs a simulated latency model (latency=...).")
+        self.needs_client_timing = self.measure
         self.communication_cost = float(communication_cost)
         self.ema = float(ema)
         self.log_metrics = log_metrics
@@ -118,10 +116,6 @@ class AdaptiveParticipation(Callback):
         self.decisions: dict[int, list[int]] = {}
         self.estimates: dict[int, float] = {}
         self._round_sums: dict[int, list[float]] = {}  # client -> [seconds, timed steps] in the open round
-        self._trainer: L.Trainer | None = None
-        self._last_client: int | None = None
-        self._start: float | None = None
-        self._timed_client: int | None = None
         self._warned_unmeasured = False
 
     # ------------------------------------------------------------------ schedule
@@ -236,86 +230,34 @@ class AdaptiveParticipation(Callback):
             sim._account(r, {c: counts[c] for c in chosen}, num_clients)
         return sim
 
-    # ------------------------------------------------------------------ Lightning hooks
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, FedRepStrategy):
-            raise TypeError(
-                "AdaptiveParticipation selects clients of a FedRepStrategy (e.g. Trainer(strategy='fedrep'))."
-            )
+    # ------------------------------------------------------------------ federated hooks
+    def configure_round(self, trainer: L.Trainer, plan: RoundPlan) -> RoundPlan:
+        """Keep the fastest of the round's pool (a federated round's planned clients)."""
+        if not plan.federated:
+            return plan
+        steps = {w.client: w.steps for w in plan.work}
+        chosen = self._select(plan.round, list(plan.spec.clients), steps, plan.num_clients)
+        return plan.replace(clients=chosen)
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._trainer = trainer
-        trainer.strategy.set_client_selector(self._selector)
+    def on_client_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: ClientResult) -> None:
+        """Add the client's measured seconds and timed steps to the open round's sums."""
+        if self.measure and result.timed_steps:
+            sums = self._round_sums.setdefault(result.client, [0.0, 0])
+            sums[0] += result.seconds
+            sums[1] += result.timed_steps
 
-    def _selector(self, round_index: int, pool: list[int]) -> list[int]:
-        strategy: FedRepStrategy = self._trainer.strategy
-        return self._select(round_index, pool, self._planned_steps(round_index, pool), strategy.num_clients)
-
-    def _planned_steps(self, round_index: int, pool: list[int]) -> dict[int, int]:
-        """Each pooled client's steps if it trains this round (equal counts if the data module cannot tell)."""
-        datamodule = getattr(self._trainer, "datamodule", None)
-        try:
-            sizes = {c: datamodule.client_num_samples(c) for c in pool}
-            batch_size = int(datamodule.batch_size)
-        except (AttributeError, TypeError, ValueError):
-            return dict.fromkeys(pool, 1)
-        dense = [sizes.get(c, 0) for c in range(max(pool) + 1)]
-        plan = plan_round(round_index, pool, self._trainer.strategy.phases, dense, batch_size)
-        return {w.client: w.steps for w in plan.work}
-
-    @staticmethod
-    def _synchronize(pl_module: L.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_client = None
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._start = None
-        if not self.measure:
-            return
-        plan = trainer.strategy.round_plan(trainer.current_epoch)
-        if plan.spec is not None:
-            return
-        location = plan.locate(batch_idx)
-        timed = location.client == self._last_client and not location.last_of_round
-        self._last_client = location.client
-        if timed:
-            self._synchronize(pl_module)
-            self._timed_client = location.client
-            self._start = time.perf_counter()
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._start is not None:
-            self._synchronize(pl_module)
-            elapsed = time.perf_counter() - self._start
-            self._start = None
-            sums = self._round_sums.setdefault(self._timed_client, [0.0, 0])
-            sums[0] += elapsed
-            sums[1] += 1
-        round_index = trainer.current_epoch
-        if batch_idx == trainer.strategy.round_plan(round_index).length - 1:
-            self._finish_round(trainer, round_index)
-
-    def _finish_round(self, trainer: L.Trainer, round_index: int) -> None:
-        """Account a round once, right after its last step (before validation and checkpoints)."""
-        if self.rounds and self.rounds[-1]["round"] >= round_index:
-            return
-        strategy: FedRepStrategy = trainer.strategy
-        plan = strategy.round_plan(round_index)
-        if plan.spec is not None:  # a fine-tuning round, not a federated round
+    def on_round_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: RoundResult) -> None:
+        """Account a federated round once (also one cut short: it costs its plan), advance the clock."""
+        if not result.plan.federated:  # a fine-tuning round is not timed
             self._round_sums = {}
             return
-        self._account(round_index, {w.client: w.steps for w in plan.work}, strategy.num_clients)
+        if self.rounds and self.rounds[-1]["round"] >= result.round:
+            return
+        self._account(result.round, {w.client: w.steps for w in result.plan.work}, result.plan.num_clients)
+        self.record(trainer, **{"sim/time": self.time})
 
+    # ------------------------------------------------------------------ Lightning hooks
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._finish_round(trainer, trainer.current_epoch)  # a round cut short still costs its plan
-        self._annotate_history(trainer)
         if self.log_metrics and self.rounds and self.rounds[-1]["round"] == trainer.current_epoch:
             pl_module.log("sim/time", self.time, on_step=False, on_epoch=True, batch_size=1)
             pl_module.log(
@@ -326,25 +268,9 @@ class AdaptiveParticipation(Callback):
                 batch_size=1,
             )
 
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_client = None  # the step after a mid-round validation restores the live client
-
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.log_metrics and trainer.state.fn == "fit" and not trainer.sanity_checking:
             pl_module.log("sim/time", self.time, on_step=False, on_epoch=True, batch_size=1)
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._annotate_history(trainer)
-
-    def _annotate_history(self, trainer: L.Trainer) -> None:
-        """Write the clock into the strategy's per-round validation history (the run summary)."""
-        history = trainer.strategy.history
-        if not history or "sim/time" in history[-1]:
-            return
-        times = {record["round"]: record["time"] for record in self.rounds}
-        for entry in history:
-            if "sim/time" not in entry and entry.get("round") in times:
-                entry["sim/time"] = times[entry["round"]]
 
     # ------------------------------------------------------------------ checkpoints
     def _config(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ FLUTE (Liu, Shen & Yang, ICML 2024) is FedRep's family (shared body, personal li
 different local loss, an optional server-side step on the heads, and its own local schedule. The
 loss and the server step come from this callback; the schedule is the strategy's ``phases``.
 
-Schedules (``FedRepStrategy(algorithm="fedrep", phases=[...])``; the body is averaged, heads stay local):
+Schedules (``FederatedStrategy(algorithm="fedrep", phases=[...])``; the body is averaged, heads stay local):
 
 =================  ====================================================  ==========================================
 variant            ``phases``                                            official code flags
@@ -27,7 +27,6 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
@@ -41,16 +40,17 @@ from lightning_fedrep.collapse import (
     server_nc_step,
 )
 from lightning_fedrep.data.module import dataset_labels
+from lightning_fedrep.federation import Federation
+from lightning_fedrep.hooks import FederatedCallback, LiveStep
 from lightning_fedrep.plan import round_generator
-from lightning_fedrep.strategy import FedRepStrategy
 
 __all__ = ["NeuralCollapse"]
 
 
-class NeuralCollapse(Callback):
+class NeuralCollapse(FederatedCallback):
     """FLUTE's neural-collapse regularisation and metrics for any module whose head is a linear classifier.
 
-    **Penalties** (added to every client's training loss through ``strategy.add_loss_term``)::
+    **Penalties** (added to every client's training loss, :meth:`loss_term`)::
 
         λ R(W_i) + μ ||W_i||_F^2            every local step (head-only and joint epochs)
         + ν ||φ(X)||_F^2                    only while the body trains (phases "body" and "all")
@@ -84,7 +84,7 @@ class NeuralCollapse(Callback):
 
     ``feature_metrics=False`` skips NC1/NC3 (they need a forward pass over the clients' data). A round
     with a ``RoundSpec`` prefix logs under it (``finetune/nc/...``). Every logged round is kept in
-    :attr:`history` (saved in checkpoints).
+    :attr:`history` (saved in checkpoints) and recorded as columns of the strategy's history.
 
     Args:
         lam, mu, nu: weights of ``R(W_i)``, ``||W_i||_F^2`` and ``||φ(X)||_F^2``; ``0`` turns a term off
@@ -158,7 +158,6 @@ class NeuralCollapse(Callback):
         """One entry per measured round: ``{"round": r, "nc/global_nc2": ..., ...}``."""
         self.server_round = -1
         """The last round whose server step was applied."""
-        self._registered_with: FedRepStrategy | None = None
         self._hook: Any = None
         self._captured: Tensor | None = None
         self._collected: list[Tensor] | None = None
@@ -166,21 +165,13 @@ class NeuralCollapse(Callback):
         self._metric_samples: dict[int, Tensor] = {}
 
     # ------------------------------------------------------------------ set-up
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        if not isinstance(strategy, FedRepStrategy):
-            raise TypeError("NeuralCollapse works with a FedRepStrategy (e.g. Trainer(strategy='fedrep')).")
-        if stage == "fit" and self._registered_with is not strategy:
-            strategy.add_loss_term(self._loss_term)
-            self._registered_with = strategy
-
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Find the classifier, hook its input, and read every client's classes from the data."""
-        strategy: FedRepStrategy = trainer.strategy
-        name = self._classifier_name(pl_module, strategy)
+        federation = self.federation(trainer)
+        name = self._classifier_name(pl_module, federation)
         classifier = pl_module.get_submodule(name)
         self.weight_name = f"{name}.weight" if name else "weight"
-        if self.weight_name not in strategy.local_names + strategy.shared_names:
+        if self.weight_name not in federation.local_names + federation.shared_names:
             raise ValueError(
                 f"{self.weight_name} is neither a client's local tensor nor a shared one; is it frozen?"
             )
@@ -232,11 +223,11 @@ class NeuralCollapse(Callback):
 
         return capture_input
 
-    def _classifier_name(self, pl_module: L.LightningModule, strategy: FedRepStrategy) -> str:
+    def _classifier_name(self, pl_module: L.LightningModule, federation: Federation) -> str:
         if self.classifier is not None:
             name = self.classifier
         else:
-            head = strategy.split.head if strategy.split is not None else ()
+            head = federation.split.head
             owners = list(dict.fromkeys(p.rpartition(".")[0] for p in head))
             linear = [o for o in owners if isinstance(pl_module.get_submodule(o), nn.Linear)]
             if len(linear) != 1:
@@ -257,11 +248,12 @@ class NeuralCollapse(Callback):
             self._device_masks = self.masks.to(device)
         return self._device_masks[client].to(dtype)
 
-    def _loss_term(
-        self, module: L.LightningModule, batch: Any, batch_idx: int, client: int | None, phase: str | None
+    def loss_term(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step: LiveStep
     ) -> Tensor | None:
         """``λ R(W_i) + μ ||W_i||_F^2 (+ ν ||φ(X)||_F^2 when the body trains)`` for the live client."""
         captured, self._captured = self._captured, None
+        module, client, phase = pl_module, step.client, step.phase
         if client is None or self.masks is None:
             return None
         extra: Tensor | None = None
@@ -289,12 +281,12 @@ class NeuralCollapse(Callback):
         """Catch up a server step that a checkpoint saved between validation and the step missed."""
         previous = trainer.current_epoch - 1
         if self.server_step and previous >= 0 and self.server_round < previous:
-            self._apply_server_step(trainer.strategy, previous)
+            self._apply_server_step(trainer, previous)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         round_index = trainer.current_epoch
         if self.server_step:
-            self._apply_server_step(trainer.strategy, round_index)
+            self._apply_server_step(trainer, round_index)
         if self.log_metrics and self._measure_round(trainer, round_index):
             self._log_metrics(trainer, pl_module, round_index)
 
@@ -302,41 +294,41 @@ class NeuralCollapse(Callback):
         last = trainer.fit_loop.max_epochs is not None and round_index == trainer.fit_loop.max_epochs - 1
         return (round_index + 1) % self.metrics_every_n_rounds == 0 or last
 
-    def _apply_server_step(self, strategy: FedRepStrategy, round_index: int) -> None:
+    def _apply_server_step(self, trainer: L.Trainer, round_index: int) -> None:
         self.server_round = round_index
-        plan = strategy.round_plan(round_index)
-        if plan.spec is not None and not plan.spec.aggregate:
+        plan = self.strategy(trainer).round_plan(round_index)
+        if not plan.federated:
             return
         clients = plan.clients
         if not clients:
             return
+        federation = self.federation(trainer)
         masks = self.masks[clients]
-        normalizer = strategy.num_clients if self.server_weighting == "all" else len(clients)
-        if self.weight_name in strategy.local_names:
-            heads = torch.stack([strategy.client_tensors(c)[self.weight_name] for c in clients])
+        normalizer = federation.num_clients if self.server_weighting == "all" else len(clients)
+        if self.weight_name in federation.local_names:
+            heads = torch.stack([federation.client_tensors(c)[self.weight_name] for c in clients])
             new = server_nc_step(heads, masks.to(heads), self.server_lr, normalizer)
             for client, weight in zip(clients, new):
-                strategy.update_client(client, {self.weight_name: weight})
+                federation.update_client(client, {self.weight_name: weight})
         else:  # a shared classifier (FedAvg, LG-FedAvg): one weight, every participant's R on it
-            weight = strategy.global_tensors()[self.weight_name].requires_grad_(True)
+            weight = federation.global_tensors()[self.weight_name].requires_grad_(True)
             loss = nc_regularizer(weight.expand(len(clients), *weight.shape), masks.to(weight)).sum()
             (grad,) = torch.autograd.grad(loss / normalizer, weight)
-            strategy.update_global({self.weight_name: (weight - self.server_lr * grad).detach()})
+            federation.update_global({self.weight_name: (weight - self.server_lr * grad).detach()})
 
     # ------------------------------------------------------------------ metrics
-    def _all_heads(self, strategy: FedRepStrategy) -> Tensor:
-        if self.weight_name in strategy.local_names:
+    def _all_heads(self, federation: Federation) -> Tensor:
+        if self.weight_name in federation.local_names:
             return torch.stack(
-                [strategy.client_tensors(c)[self.weight_name] for c in range(strategy.num_clients)]
+                [federation.client_tensors(c)[self.weight_name] for c in range(federation.num_clients)]
             )
-        weight = strategy.global_tensors()[self.weight_name]
-        return weight.expand(strategy.num_clients, *weight.shape)
+        weight = federation.global_tensors()[self.weight_name]
+        return weight.expand(federation.num_clients, *weight.shape)
 
     @torch.no_grad()
     def compute_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         """The NC metrics of the current state (what :meth:`on_train_epoch_end` logs)."""
-        strategy: FedRepStrategy = trainer.strategy
-        heads = self._all_heads(strategy).detach().double().cpu()
+        heads = self._all_heads(self.federation(trainer)).detach().double().cpu()
         masks = self.masks.double()
         metrics = {
             "nc/global_nc2": float(global_nc2(heads, masks)),
@@ -350,13 +342,14 @@ class NeuralCollapse(Callback):
 
     def _log_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule, round_index: int) -> None:
         metrics = self.compute_metrics(trainer, pl_module)
-        spec = trainer.strategy.round_plan(round_index).spec
-        prefix = spec.prefix if spec is not None else ""
-        entry = {"round": round_index, **{prefix + k: v for k, v in metrics.items()}}
-        self.history = [h for h in self.history if h["round"] != round_index] + [entry]
-        for key, value in entry.items():
-            if key != "round":
-                pl_module.log(key, value, on_step=False, on_epoch=True, batch_size=1)
+        prefix = self.strategy(trainer).round_plan(round_index).prefix
+        values = {prefix + k: v for k, v in metrics.items()}
+        self.history = [h for h in self.history if h["round"] != round_index] + [
+            {"round": round_index, **values}
+        ]
+        self.record(trainer, **values)
+        for key, value in values.items():
+            pl_module.log(key, value, on_step=False, on_epoch=True, batch_size=1)
 
     def _samples(self, datamodule: Any, client: int) -> tuple[Any, Tensor]:
         """A fixed, seeded subset of at most ``metrics_samples`` of the client's ``metrics_split`` samples."""
@@ -369,17 +362,17 @@ class NeuralCollapse(Callback):
     def _client_features(self, trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[Tensor, Tensor]:
         """Features (the features module's input) and labels of every client's metric samples, each
         under that client's model: the global shared part plus the client's local part."""
-        strategy: FedRepStrategy = trainer.strategy
+        federation = self.federation(trainer)
         datamodule = trainer.datamodule
         device = pl_module.device
-        shared = strategy.global_tensors()
+        shared = federation.global_tensors()
         all_features, all_labels = [], []
         was_training = pl_module.training
         pl_module.eval()
         self._collected = []
         try:
-            for client in range(strategy.num_clients):
-                tensors = {**shared, **strategy.client_tensors(client)}
+            for client in range(federation.num_clients):
+                tensors = {**shared, **federation.client_tensors(client)}
                 dataset, index = self._samples(datamodule, client)
                 for x, y in self._batches(dataset, index):
                     self._collected.clear()

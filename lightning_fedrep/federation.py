@@ -1,0 +1,523 @@
+"""``Federation``: the federated state and the round state machine, with no Lightning in it.
+
+A federation owns the global shared tensors, every client's local tensors (a :class:`ClientStore`),
+the run's :class:`History`, and the open round: its plan, the live client and phase, the running
+weighted average. It drives one live ``nn.Module`` and its optimizers by copying tensors into the
+module's own parameters (never rebinding them), so the optimizers keep working:
+
+    plan(r) -> open_round(plan) -> [load_client(c) -> begin_step/end_step ... -> finish_client()]*
+            -> close_round()
+
+The Lightning strategy (:mod:`lightning_fedrep.strategy`) calls these from its hooks; tests and
+other runtimes can drive a federation directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fedrep.algorithms import PART_GROUPS, Algorithm, Part, Phase
+from lightning_fedrep.clients import ClientStore, OptimizerState
+from lightning_fedrep.history import History
+from lightning_fedrep.plan import RoundPlan, StepLocation, plan_round, sample_clients
+from lightning_fedrep.server import WeightedAverage
+from lightning_fedrep.split import ParameterSplit, TensorLayout
+
+STATE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """The settings of a federation that do not depend on the model (checked at construction)."""
+
+    phases: tuple[Phase, ...]
+    clients_per_round: float | int = 0.1
+    weighting: Literal["samples", "uniform"] = "samples"
+    client_optimizer_state: Literal["reset", "keep"] = "reset"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.weighting not in ("samples", "uniform"):
+            raise ValueError(f"weighting must be 'samples' or 'uniform', got {self.weighting!r}.")
+        if self.client_optimizer_state not in ("reset", "keep"):
+            raise ValueError(
+                f"client_optimizer_state must be 'reset' or 'keep', got {self.client_optimizer_state!r}."
+            )
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """What one client did in a round (``FederatedCallback.on_client_end``).
+
+    ``steps`` counts the local steps it ran (in this process); ``seconds`` is the wall-clock time of
+    its ``timed_steps``: every step but the first after the client was loaded (which pays for the
+    swap) and the round's last step (which pays for the aggregation). Timing runs only when a
+    callback asks for it; otherwise ``seconds`` is 0.
+    """
+
+    round: int
+    client: int
+    steps: int
+    timed_steps: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """A closed round (``FederatedCallback.on_round_end``): its plan, what each client did, whether the
+    shared state was replaced by the aggregate."""
+
+    round: int
+    plan: RoundPlan
+    clients: tuple[ClientResult, ...]
+    aggregated: bool
+    weight: float = 0.0
+    """The total aggregation weight of the participants (samples, or their count when uniform)."""
+
+
+@dataclass
+class _LiveClient:
+    client: int
+    steps: int = 0
+    timed_steps: int = 0
+    seconds: float = 0.0
+    fresh: bool = True
+    step_started: float | None = field(default=None, repr=False)
+
+
+class Federation:
+    """The federated state and the round state machine of one federated training.
+
+    Args:
+        algorithm: what the server shares and how it aggregates.
+        layout: which named tensors of the module are shared and which are local.
+        config: sampling, phases, weighting and optimizer-state settings.
+    """
+
+    def __init__(self, algorithm: Algorithm, layout: TensorLayout, config: FederationConfig):
+        self.algorithm = algorithm
+        self.layout = layout
+        self.config = config
+        self.global_state: list[Tensor] | None = None
+        self.store: ClientStore | None = None
+        self.history = History()
+        self.client_sizes: tuple[int, ...] | None = None
+        self.batch_size = 1
+        self.round_index = -1
+        self.round_open = False
+        self.live_phase: Part | None = None
+        self.timing = False
+        """Measure each client's step times (``ClientResult.seconds``); set when a callback needs it."""
+        self._module: nn.Module | None = None
+        self._device = torch.device("cpu")
+        self._named: dict[str, Tensor] = {}
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._plans: dict[int, RoundPlan] = {}
+        self._average: WeightedAverage | None = None
+        self._finished: list[ClientResult] = []
+        self._live: _LiveClient | None = None
+        self._eval_stash: list[Tensor] | None = None
+        self._eval_client: int | None = None
+
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def split(self) -> ParameterSplit:
+        """Which parameters are head, body and frozen."""
+        return self.layout.split
+
+    @property
+    def shared_names(self) -> tuple[str, ...]:
+        """Names of the tensors the server averages (parameters and buffers)."""
+        return self.layout.shared
+
+    @property
+    def local_names(self) -> tuple[str, ...]:
+        """Names of the tensors every client keeps for itself."""
+        return self.layout.local
+
+    @property
+    def live_client(self) -> int | None:
+        """The client whose state the live module holds during training (``None`` between clients)."""
+        return None if self._live is None else self._live.client
+
+    @property
+    def num_clients(self) -> int:
+        """Number of clients (known once the training data is bound)."""
+        return len(self._require_data())
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the global and client state exist (after ``initialize`` or loading a checkpoint)."""
+        return self.store is not None
+
+    def global_tensors(self) -> dict[str, Tensor]:
+        """The global shared tensors by name (copies)."""
+        self._require_state()
+        return {n: t.detach().clone() for n, t in zip(self.shared_names, self.global_state)}
+
+    def global_view(self) -> dict[str, Tensor]:
+        """The global shared tensors by name, not copied: read them, never modify them."""
+        self._require_state()
+        return dict(zip(self.shared_names, self.global_state))
+
+    def client_tensors(self, client: int) -> dict[str, Tensor]:
+        """What makes ``client``'s model its own, by name (copies): its local part (the initial one if it
+        never trained) and any shared tensors it fine-tuned in a round that did not aggregate."""
+        self._require_state()
+        return {n: t.detach().clone() for n, t in self.store.personal(client, self.local_names).items()}
+
+    def personalized_state(self, base_state: Mapping[str, Tensor], client: int) -> dict[str, Tensor]:
+        """``base_state`` (a module ``state_dict`` holding the global shared part) made ``client``'s own."""
+        return {**{k: v.detach().clone() for k, v in base_state.items()}, **self.client_tensors(client)}
+
+    # ------------------------------------------------------------------ explicit updates
+    def update_global(self, tensors: Mapping[str, Tensor]) -> None:
+        """Overwrite some of the global shared tensors (e.g. a server step after aggregation)."""
+        self._require_state()
+        index = {n: i for i, n in enumerate(self.shared_names)}
+        unknown = set(tensors) - set(index)
+        if unknown:
+            raise KeyError(f"{sorted(unknown)} are not shared; shared tensors are {list(self.shared_names)}.")
+        for name, value in tensors.items():
+            self.global_state[index[name]].copy_(value.detach())
+        if not self.round_open:
+            self._write(self.shared_names, self.global_state)
+
+    def update_client(self, client: int, tensors: Mapping[str, Tensor]) -> None:
+        """Overwrite some of ``client``'s local tensors (e.g. a server step on the heads)."""
+        self._require_state()
+        unknown = set(tensors) - set(self.local_names)
+        if unknown:
+            raise KeyError(
+                f"{sorted(unknown)} are not local to a client; local tensors are {list(self.local_names)}."
+            )
+        current = [t.detach().clone() for t in self.store.get(client)]
+        for i, name in enumerate(self.local_names):
+            if name in tensors:
+                current[i] = tensors[name].detach().to(current[i].device, current[i].dtype)
+        self.store.put(client, current)
+        if client == self.live_client:
+            self._write(self.local_names, current)
+
+    def record(self, **values: float) -> None:
+        """Add columns to the history row of the current (or just closed) round."""
+        self.history.record(self.round_index, {k: float(v) for k, v in values.items()})
+
+    # ------------------------------------------------------------------ binding
+    def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        """Drive ``module`` (and its optimizers): called when the module, its device or optimizers change."""
+        self._module = module
+        self._named = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+        self._optimizers = list(optimizers)
+
+    def initialize(self, device: torch.device) -> None:
+        """Snapshot the global shared part and the initial local part from the module (first time),
+        or move the existing state to ``device``."""
+        self._device = torch.device(device)
+        if self.store is None:
+            self.global_state = [t.detach().clone() for t in self._tensors(self.shared_names)]
+            self.store = ClientStore(self._tensors(self.local_names))
+        else:
+            self.global_state = [t.to(device) for t in self.global_state]
+            self.store.to(device)
+
+    def bind_data(self, client_sizes: Sequence[int], batch_size: int) -> None:
+        """The clients' training-set sizes (aggregation weights, epoch budgets) and the batch size."""
+        self.client_sizes = tuple(int(n) for n in client_sizes)
+        self.batch_size = int(batch_size)
+        self._plans = {}
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, round_index: int, configure: Callable[[RoundPlan], RoundPlan] | None = None) -> RoundPlan:
+        """The frozen plan of a round: its sampled clients and their phases' step counts, passed once
+        through ``configure`` (the federated callbacks) when the round is first planned."""
+        sizes = self._require_data()
+        plan = self._plans.get(round_index)
+        if plan is None:
+            clients = sample_clients(len(sizes), self.config.clients_per_round, self.config.seed, round_index)
+            plan = plan_round(round_index, clients, self.config.phases, sizes, self.batch_size)
+            if configure is not None:
+                plan = configure(plan)
+            self._plans = {r: p for r, p in self._plans.items() if r >= round_index - 1}
+            self._plans[round_index] = plan
+        return plan
+
+    # ------------------------------------------------------------------ the open round
+    def open_round(self, plan: RoundPlan) -> None:
+        """Start training round ``plan.round``."""
+        self._require_state()
+        self.round_index = plan.round
+        self.round_open = True
+        if plan.aggregate:
+            self.store.finetuned.clear()  # a new federated round makes earlier fine-tuning stale
+        self._average = WeightedAverage(self.global_state) if self.shared_names and plan.aggregate else None
+        self._finished = []
+
+    def load_client(self, client: int) -> None:
+        """Make ``client`` live: the round's global shared part, its local part and, if kept, its
+        optimizer state (the shared part's optimizer state restarts)."""
+        self._write_personal(client)
+        self._live = _LiveClient(client)
+        self.live_phase = None
+        kept = self.store.optimizer_states.get(client, {})
+        for index, optimizer in enumerate(self._optimizers):
+            optimizer.state.clear()
+            params = _optimizer_params(optimizer)
+            for param_index, state in kept.get(index, {}).items():
+                optimizer.state[params[param_index]] = {
+                    k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()
+                }
+
+    def begin_step(self, location: StepLocation) -> None:
+        """Before the live client's step at ``location``: set the phase, start its timer if timed."""
+        live = self._live
+        if location.part != self.live_phase:
+            self.set_phase(location.part)
+        live.steps += 1
+        timed = self.timing and not live.fresh and not location.last_of_round
+        live.fresh = False
+        live.step_started = self._clock() if timed else None
+
+    def end_step(self) -> None:
+        """After the live client's step (its optimizer step): stop its timer."""
+        live = self._live
+        if live is not None and live.step_started is not None:
+            live.seconds += self._clock() - live.step_started
+            live.timed_steps += 1
+            live.step_started = None
+
+    def finish_client(self) -> ClientResult | None:
+        """Store the live client's state and add its shared part to the round's average."""
+        live = self._live
+        if live is None:
+            return None
+        client = live.client
+        if self._average is not None:
+            self._average.add(self._tensors(self.shared_names), self.weight_of(client))
+        plan = self.plan(self.round_index)
+        if not plan.aggregate:
+            trained = {g for phase in plan.phases for g in PART_GROUPS[phase.train]}
+            names = [n for n in self.shared_names if self.split.group(n) in trained]
+            self.store.finetuned[client] = {
+                n: t.detach().clone() for n, t in zip(names, self._tensors(names))
+            }
+        self.store.put(client, self._tensors(self.local_names))
+        if self.config.client_optimizer_state == "keep":
+            self.store.optimizer_states[client] = self._optimizer_snapshot()
+        result = ClientResult(self.round_index, client, live.steps, live.timed_steps, live.seconds)
+        self._finished.append(result)
+        self._live = None
+        self.live_phase = None
+        return result
+
+    @torch.no_grad()
+    def close_round(self) -> RoundResult | None:
+        """Aggregate the round: the algorithm turns the participants' shared parts into the new global
+        state. Idempotent; a round cut short averages the clients that trained."""
+        if not self.round_open:
+            return None
+        self.finish_client()
+        aggregated, weight = False, 0.0
+        if self._average is not None and not self._average.empty:
+            weight = self._average.weight
+            self.global_state = self.algorithm.aggregate(self.global_state, self._average)
+            aggregated = True
+        self._write(self.shared_names, self.global_state)
+        self.round_open = False
+        self._average = None
+        result = RoundResult(
+            self.round_index, self.plan(self.round_index), tuple(self._finished), aggregated, weight
+        )
+        self._finished = []
+        return result
+
+    def weight_of(self, client: int) -> float:
+        """A client's aggregation weight: its training samples, or 1 under uniform weighting."""
+        return float(self._require_data()[client]) if self.config.weighting == "samples" else 1.0
+
+    def set_phase(self, part: Part) -> None:
+        """Make only the parameters ``part`` trains trainable (the others get no gradient)."""
+        trains = PART_GROUPS[part]
+        for name, param in self._module.named_parameters():
+            group = self.split.group(name)
+            if group != "frozen":
+                param.requires_grad_(group in trains)
+                if group not in trains:
+                    param.grad = None
+        self.live_phase = part
+
+    def release_phases(self) -> None:
+        """Make every non-frozen parameter trainable again (when training ends)."""
+        for name, param in self._module.named_parameters():
+            if self.split.group(name) != "frozen":
+                param.requires_grad_(True)
+        self.live_phase = None
+
+    # ------------------------------------------------------------------ evaluation and export
+    def begin_evaluation(self) -> None:
+        """Evaluate the global shared part; keep the live client's training tensors aside if mid-round."""
+        self._require_state()
+        if self.round_open and self._live is not None:
+            self._eval_stash = [
+                t.detach().clone() for t in self._tensors(self.shared_names + self.local_names)
+            ]
+            self._live.fresh = True
+        self._write(self.shared_names, self.global_state)
+        self._eval_client = None
+
+    def evaluate_client(self, client: int) -> None:
+        """Give the module ``client``'s personalized model for its evaluation batches."""
+        if client != self._eval_client:
+            self._write_personal(client, shared=bool(self.store.finetuned))
+            self._eval_client = client
+
+    def end_evaluation(self) -> None:
+        """Put back what training had live before the evaluation."""
+        if self._eval_stash is not None:
+            self._write(self.shared_names + self.local_names, self._eval_stash)
+            self._eval_stash = None
+        elif self._live is not None:
+            self._write(self.local_names, self.store.get(self._live.client))
+        self._eval_client = None
+
+    def load_personalized(self, client: int) -> None:
+        """Write ``client``'s personalized model into the module (``-1``: a client that never trained)."""
+        self._write_personal(client)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume the federation exactly (tensors, ints, strings, lists, dicts)."""
+        self._require_state()
+        state: dict[str, Any] = {
+            "version": STATE_VERSION,
+            "algorithm": self.algorithm.name,
+            "algorithm_state": self.algorithm.state_dict(),
+            "shared_names": list(self.shared_names),
+            "local_names": list(self.local_names),
+            "global": [t.detach().clone() for t in self.global_state],
+            "clients": self.store.state_dict(),
+            "history": self.history.state_dict(),
+            "round": {"open": self.round_open, "index": self.round_index},
+            "torch_rng": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        if self.round_open:
+            live = self._live
+            state["round"].update(
+                live_client=-1 if live is None else live.client,
+                live_part=self.live_phase or "",
+                live_tensors=self._eval_stash
+                if self._eval_stash is not None
+                else [t.detach().clone() for t in self._tensors(self.shared_names + self.local_names)],
+                average=self._average.state_dict() if self._average is not None else None,
+                finished=[asdict(r) for r in self._finished],
+                live_counts=[live.steps, live.timed_steps, live.seconds] if live is not None else [],
+            )
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Restore the global state, every client and the history (any stage). The open round is
+        restored separately by :meth:`restore_round`, once the optimizers exist."""
+        if list(state["shared_names"]) != list(self.shared_names) or list(state["local_names"]) != list(
+            self.local_names
+        ):
+            raise ValueError(
+                f"The checkpoint's federated state was saved with algorithm {state['algorithm']!r} sharing "
+                f"{state['shared_names']} and keeping {state['local_names']} local, but this strategy shares "
+                f"{list(self.shared_names)} and keeps {list(self.local_names)}. Use the same algorithm and head "
+                "as when saving."
+            )
+        self.global_state = [t.to(device) if device is not None else t for t in state["global"]]
+        self.store = ClientStore([])
+        self.store.load_state_dict(state["clients"], device)
+        self.history = History()
+        self.history.load_state_dict(state.get("history", []))
+        self.algorithm.load_state_dict(state.get("algorithm_state", {}))
+
+    def restore_round(self, state: dict[str, Any]) -> None:
+        """Restore the RNG and an interrupted round (live client, its tensors and phase, the partial
+        average, the clients already finished), after the optimizers exist."""
+        torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        round_state = state["round"]
+        self.round_index = round_state["index"]
+        self.round_open = round_state["open"]
+        if not self.round_open:
+            return
+        self._average = None
+        if round_state["average"] is not None:
+            self._average = WeightedAverage(self.global_state)
+            self._average.load_state_dict(round_state["average"])
+        self._finished = [ClientResult(**r) for r in round_state.get("finished", [])]
+        self._write(self.shared_names + self.local_names, round_state["live_tensors"])
+        client = round_state["live_client"]
+        self._live = None if client < 0 else _LiveClient(client)
+        counts = round_state.get("live_counts") or []
+        if self._live is not None and counts:
+            self._live.steps, self._live.timed_steps, self._live.seconds = (
+                int(counts[0]),
+                int(counts[1]),
+                float(counts[2]),
+            )
+        self.live_phase = None
+        if self._live is not None and round_state["live_part"]:
+            self.set_phase(round_state["live_part"])
+
+    # ------------------------------------------------------------------ internals
+    def _tensors(self, names: Iterable[str]) -> list[Tensor]:
+        return [self._named[n] for n in names]
+
+    @torch.no_grad()
+    def _write(self, names: Sequence[str], values: Sequence[Tensor]) -> None:
+        targets = self._tensors(names)
+        if targets:
+            torch._foreach_copy_(targets, list(values))
+
+    def _write_personal(self, client: int, shared: bool = True) -> None:
+        if shared:
+            self._write(self.shared_names, self.global_state)
+        personal = self.store.personal(client, self.local_names)
+        self._write(list(personal), list(personal.values()))
+
+    def _optimizer_snapshot(self) -> OptimizerState:
+        """The optimizer state of the client's local parameters (the shared part restarts every round)."""
+        local = {id(t) for t in self._tensors(self.local_names)}
+        snapshot: OptimizerState = {}
+        for index, optimizer in enumerate(self._optimizers):
+            snapshot[index] = {
+                i: {
+                    k: v.detach().clone() if isinstance(v, Tensor) else v
+                    for k, v in optimizer.state[p].items()
+                }
+                for i, p in enumerate(_optimizer_params(optimizer))
+                if id(p) in local and optimizer.state.get(p)
+            }
+        return snapshot
+
+    def _clock(self) -> float:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
+
+    def _require_data(self) -> tuple[int, ...]:
+        if self.client_sizes is None:
+            raise RuntimeError(
+                "The federation has not seen the training data yet (it does at the start of fit)."
+            )
+        return self.client_sizes
+
+    def _require_state(self) -> None:
+        if self.store is None:
+            raise RuntimeError("No federated state yet: call trainer.fit(...) or load a checkpoint first.")
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]

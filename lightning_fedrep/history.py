@@ -1,0 +1,79 @@
+"""The run's per-round history and the papers' figures computed from it, in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+LAST_ROUNDS = 10
+"""How many of the last evaluated rounds the papers average (``_last10``)."""
+
+
+class History:
+    """Per-round records of a federated run: evaluation summaries and callbacks' own columns.
+
+    A round's row holds what validation measured after it (``val/acc``, ``val/acc_weighted``, ...,
+    added by the strategy with :meth:`add_evaluation`) and what callbacks recorded for it
+    (:meth:`record`, e.g. ``sim/time``). Only federated rounds have rows; the last fine-tuning
+    evaluation is kept apart in :attr:`finetune`.
+    """
+
+    def __init__(self) -> None:
+        self._evaluations: dict[int, dict[str, float]] = {}
+        self._recorded: dict[int, dict[str, float]] = {}
+        self.finetune: dict[str, float] = {}
+        """The summary of the last validation after a fine-tuning round (prefixed names)."""
+
+    def add_evaluation(self, round_index: int, values: dict[str, float]) -> None:
+        """Set round ``round_index``'s evaluation summary (a later validation of the round replaces it)."""
+        self._evaluations[round_index] = dict(values)
+
+    def record(self, round_index: int, values: dict[str, float]) -> None:
+        """Add or overwrite columns of round ``round_index``'s row."""
+        self._recorded.setdefault(round_index, {}).update(values)
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """Every evaluated round, in order: ``{"round": r, <evaluation summary>, <recorded columns>}``."""
+        return [
+            {"round": r, **self._evaluations[r], **self._recorded.get(r, {})}
+            for r in sorted(self._evaluations)
+        ]
+
+    def recorded(self, round_index: int) -> dict[str, float]:
+        """The columns callbacks recorded for a round (evaluated or not)."""
+        return dict(self._recorded.get(round_index, {}))
+
+    def last_rounds_mean(self) -> dict[str, float]:
+        """Each evaluation metric's mean over the last (up to) 10 evaluated rounds that all have it."""
+        last = [self._evaluations[r] for r in sorted(self._evaluations)[-LAST_ROUNDS:]]
+        if not last:
+            return {}
+        return {k: sum(e[k] for e in last) / len(last) for k in last[-1] if all(k in e for e in last)}
+
+    def results(self) -> dict[str, dict[str, float]]:
+        """The papers' figures: the last evaluated round (``final``), the mean over the last 10 evaluated
+        rounds of every evaluation metric (``last10``), and the last fine-tuning evaluation (``finetune``)."""
+        out: dict[str, dict[str, float]] = {}
+        rows = self.rows
+        if rows:
+            out["final"] = {k: v for k, v in rows[-1].items() if k != "round"}
+            out["last10"] = self.last_rounds_mean()
+        if self.finetune:
+            out["finetune"] = dict(self.finetune)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "evaluations": {r: dict(v) for r, v in self._evaluations.items()},
+            "recorded": {r: dict(v) for r, v in self._recorded.items()},
+            "finetune": dict(self.finetune),
+        }
+
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        if isinstance(state, list):  # checkpoints of version 1: a list of evaluated rows
+            self._evaluations = {int(h["round"]): {k: v for k, v in h.items() if k != "round"} for h in state}
+            self._recorded, self.finetune = {}, {}
+            return
+        self._evaluations = {int(r): dict(v) for r, v in state["evaluations"].items()}
+        self._recorded = {int(r): dict(v) for r, v in state["recorded"].items()}
+        self.finetune = dict(state.get("finetune", {}))

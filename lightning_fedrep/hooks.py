@@ -1,0 +1,116 @@
+"""``FederatedCallback``: the one API through which callbacks take part in a federated run.
+
+A federated callback is a Lightning ``Callback`` (every Lightning hook and ``state_dict`` work as
+usual) with federated hooks the strategy calls, in the order of ``trainer.callbacks``:
+
+====================================================  ===============================================
+hook                                                  when
+====================================================  ===============================================
+``configure_round(trainer, plan) -> plan``            once per round, when it is planned (before its
+                                                      first batch); return ``plan`` or a changed plan
+                                                      (``plan.replace(...)``). Each callback receives
+                                                      the previous one's plan, so they compose.
+``loss_term(trainer, pl_module, batch, step)``        every local training step, right after the
+                                                      user's ``training_step``; a tensor is added to the
+                                                      loss, ``None`` adds nothing (automatic
+                                                      optimization only)
+``on_round_start(trainer, pl_module, plan)``          before the round's first step
+``on_client_start(trainer, pl_module, client)``       after a client was loaded, before its first step
+``on_client_end(trainer, pl_module, result)``         after a client's last step of the round and its
+                                                      state was stored (:class:`ClientResult`: steps,
+                                                      measured seconds)
+``on_round_end(trainer, pl_module, result)``          after the round was aggregated, before validation
+                                                      (:class:`RoundResult`)
+====================================================  ===============================================
+
+From any hook, :meth:`FederatedCallback.federation` gives the run's :class:`Federation`: read-only views
+(``split``, ``shared_names``, ``local_names``, ``global_tensors()``, ``client_tensors(c)``,
+``num_clients``, ``history``), the explicit updates ``update_global`` / ``update_client``, and
+:meth:`FederatedCallback.record` adds the callback's own columns to the round's history row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+from lightning_fedrep.algorithms import Part
+from lightning_fedrep.federation import ClientResult, Federation, RoundResult
+from lightning_fedrep.plan import RoundPlan
+
+if TYPE_CHECKING:
+    from lightning_fedrep.strategy import FederatedStrategy
+
+__all__ = ["ClientResult", "FederatedCallback", "LiveStep", "RoundResult"]
+
+
+@dataclass(frozen=True)
+class LiveStep:
+    """The local step a loss term is asked for: round, client, the phase that trains, Lightning's batch index."""
+
+    round: int
+    client: int
+    phase: Part
+    batch_idx: int
+
+
+class FederatedCallback(Callback):
+    """Base class of callbacks that take part in federated rounds (see the module docstring).
+
+    Set ``needs_client_timing = True`` on a callback that reads ``ClientResult.seconds``: the strategy
+    then times every client's steps (synchronising the device on GPU), which it skips otherwise.
+    """
+
+    needs_client_timing: bool = False
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Refuse a Trainer whose strategy is not federated (subclasses call ``super().setup``)."""
+        self.strategy(trainer)
+
+    # ------------------------------------------------------------------ federated hooks
+    def configure_round(self, trainer: L.Trainer, plan: RoundPlan) -> RoundPlan:
+        """Return the round's plan, changed or not (once per round, before it starts)."""
+        return plan
+
+    def loss_term(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step: LiveStep
+    ) -> Tensor | None:
+        """A term to add to the live client's training loss, or ``None`` (every local step)."""
+        return None
+
+    def on_round_start(self, trainer: L.Trainer, pl_module: L.LightningModule, plan: RoundPlan) -> None:
+        """Before the round's first step."""
+
+    def on_client_start(self, trainer: L.Trainer, pl_module: L.LightningModule, client: int) -> None:
+        """After ``client`` was loaded into the module, before its first step of the round."""
+
+    def on_client_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: ClientResult) -> None:
+        """After a client's last step of the round, once its state is stored."""
+
+    def on_round_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: RoundResult) -> None:
+        """After the round's aggregation, before validation and checkpoints."""
+
+    # ------------------------------------------------------------------ helpers
+    def strategy(self, trainer: L.Trainer) -> FederatedStrategy:
+        """The Trainer's federated strategy (a clear error if it has none)."""
+        from lightning_fedrep.strategy import FederatedStrategy
+
+        strategy = trainer.strategy
+        if not isinstance(strategy, FederatedStrategy):
+            raise TypeError(
+                f"{type(self).__name__} takes part in federated rounds: use it with a FederatedStrategy "
+                f"(e.g. Trainer(strategy='fedrep')), not {type(strategy).__name__}."
+            )
+        return strategy
+
+    def federation(self, trainer: L.Trainer) -> Federation:
+        """The run's federation: read-only views of the split and the tensors, and explicit updates."""
+        return self.strategy(trainer).require_federation()
+
+    def record(self, trainer: L.Trainer, **values: float) -> None:
+        """Add ``values`` as columns of the current round's history row (``strategy.history``, summaries)."""
+        self.federation(trainer).record(**values)

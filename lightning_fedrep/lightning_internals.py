@@ -1,0 +1,73 @@
+"""Every place the package relies on Lightning behaviour beyond its documented hooks, in one module.
+
+Each function names the behaviour it relies on; ``tests/test_lightning_contract.py`` pins each one
+with a named test, so a Lightning upgrade that changes one fails that test rather than a run.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+_UNREACHABLE_BATCH_COUNT = 2**62
+
+
+def round_ends_now(trainer: L.Trainer) -> bool:
+    """Whether the training batch being run is the epoch's (the round's) last.
+
+    Relies on: the fit loop's ``batch_progress.is_last_batch`` is set before the batch runs, and for a
+    sized iterable (the ``RoundLoader``) Lightning does not prefetch, so it is exact.
+    """
+    return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+
+
+def evaluation_ends_now(trainer: L.Trainer) -> bool:
+    """Whether the evaluation batch being run is the pass's last (validation inside fit, validate or test)."""
+    if trainer.state.fn == "fit":
+        loop = trainer.fit_loop.epoch_loop.val_loop
+    else:
+        loop = trainer.validate_loop if trainer.state.fn == "validate" else trainer.test_loop
+    return loop.batch_progress.is_last_batch
+
+
+def reload_data_every_round(trainer: L.Trainer) -> None:
+    """Make Lightning ask the data module for the training iterable (and its length) every epoch.
+
+    Relies on: the fit loop fixes the epoch length when it loads the training data, and re-loads it
+    each epoch when ``reload_dataloaders_every_n_epochs == 1``. Rounds differ in length when clients
+    differ in size, so the round loader must be re-read every round (it is cheap).
+    """
+    if trainer.reload_dataloaders_every_n_epochs != 1:
+        trainer.reload_dataloaders_every_n_epochs = 1
+
+
+def start_next_round_after_restore(trainer: L.Trainer) -> None:
+    """After restoring a checkpoint written right after a round's last step, start the next round at 0.
+
+    Relies on: Lightning decides whether the restored epoch is over by comparing the restored batch
+    count with the *next* epoch's length, which is wrong when rounds differ in length; a count no round
+    can reach makes it finish the restored epoch and start the next one from its first batch.
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    if progress.is_last_batch and progress.current.completed > 0:
+        progress.current.completed = _UNREACHABLE_BATCH_COUNT
+
+
+def set_max_rounds(trainer: L.Trainer, rounds: int) -> None:
+    """Change how many epochs (rounds) ``fit`` runs, from a callback's ``on_fit_start``.
+
+    Relies on: ``fit_loop.max_epochs`` is read each epoch, so changing it at ``on_fit_start`` extends
+    the fit.
+    """
+    trainer.fit_loop.max_epochs = rounds
+
+
+def replace_default_progress_bar(trainer: L.Trainer, bar_class: type[TQDMProgressBar]) -> None:
+    """Put ``bar_class`` in place of Lightning's default progress bar (never a user's own bar).
+
+    Relies on: the default bar is a plain ``TQDMProgressBar`` in ``trainer.callbacks`` at ``connect``,
+    with its ``refresh_rate`` and private ``_leave`` settings.
+    """
+    for index, callback in enumerate(trainer.callbacks):
+        if type(callback) is TQDMProgressBar:
+            trainer.callbacks[index] = bar_class(refresh_rate=callback.refresh_rate, leave=callback._leave)
