@@ -14,16 +14,18 @@ from pathlib import Path
 
 import lightning as L
 
-from lightning_fedrep import FedRepStrategy
+from lightning_fedrep import FederatedStrategy
 from lightning_fedrep.data.digits import DigitsDataModule
 from lightning_fedrep.models import MLPClassifier
 
 
-def run(algorithm: str, rounds: int, seed: int, out: Path) -> tuple[dict[str, float], FedRepStrategy, float]:
+def run(
+    algorithm: str, rounds: int, seed: int, out: Path
+) -> tuple[dict[str, float], FederatedStrategy, float]:
     """Train one algorithm on the digits federation and return its test summary."""
     L.seed_everything(seed, verbose=False)
     data = DigitsDataModule(num_clients=20, classes_per_client=2, batch_size=10, seed=seed)
-    strategy = FedRepStrategy(
+    strategy = FederatedStrategy(
         algorithm=algorithm, clients_per_round=0.5, head_epochs=5, body_epochs=1, seed=seed
     )
     trainer = L.Trainer(

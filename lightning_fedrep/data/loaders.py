@@ -103,7 +103,7 @@ class RoundLoader:
         if self._plan_provider is None:
             raise RuntimeError(
                 "This RoundLoader is not bound to a federated strategy. Train with "
-                "Trainer(strategy=FedRepStrategy(...)) (or 'fedrep', 'fedper', ...), not a plain strategy."
+                "Trainer(strategy=FederatedStrategy(...)) (or 'fedrep', 'fedper', ...), not a plain strategy."
             )
         return self._plan_provider()
 

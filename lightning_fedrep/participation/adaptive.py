@@ -217,7 +217,7 @@ class AdaptiveParticipation(FederatedCallback):
         The pools are the strategy's (``sample_clients(num_clients, clients_per_round, seed, r)``) and
         every client does ``steps`` steps per round (or ``steps[c]``). Returns a fresh callback holding
         the resulting ``rounds``, ``decisions`` and ``time``: what a training run with this callback and a
-        ``FedRepStrategy(clients_per_round=..., seed=...)`` would record.
+        ``FederatedStrategy(clients_per_round=..., seed=...)`` would record.
         """
         if self.measure:
             raise ValueError("simulate() needs a simulated latency model with measure=False.")
