@@ -27,7 +27,7 @@ from lightning_fedrep.data.low_rank import LowRankLinearProblem
 from lightning_fedrep.data.subspace import principal_angle_distance
 from lightning_fedrep.models import LowRankLinear
 from lightning_fedrep.newclients import evaluate_new_clients
-from lightning_fedrep.strategy import FedRepStrategy
+from lightning_fedrep.strategy import FederatedStrategy
 
 
 def quiet(threads: int | None = 1) -> None:
@@ -130,7 +130,7 @@ def fresh_linear_clients(
     return train, test, heads
 
 
-def global_body(strategy: FedRepStrategy, name: str = "body.weight") -> torch.Tensor:
+def global_body(strategy: FederatedStrategy, name: str = "body.weight") -> torch.Tensor:
     """The global representation ``B`` (``d x k``) of a trained strategy (``body.weight`` is ``B^T``)."""
     return strategy.global_tensors()[name].T
 

@@ -1,4 +1,4 @@
-"""Strategy overhead: FedRep through ``FedRepStrategy`` vs a plain PyTorch loop doing the same arithmetic.
+"""Strategy overhead: FedRep through ``FederatedStrategy`` vs a plain PyTorch loop doing the same arithmetic.
 
 Both run the same rounds on the digits federation (same clients, same batches, same optimizer steps):
 the plain loop is the fastest straightforward implementation (one model, heads swapped in with
@@ -19,7 +19,7 @@ import lightning as L
 import torch
 from torch.nn import functional as F
 
-from lightning_fedrep import FedRepStrategy
+from lightning_fedrep import FederatedStrategy
 from lightning_fedrep.data.digits import DigitsDataModule
 from lightning_fedrep.models import MLPClassifier
 from lightning_fedrep.plan import round_generator, sample_clients
@@ -73,7 +73,7 @@ def plain_loop(dm: DigitsDataModule, rounds: int) -> tuple[float, int]:
 
 def strategy_run(dm: DigitsDataModule, rounds: int) -> tuple[float, int]:
     torch.manual_seed(0)
-    strategy = FedRepStrategy(
+    strategy = FederatedStrategy(
         clients_per_round=PER_ROUND, head_epochs=HEAD_EPOCHS, body_epochs=BODY_EPOCHS, seed=SEED
     )
     trainer = L.Trainer(
@@ -134,7 +134,7 @@ def main() -> None:
         f"digits FedRep, {args.rounds} rounds x {PER_ROUND} clients, {plain_steps} optimizer steps, 1 thread, CPU"
     )
     print(f"plain PyTorch loop : {p * 1e3:7.3f} ms/step")
-    print(f"FedRepStrategy     : {o * 1e3:7.3f} ms/step  (whole Trainer.fit, start-up included)")
+    print(f"FederatedStrategy  : {o * 1e3:7.3f} ms/step  (whole Trainer.fit, start-up included)")
     print(f"plain Lightning fit: {lt * 1e3:7.3f} ms/step  (one DataLoader, no federation, same steps)")
     print(f"ratio strategy/plain loop: {o / p:.2f}x   strategy/plain Lightning: {o / lt:.2f}x")
 

@@ -401,3 +401,29 @@ class FederationOfMeans:
                 opt.step()
             models.append(model.state_dict())
         return {k: (models[0][k] + models[1][k]) / 2 for k in global_state}
+
+
+def test_the_core_imports_no_lightning():
+    """``federation.py`` and every package module it imports (transitively) import torch only."""
+    import ast
+    from pathlib import Path
+
+    package = Path(federation_module.__file__).parent
+    seen, todo = set(), ["federation"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        tree = ast.parse((package / f"{name.replace('.', '/')}.py").read_text())
+        for node in ast.walk(tree):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            for module in modules:
+                assert not (module == "lightning" or module.startswith(("lightning.", "pytorch_lightning"))), (
+                    f"{name}.py imports {module}"
+                )
+                if module.startswith("lightning_fedrep."):
+                    todo.append(module.removeprefix("lightning_fedrep."))
+    assert {"federation", "algorithms", "plan", "clients", "server", "split", "history"} <= seen

@@ -17,7 +17,7 @@ orthogonal design ``X_i = sqrt(d) Q_i`` (``Q_i`` a random ``d x d`` orthogonal m
 population step ``B <- B - alpha (Bw - B* w*) w^T``, ``w <- w - alpha B^T (Bw - B* w*)``.
 
 Through the library: ``LowRankLinear`` (head ``head`` = ``w``, body ``body`` = ``B^T``) with
-``FedRepStrategy(algorithm="fedavg", phases=[Phase("all", steps=tau)], weighting="uniform")`` and
+``FederatedStrategy(algorithm="fedavg", phases=[Phase("all", steps=tau)], weighting="uniform")`` and
 batch size = the client's 100 samples; ``dist(B_t, B*)`` of the global body is recorded after every
 round by a callback (``strategy.global_tensors()``). New clients: ``w_new ~ N(0, I_k)``, ``n`` training
 samples ``x ~ N(0, I_d)`` with noise ``N(0, 0.01)``; the head is fine-tuned with
@@ -66,7 +66,7 @@ from benchmarks._common import (  # noqa: E402
     print_footer,
     quiet,
 )
-from lightning_fedrep import FedRepStrategy, Phase  # noqa: E402
+from lightning_fedrep import FederatedStrategy, Phase  # noqa: E402
 
 
 @dataclass
@@ -144,7 +144,7 @@ def train_fedavg(
     )
     with torch.no_grad():
         model.head.weight.zero_()  # w_0 = 0
-    strategy = FedRepStrategy(
+    strategy = FederatedStrategy(
         algorithm="fedavg",
         phases=[Phase("all", steps=tau)],
         clients_per_round=clients_per_round,

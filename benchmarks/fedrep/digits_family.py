@@ -5,7 +5,7 @@ numbers cannot be reproduced offline): under a label-skewed split, the personali
 share a representation (FedRep, FedPer, FedAvg + fine-tuning) beat one global model (FedAvg) and
 training alone (Local Only), and FedRep is at least as good as FedPer and LG-FedAvg.
 
-Everything runs through ``FedRepStrategy`` on ``DigitsDataModule`` (50 clients, 3 classes each,
+Everything runs through ``FederatedStrategy`` on ``DigitsDataModule`` (50 clients, 3 classes each,
 ``ShardPartitioner``; a 50/50 train/test split of the 1,797 digits, so ~18 train and ~18 test samples
 per client, ~6 per class) with ``MLPClassifier`` (64-64-32 body, linear ``classifier`` head; SGD lr 0.05,
 momentum 0.5, weight decay 1e-4, batch 10), a fresh optimizer per client per round:
@@ -53,7 +53,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 import torch  # noqa: E402
 
 from benchmarks._common import Stopwatch, format_table, make_trainer, print_footer, quiet  # noqa: E402
-from lightning_fedrep import FedRepStrategy  # noqa: E402
+from lightning_fedrep import FederatedStrategy  # noqa: E402
 from lightning_fedrep.callbacks import HeadFineTuning  # noqa: E402
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: E402
 from lightning_fedrep.models import MLPClassifier  # noqa: E402
@@ -86,7 +86,7 @@ class Settings:
     test_fraction: float = 0.5
 
 
-def _fit(algorithm: str, seed: int, s: Settings, **strategy_kwargs) -> tuple[FedRepStrategy, float]:
+def _fit(algorithm: str, seed: int, s: Settings, **strategy_kwargs) -> tuple[FederatedStrategy, float]:
     """Train one algorithm on one seed's digits federation; returns the strategy and wall seconds."""
     watch = Stopwatch()
     dm = DigitsDataModule(
@@ -100,7 +100,7 @@ def _fit(algorithm: str, seed: int, s: Settings, **strategy_kwargs) -> tuple[Fed
     model = MLPClassifier()
     callbacks = strategy_kwargs.pop("callbacks", [])
     rounds = strategy_kwargs.pop("rounds", s.rounds)
-    strategy = FedRepStrategy(algorithm=algorithm, seed=seed, **strategy_kwargs)
+    strategy = FederatedStrategy(algorithm=algorithm, seed=seed, **strategy_kwargs)
     trainer = make_trainer(rounds, strategy=strategy, callbacks=callbacks, check_val_every_n_epoch=1)
     trainer.fit(model, datamodule=dm)
     return strategy, watch.elapsed
@@ -110,7 +110,7 @@ def run_seed(seed: int, s: Settings = Settings(), methods: tuple[str, ...] = MET
     """Every method on one seed: ``{method: {"final": acc, "last10": acc, "seconds": s}}`` (acc in %)."""
     out: dict[str, dict] = {}
 
-    def record(name: str, strategy: FedRepStrategy, seconds: float) -> None:
+    def record(name: str, strategy: FederatedStrategy, seconds: float) -> None:
         results = strategy.results()
         out[name] = {
             "final": 100 * results["final"]["val/acc"],

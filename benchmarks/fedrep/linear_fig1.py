@@ -4,7 +4,7 @@ Claim (Collins et al. 2021, Fig. 1): with ``d = 20``, ``k = 2``, ``n = 100`` cli
 ``m in {5, 10, 20}`` training samples per client, Local Only is poor until ``m`` reaches ``d``,
 FedAvg (one global model) is poor at every ``m``, and FedRep is accurate at every ``m``.
 
-Everything trains through ``FedRepStrategy`` on a ``FederatedDataModule`` with one full batch per
+Everything trains through ``FederatedStrategy`` on a ``FederatedDataModule`` with one full batch per
 client (batch size = ``m``):
 
 * **FedRep** (Algorithm 2): ``algorithm="fedrep"``, ``phases=[Phase("head", steps=1),
@@ -63,7 +63,7 @@ from benchmarks._common import (  # noqa: E402
     print_footer,
     quiet,
 )
-from lightning_fedrep import FederatedDataModule, FedRepStrategy, Phase  # noqa: E402
+from lightning_fedrep import FederatedDataModule, FederatedStrategy, Phase  # noqa: E402
 from lightning_fedrep.data.low_rank import LowRankLinearProblem, make_low_rank_problem  # noqa: E402
 from lightning_fedrep.data.subspace import method_of_moments_init, principal_angle_distance  # noqa: E402
 
@@ -76,7 +76,7 @@ class Trained:
 
     method: str
     model: L.LightningModule
-    strategy: FedRepStrategy
+    strategy: FederatedStrategy
     trainer: L.Trainer
     datamodule: FederatedDataModule
     seconds: float
@@ -101,13 +101,13 @@ def train_linear(
     seed: int = 0,
     fedavg_steps: int = 1,
 ) -> Trained:
-    """Train ``method`` ("fedrep", "fedavg" or "local") on ``problem`` through ``FedRepStrategy``."""
+    """Train ``method`` ("fedrep", "fedavg" or "local") on ``problem`` through ``FederatedStrategy``."""
     watch = Stopwatch()
     dm = linear_datamodule(problem.train, problem.test)  # one full batch per client
     torch.manual_seed(seed)
     if method == "local":
         model = least_squares_model(problem.dim)
-        strategy = FedRepStrategy(
+        strategy = FederatedStrategy(
             algorithm="local", clients_per_round=1.0, phases=[Phase("head", steps=1)], seed=seed
         )
         rounds = 1  # the exact fit needs one step; nothing is communicated anyway
@@ -124,7 +124,7 @@ def train_linear(
             if method == "fedrep"
             else [Phase("all", steps=fedavg_steps)]
         )
-        strategy = FedRepStrategy(
+        strategy = FederatedStrategy(
             algorithm=method,
             clients_per_round=clients_per_round,
             phases=phases,

@@ -1,6 +1,6 @@
 """Linear FLUTE (Algorithm 1 of Liu, Shen & Yang, ICML 2024): under-parameterized linear representation learning.
 
-This is a small plain-torch algorithm, **not** a ``FedRepStrategy`` run: in linear FLUTE the clients
+This is a small plain-torch algorithm, **not** a ``FederatedStrategy`` run: in linear FLUTE the clients
 upload one full-batch *gradient* each (for ``U`` and for their head ``v_i``), and the *server* applies
 the data step and then a data-free regularisation step jointly on ``U`` and **all** heads ``V`` (the
 two penalties couple the heads through ``||V V^T||_F`` and ``||U V||_F``). The strategy's rounds (clients

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 from benchmarks._common import Stopwatch, format_table, make_trainer, print_footer, quiet  # noqa: E402
-from lightning_fedrep import FederatedDataModule, FedRepStrategy, Phase  # noqa: E402
+from lightning_fedrep import FederatedDataModule, FederatedStrategy, Phase  # noqa: E402
 from lightning_fedrep.callbacks import NeuralCollapse  # noqa: E402
 from lightning_fedrep.data.partition import ShardPartitioner  # noqa: E402
 from lightning_fedrep.models import MLPClassifier  # noqa: E402
@@ -67,7 +67,7 @@ def run(method: str, seed: int, rounds: int) -> list:
     dm = FederatedDataModule(train, test, partitioner=ShardPartitioner(CLIENTS, 2), batch_size=10, seed=seed)
     model = MLPClassifier(in_features=DIM, hidden=64, features=16, num_classes=CLASSES, lr=0.05)
     callback = NeuralCollapse(**options)
-    strategy = FedRepStrategy(phases=phases, clients_per_round=0.5, seed=seed)
+    strategy = FederatedStrategy(phases=phases, clients_per_round=0.5, seed=seed)
     watch = Stopwatch()
     make_trainer(rounds, [callback], strategy=strategy, check_val_every_n_epoch=rounds).fit(
         model, datamodule=dm

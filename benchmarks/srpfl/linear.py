@@ -1,6 +1,6 @@
 """SRPFL digest E2: FedRep-SRPFL vs FedRep on synthetic linear representation learning, simulated time.
 
-Both methods run through ``Trainer.fit`` with ``FedRepStrategy`` (exact head, one body step per round,
+Both methods run through ``Trainer.fit`` with ``FederatedStrategy`` (exact head, one body step per round,
 plain mean, full participation) and ``AdaptiveParticipation`` with fixed ``Exp(1)`` client speeds:
 FedRep-SRPFL keeps the 10 fastest clients, doubling every 10 rounds; FedRep (``initial_clients=None``)
 waits for all 100 every round. Settings of the digest: d=20, k=2, N=100, m=10 samples per client,
@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.srpfl.reference import srpfl_linear_reference, time_to_reach  # noqa: E402
-from lightning_fedrep import FedRepStrategy, Phase  # noqa: E402
+from lightning_fedrep import FederatedStrategy, Phase  # noqa: E402
 from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: E402
 from lightning_fedrep.data.subspace import principal_angle_distance  # noqa: E402
 from lightning_fedrep.models import LowRankLinear  # noqa: E402
@@ -76,7 +76,7 @@ def run(seed: int, fresh: bool, initial_clients: int | None, rounds: int, cost: 
         initial_clients, 10, latency=FixedExponential(seed=seed), communication_cost=cost
     )
     trajectory = Trajectory(participation, dm.problem.ground_truth_body)
-    strategy = FedRepStrategy(
+    strategy = FederatedStrategy(
         clients_per_round=1.0,
         phases=[Phase("head", steps=1), Phase("body", steps=1)],
         weighting="uniform",
