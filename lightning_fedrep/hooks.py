@@ -32,20 +32,41 @@ From any hook, :meth:`FederatedCallback.federation` gives the run's :class:`Fede
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Part
+from lightning_fedrep.algorithms import Algorithm, Part
+from lightning_fedrep.evaluation import ClientMetrics
 from lightning_fedrep.federation import ClientResult, Federation, RoundResult
 from lightning_fedrep.plan import RoundPlan
 
-if TYPE_CHECKING:
-    from lightning_fedrep.strategy import FederatedStrategy
+__all__ = ["ClientResult", "FederatedCallback", "FederatedStrategyAPI", "LiveStep", "RoundResult"]
 
-__all__ = ["ClientResult", "FederatedCallback", "LiveStep", "RoundResult"]
+
+@runtime_checkable
+class FederatedStrategyAPI(Protocol):
+    """What a federated callback may use of the Trainer's strategy (``FederatedStrategy`` implements it)."""
+
+    algorithm: Algorithm
+    client_metrics: dict[str, ClientMetrics]
+
+    @property
+    def current_client(self) -> int | None: ...
+
+    @property
+    def current_phase(self) -> str | None: ...
+
+    @property
+    def history(self) -> list[dict[str, Any]]: ...
+
+    def require_federation(self) -> Federation: ...
+
+    def round_plan(self, round_index: int) -> RoundPlan: ...
+
+    def results(self) -> dict[str, dict[str, float]]: ...
 
 
 @dataclass(frozen=True)
@@ -95,12 +116,10 @@ class FederatedCallback(Callback):
         """After the round's aggregation, before validation and checkpoints."""
 
     # ------------------------------------------------------------------ helpers
-    def strategy(self, trainer: L.Trainer) -> FederatedStrategy:
+    def strategy(self, trainer: L.Trainer) -> FederatedStrategyAPI:
         """The Trainer's federated strategy (a clear error if it has none)."""
-        from lightning_fedrep.strategy import FederatedStrategy
-
         strategy = trainer.strategy
-        if not isinstance(strategy, FederatedStrategy):
+        if not isinstance(strategy, FederatedStrategyAPI):
             raise TypeError(
                 f"{type(self).__name__} takes part in federated rounds: use it with a FederatedStrategy "
                 f"(e.g. Trainer(strategy='fedrep')), not {type(strategy).__name__}."
