@@ -361,7 +361,7 @@ class FederatedStrategy(SingleDeviceStrategy):
             getattr(callback, hook)(trainer, self.lightning_module, *args)
 
     def _configure_round(self, plan: RoundPlan) -> RoundPlan:
-        trainer = self.lightning_module.trainer if self._lightning_module is not None else None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         for callback in self._callbacks:
             changed = callback.configure_round(trainer, plan)
             if not isinstance(changed, RoundPlan) or changed.round != plan.round:
