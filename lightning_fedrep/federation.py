@@ -297,23 +297,49 @@ class Federation:
         live = self._live
         if live is None:
             return None
-        client = live.client
+        names = self.shared_names + self.local_names
+        keep = self.config.client_optimizer_state == "keep"
+        result = self.store_client(
+            live.client,
+            dict(zip(names, self._tensors(names))),
+            self._optimizer_snapshot() if keep else None,
+            live.steps,
+            live.timed_steps,
+            live.seconds,
+        )
+        self._live = None
+        self.live_phase = None
+        return result
+
+    def start_tensors(self, client: int) -> dict[str, Tensor]:
+        """A client's tensors at the start of its round by name (not copies): the global shared part,
+        its local part, and what it fine-tuned."""
+        return {**self.global_view(), **self.store.personal(client, self.local_names)}
+
+    def store_client(
+        self,
+        client: int,
+        tensors: Mapping[str, Tensor],
+        optimizer_state: OptimizerState | None,
+        steps: int,
+        timed_steps: int = 0,
+        seconds: float = 0.0,
+    ) -> ClientResult:
+        """A client finished its round's work with ``tensors`` (by name): keep its local part (and, in a
+        round that does not aggregate, what it trained of the shared part), its optimizer state if kept,
+        and add its shared part to the round's average."""
         if self._average is not None:
-            self._average.add(self._tensors(self.shared_names), self.weight_of(client))
+            self._average.add([tensors[n] for n in self.shared_names], self.weight_of(client))
         plan = self.plan(self.round_index)
         if not plan.aggregate:
             trained = {g for phase in plan.phases for g in PART_GROUPS[phase.train]}
             names = [n for n in self.shared_names if self.split.group(n) in trained]
-            self.store.finetuned[client] = {
-                n: t.detach().clone() for n, t in zip(names, self._tensors(names))
-            }
-        self.store.put(client, self._tensors(self.local_names))
-        if self.config.client_optimizer_state == "keep":
-            self.store.optimizer_states[client] = self._optimizer_snapshot()
-        result = ClientResult(self.round_index, client, live.steps, live.timed_steps, live.seconds)
+            self.store.finetuned[client] = {n: tensors[n].detach().clone() for n in names}
+        self.store.put(client, [tensors[n] for n in self.local_names])
+        if optimizer_state is not None and self.config.client_optimizer_state == "keep":
+            self.store.optimizer_states[client] = optimizer_state
+        result = ClientResult(self.round_index, client, steps, timed_steps, seconds)
         self._finished.append(result)
-        self._live = None
-        self.live_phase = None
         return result
 
     @torch.no_grad()

@@ -24,6 +24,14 @@ from lightning_fedrep import lightning_internals as internals
 from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase, get_algorithm, parse_phases
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from lightning_fedrep.data.loaders import EvalLoader, RoundLoader
+from lightning_fedrep.engine import (
+    LockstepEngine,
+    LockstepPlan,
+    declared_loss,
+    federation_reasons,
+    module_reasons,
+    trainer_reasons,
+)
 from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass
 from lightning_fedrep.federation import Federation, FederationConfig
 from lightning_fedrep.hooks import FederatedCallback, LiveStep
@@ -61,6 +69,14 @@ class FederatedStrategy(SingleDeviceStrategy):
         headline_metrics: compute ``val/acc`` and ``val/loss`` (``test/``...) from ``model(x)`` on
             ``(x, y)`` batches, in addition to what the module logs.
         device: the device to train on; by default the one the Trainer's accelerator picks.
+        engine: how a round's local work runs. ``"vectorized"``: a round's clients train together in
+            lockstep (one Lightning step = one local step of every client; ``torch.func``), head phases
+            on cached body features; exact, but only for a module that declares its loss
+            (``fedrep_loss``), has no random layers or batch norm, and an element-wise optimizer without
+            gradient clipping (an error lists what is missing). ``"sequential"``: one client step per
+            Lightning step, the user's ``training_step`` as is. ``"auto"``: vectorized where exact,
+            else sequential with a one-line message saying why.
+        engine_width: at most this many clients train together (memory); ``None``: a round's clients.
     """
 
     strategy_name = "federated"
@@ -81,6 +97,8 @@ class FederatedStrategy(SingleDeviceStrategy):
         seed: int = 0,
         headline_metrics: bool = True,
         device: str | torch.device | None = None,
+        engine: Literal["auto", "vectorized", "sequential"] = "auto",
+        engine_width: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(device=device or "cpu", **kwargs)
@@ -92,6 +110,16 @@ class FederatedStrategy(SingleDeviceStrategy):
         self.algorithm: Algorithm = copy.deepcopy(resolved) if isinstance(algorithm, str) else resolved
         if buffers not in ("shared", "local"):
             raise ValueError(f"buffers must be 'shared' or 'local', got {buffers!r}.")
+        if engine not in ("auto", "vectorized", "sequential"):
+            raise ValueError(f"engine must be 'auto', 'vectorized' or 'sequential', got {engine!r}.")
+        if engine_width is not None and (
+            isinstance(engine_width, bool) or not isinstance(engine_width, int) or engine_width < 1
+        ):
+            raise ValueError(
+                f"engine_width must be a client count >= 1 or None (a round's clients), got {engine_width!r}."
+            )
+        self.engine = engine
+        self.engine_width = engine_width
         self.head = head
         self.buffers = buffers
         self.allow_frozen = allow_frozen
@@ -114,6 +142,7 @@ class FederatedStrategy(SingleDeviceStrategy):
         self._evaluation: EvaluationPass | None = None
         self._eval_loader: EvalLoader | None = None
         self._pending: dict[str, Any] | None = None
+        self._engine: LockstepEngine | None = None
 
     @classmethod
     @override
@@ -260,6 +289,29 @@ class FederatedStrategy(SingleDeviceStrategy):
                 "Loss terms (from the algorithm or a FederatedCallback) need automatic optimization; this module "
                 "uses manual optimization."
             )
+        self._engine = self._choose_engine(trainer) if trainer.state.fn == "fit" else None
+
+    def _choose_engine(self, trainer: L.Trainer) -> LockstepEngine | None:
+        if self.engine == "sequential":
+            return None
+        module, federation = self.lightning_module, self.federation
+        reasons = (
+            module_reasons(module, federation.layout)
+            + trainer_reasons(trainer, self.optimizers, self.lr_scheduler_configs)
+            + federation_reasons(self.algorithm, self._callbacks)
+        )
+        if reasons:
+            if self.engine == "vectorized":
+                raise ValueError(
+                    "engine='vectorized' would not compute what the sequential path computes: "
+                    f"{'; '.join(reasons)}. Remove what is listed, or pass engine='auto' (falls back to the "
+                    "sequential path) or engine='sequential'."
+                )
+            rank_zero_info(f"lightning_fedrep: sequential engine ({'; '.join(reasons)}).")
+            return None
+        return LockstepEngine(
+            federation, module, self.optimizers[0], declared_loss(module), self.engine_width
+        )
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -269,7 +321,11 @@ class FederatedStrategy(SingleDeviceStrategy):
             federation = self.require_federation()
             federation.bind_data(dataloader.client_sizes(), dataloader.batch_size)
             trainer = self.lightning_module.trainer
-            dataloader.bind(lambda: self.round_plan(trainer.current_epoch))
+            if self._engine is not None:
+                message = self._engine.bind_loader(dataloader, self.root_device)
+                if message:
+                    rank_zero_info(f"lightning_fedrep: vectorized engine ({message}).")
+            dataloader.bind(lambda: self._training_schedule(trainer.current_epoch))
             if self.round_plan(trainer.current_epoch).length == 0:
                 raise ValueError(
                     "The round plan is empty: every phase has a zero budget. Give epochs or steps > 0."
@@ -286,6 +342,10 @@ class FederatedStrategy(SingleDeviceStrategy):
             "lightning_fedrep.FederatedDataModule(train_set, test_set, partitioner=...) and pass it as datamodule=."
         )
 
+    def _training_schedule(self, round_index: int) -> RoundPlan | LockstepPlan:
+        plan = self.round_plan(round_index)
+        return self._engine.schedule(plan) if self._engine is not None else plan
+
     # ------------------------------------------------------------------ rounds
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -299,6 +359,10 @@ class FederatedStrategy(SingleDeviceStrategy):
         if not federation.round_open:
             federation.open_round(plan)
             self._dispatch("on_round_start", plan)
+        if self._engine is not None:
+            for client in self._engine.begin_step(self._engine.schedule(plan), batch_idx):
+                self._dispatch("on_client_start", client)
+            return
         location = plan.locate(batch_idx)
         if location.client != federation.live_client:
             self._finish_client()
@@ -309,7 +373,12 @@ class FederatedStrategy(SingleDeviceStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Called for each training batch (inside the optimizer closure in automatic optimization): add
-        the loss terms; under manual optimization, close the round after its last step."""
+        the loss terms; under manual optimization, close the round after its last step. On the
+        vectorized engine: every active client's loss on its batch, summed (the user's step is not run)."""
+        if self._engine is not None:
+            loss = self._engine.loss(args[0] if args else kwargs["batch"])
+            self.lightning_module.log("train/loss", self._engine.mean_loss(), on_step=True, batch_size=1)
+            return loss
         output = super().training_step(*args, **kwargs)
         if self._has_loss_terms():
             output = self._add_loss_terms(output, args, kwargs)
@@ -321,7 +390,15 @@ class FederatedStrategy(SingleDeviceStrategy):
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        """Called for each optimizer step: under automatic optimization, close the round after its last."""
+        """Called for each optimizer step: under automatic optimization, close the round after its last.
+        On the vectorized engine: run the closure (loss and backward), then step every client's optimizer."""
+        if self._engine is not None:
+            closure()
+            for result in self._engine.end_step():
+                self._dispatch("on_client_end", result)
+            if internals.round_ends_now(self.lightning_module.trainer):
+                self._close_round()
+            return None
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.lightning_module.automatic_optimization:
             self._after_step()
@@ -349,6 +426,9 @@ class FederatedStrategy(SingleDeviceStrategy):
             self._dispatch("on_client_end", result)
 
     def _close_round(self) -> None:
+        if self._engine is not None:
+            for result in self._engine.finish_group():
+                self._dispatch("on_client_end", result)
         self._finish_client()
         result = self.federation.close_round()
         if result is not None:
@@ -496,7 +576,10 @@ class FederatedStrategy(SingleDeviceStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Called to write a checkpoint: add the federation's state under ``checkpoint["lightning_fedrep"]``."""
         if self.federation is not None and self.federation.has_state:
-            checkpoint[CHECKPOINT_KEY] = self.federation.state_dict()
+            state = self.federation.state_dict()
+            if self._engine is not None and self.federation.round_open:
+                state["round"]["engine"] = self._engine.state_dict()
+            checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -529,6 +612,17 @@ class FederatedStrategy(SingleDeviceStrategy):
         self.federation.restore_round(state)
         if not self.federation.round_open:
             internals.start_next_round_after_restore(self.lightning_module.trainer)
+            return
+        saved = "vectorized" if "engine" in state["round"] else "sequential"
+        running = "vectorized" if self._engine is not None else "sequential"
+        if saved != running:
+            raise ValueError(
+                f"The checkpoint was saved inside round {state['round']['index']} by the {saved} engine, but "
+                f"this run uses the {running} one. Resume with engine='{saved}', or from a checkpoint written "
+                "at the end of a round."
+            )
+        if self._engine is not None:
+            self._engine.load_state_dict(state["round"]["engine"])
 
 
 FedRepStrategy = FederatedStrategy

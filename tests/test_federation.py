@@ -421,9 +421,9 @@ def test_the_core_imports_no_lightning():
             if isinstance(node, ast.ImportFrom) and node.module:
                 modules = [node.module]
             for module in modules:
-                assert not (module == "lightning" or module.startswith(("lightning.", "pytorch_lightning"))), (
-                    f"{name}.py imports {module}"
-                )
+                assert not (
+                    module == "lightning" or module.startswith(("lightning.", "pytorch_lightning"))
+                ), f"{name}.py imports {module}"
                 if module.startswith("lightning_fedrep."):
                     todo.append(module.removeprefix("lightning_fedrep."))
     assert {"federation", "algorithms", "plan", "clients", "server", "split", "history"} <= seen

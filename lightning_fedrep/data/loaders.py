@@ -110,26 +110,48 @@ class RoundLoader:
     def __len__(self) -> int:
         return self._plan().length
 
-    def client_index_batches(
+    def client_positions(
         self, client: int, round_index: int, first_step: int, num_steps: int
     ) -> list[torch.Tensor]:
-        """Sample indices (into the base data set) of a client's steps ``first_step ..`` in a round."""
-        data = self.clients[client]
-        per_epoch = steps_per_epoch(len(data), self.batch_size)
+        """Positions (into the client's own samples) of its steps ``first_step ..`` in a round: each pass
+        over its data reshuffled by a generator seeded with ``(seed, round, client, pass)``."""
+        size = len(self.clients[client])
+        per_epoch = steps_per_epoch(size, self.batch_size)
         batches, perm, perm_pass = [], None, -1
         for step in range(first_step, first_step + num_steps):
             epoch_pass, j = divmod(step, per_epoch)
             if epoch_pass != perm_pass:
                 perm = torch.randperm(
-                    len(data), generator=round_generator(self.seed, round_index, client, epoch_pass)
+                    size, generator=round_generator(self.seed, round_index, client, epoch_pass)
                 )
                 perm_pass = epoch_pass
-            batches.append(data.indices[perm[j * self.batch_size : (j + 1) * self.batch_size]])
+            batches.append(perm[j * self.batch_size : (j + 1) * self.batch_size])
         return batches
+
+    def client_index_batches(
+        self, client: int, round_index: int, first_step: int, num_steps: int
+    ) -> list[torch.Tensor]:
+        """Sample indices (into the base data set) of a client's steps ``first_step ..`` in a round."""
+        indices = self.clients[client].indices
+        return [indices[p] for p in self.client_positions(client, round_index, first_step, num_steps)]
+
+    def client_samples(self, client: int, chunk: int) -> Iterator[Any]:
+        """All of a client's training samples in position order, in batches of ``chunk`` (for features)."""
+        data = self.clients[client]
+        return self.fetcher.batches(data.dataset, list(data.indices.split(chunk)))
 
     def __iter__(self) -> Iterator[Any]:
         plan = self._plan()
         start, self._resume_position = self._resume_position, 0
+        if not isinstance(plan, RoundPlan):  # a lockstep schedule of the vectorized engine
+            if self._round is not None and self._round != plan.round:
+                start = 0
+            self._round = plan.round
+            self._position = start
+            for batch in plan.batches(self, start):
+                self._position += 1
+                yield batch
+            return
         if self._round is not None and self._round != plan.round:
             start = 0
         self._round = plan.round

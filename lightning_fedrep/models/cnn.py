@@ -20,7 +20,18 @@ __all__ = ["CIFAR100CNN", "CIFAR10CNN"]
 
 
 class _FedRepClassifier(L.LightningModule):
-    """Cross-entropy training, strategy-side evaluation and the official SGD recipe."""
+    """Cross-entropy training, strategy-side evaluation and the official SGD recipe.
+
+    ``forward`` is ``forward_head(forward_features(x))`` and ``fedrep_loss`` says what ``training_step``
+    computes, so the strategy's vectorized engine applies (and caches features in head phases).
+    """
+
+    fedrep_loss = "cross_entropy"
+    """What ``training_step`` computes: cross-entropy of ``self(x)`` against integer labels."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output: the head on the body's features."""
+        return self.forward_head(self.forward_features(x))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -66,14 +77,17 @@ class CIFAR10CNN(_FedRepClassifier):
         self.fc2 = nn.Linear(120, 64)
         self.fc3 = nn.Linear(64, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of shape ``(batch, num_classes)``."""
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The body's output (the input of ``fc3``), shape ``(batch, 64)``."""
         x = self.pool(F.relu(self.conv1(x)))
         x = self.pool(F.relu(self.conv2(x)))
         x = x.flatten(1)
         x = F.relu(self.fc1(x))
-        x = F.relu(self.fc2(x))
-        return F.log_softmax(self.fc3(x), dim=1)
+        return F.relu(self.fc2(x))
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of shape ``(batch, num_classes)``."""
+        return F.log_softmax(self.fc3(features), dim=1)
 
 
 class CIFAR100CNN(_FedRepClassifier):
@@ -104,11 +118,14 @@ class CIFAR100CNN(_FedRepClassifier):
         self.drop = nn.Dropout(dropout)
         self.fc3 = nn.Linear(128, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of shape ``(batch, num_classes)``."""
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The body's output before the dropout, shape ``(batch, 128)``."""
         x = self.pool(F.relu(self.conv1(x)))
         x = self.pool(F.relu(self.conv2(x)))
         x = x.flatten(1)
         x = F.relu(self.fc1(x))
-        x = self.drop(F.relu(self.fc2(x)))
-        return F.log_softmax(self.fc3(x), dim=1)
+        return F.relu(self.fc2(x))
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of shape ``(batch, num_classes)`` (dropout, then ``fc3``)."""
+        return F.log_softmax(self.fc3(self.drop(features)), dim=1)

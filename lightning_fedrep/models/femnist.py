@@ -53,11 +53,14 @@ class FEMNISTMLP(_FedRepClassifier):
         self.layer_hidden2 = nn.Linear(256, 64)
         self.layer_out = nn.Linear(64, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits (or probabilities, with ``output="softmax"``) of shape ``(batch, num_classes)``."""
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The body's output (the input of ``layer_out``), shape ``(batch, 64)``."""
         x = x.flatten(1)
         x = F.relu(self.layer_input(x))
         x = F.relu(self.layer_hidden1(x))
-        x = F.relu(self.layer_hidden2(x))
-        x = self.layer_out(x)
+        return F.relu(self.layer_hidden2(x))
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits (or probabilities, with ``output="softmax"``) of shape ``(batch, num_classes)``."""
+        x = self.layer_out(features)
         return F.softmax(x, dim=1) if self.hparams.output == "softmax" else x

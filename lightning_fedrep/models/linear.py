@@ -17,6 +17,10 @@ from lightning_fedrep.data.subspace import principal_angle_distance
 __all__ = ["LowRankLinear"]
 
 
+def _half_squared_error(output: Tensor, target: Tensor) -> Tensor:
+    return 0.5 * (output.reshape(-1) - target.reshape(-1).to(output.dtype)) ** 2
+
+
 class LowRankLinear(lightning.LightningModule):
     """Linear model ``y_hat = head(body(x)) = w^T B^T x`` for the low-rank linear regression problem.
 
@@ -39,6 +43,12 @@ class LowRankLinear(lightning.LightningModule):
 
     fedrep_head = "head"
     """Marks ``self.head`` as the per-client head for the FedRep strategy."""
+
+    @property
+    def fedrep_loss(self):  # noqa: ANN201 (a callable or None)
+        """What ``training_step`` computes per sample, ``(y_hat - y)^2 / 2``, for the strategy's vectorized
+        engine; ``None`` with ``exact_head`` (a head phase then solves least squares, not a gradient step)."""
+        return None if self.hparams.exact_head else _half_squared_error
 
     ground_truth_body: Tensor | None
 

@@ -17,6 +17,8 @@ class MLPClassifier(L.LightningModule):
     """
 
     fedrep_head = "classifier"
+    fedrep_loss = "cross_entropy"
+    """What ``training_step`` computes (the strategy's vectorized engine needs it)."""
 
     def __init__(
         self,
@@ -36,7 +38,15 @@ class MLPClassifier(L.LightningModule):
         self.classifier = nn.Linear(features, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.body(x))
+        return self.forward_head(self.forward_features(x))
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The body's output, shape ``(batch, features)``."""
+        return self.body(x)
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        """The classifier's logits."""
+        return self.classifier(features)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -1,0 +1,154 @@
+"""What the vectorized engine needs to know about a module: its pure loss and its body/head split.
+
+The user's ``training_step`` is opaque, so the engine runs only on a module that *declares* the loss
+its ``training_step`` computes (``fedrep_loss``). To cache the frozen body's output it also needs the
+model as ``head(features(x))``: declared with ``forward_features`` / ``forward_head`` (timm's names),
+or detected when the head submodule is called last and its output is the model's output. Both are
+checked on a probe batch before they are trusted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+"""``loss(output, target) -> per-sample losses`` (shape ``[batch]``); the training loss is their mean."""
+
+
+def cross_entropy_per_sample(output: Tensor, target: Tensor) -> Tensor:
+    """Per-sample cross-entropy on logits (or log-probabilities) for integer class labels."""
+    return F.cross_entropy(output, target, reduction="none")
+
+
+def mse_per_sample(output: Tensor, target: Tensor) -> Tensor:
+    """Per-sample mean squared error over the output's elements."""
+    diff = output.reshape(target.shape[0], -1) - target.reshape(target.shape[0], -1).to(output.dtype)
+    return diff.pow(2).mean(dim=1)
+
+
+NAMED_LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy_per_sample, "mse": mse_per_sample}
+
+
+def declared_loss(module: nn.Module) -> LossFn | None:
+    """The per-sample loss the module declares with ``fedrep_loss`` (a name or a callable), or ``None``."""
+    loss = getattr(module, "fedrep_loss", None)
+    if loss is None:
+        return None
+    if isinstance(loss, str):
+        if loss not in NAMED_LOSSES:
+            raise ValueError(
+                f"fedrep_loss={loss!r} is not a known loss; use one of {sorted(NAMED_LOSSES)} or a callable."
+            )
+        return NAMED_LOSSES[loss]
+    if not callable(loss):
+        raise TypeError(
+            f"fedrep_loss must be a loss name or a callable (output, target) -> per-sample loss, got {loss!r}."
+        )
+    return loss
+
+
+class _Features(Exception):
+    """Raised by a forward pre-hook to stop the forward pass at the head's input."""
+
+    def __init__(self, value: Tensor):
+        self.value = value
+
+
+class _MethodAsForward(nn.Module):
+    """Calls ``module.<method>`` as ``forward``, so ``torch.func.functional_call`` can bind its tensors."""
+
+    def __init__(self, module: nn.Module, method: str):
+        super().__init__()
+        self.module = module
+        self.method = method
+
+    def forward(self, *args: Tensor) -> Tensor:
+        return getattr(self.module, self.method)(*args)
+
+
+@dataclass
+class FeatureSplit:
+    """The model as ``head(features(x))``, each callable with any tensors (``{full name: tensor}``):
+    the engine computes a client's features once with its frozen body, then trains its head on them."""
+
+    features: Callable[[dict[str, Tensor], Tensor], Tensor]
+    head: Callable[[dict[str, Tensor], Tensor], Tensor]
+    how: str
+
+
+def find_feature_split(module: nn.Module, head_names: tuple[str, ...], probe: Tensor) -> FeatureSplit | None:
+    """Find and verify ``module(x) == head(features(x))`` on ``probe``, or ``None`` (no caching then)."""
+    declared = callable(getattr(module, "forward_features", None)) and callable(
+        getattr(module, "forward_head", None)
+    )
+    tensors = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+    with torch.no_grad():
+        expected = module(probe)
+        split = (
+            _declared_split(module)
+            if declared
+            else _detect_last_head_module(module, head_names, probe, expected)
+        )
+        if split is None:
+            return None
+        got = split.head(tensors, split.features(tensors, probe))
+    if not isinstance(got, Tensor) or got.shape != expected.shape or not torch.equal(got, expected):
+        return None
+    return split
+
+
+def _declared_split(module: nn.Module) -> FeatureSplit:
+    features, head = _MethodAsForward(module, "forward_features"), _MethodAsForward(module, "forward_head")
+
+    def call(wrapper: nn.Module) -> Callable[[dict[str, Tensor], Tensor], Tensor]:
+        return lambda tensors, x: torch.func.functional_call(
+            wrapper, {"module." + n: t for n, t in tensors.items()}, (x,)
+        )
+
+    return FeatureSplit(features=call(features), head=call(head), how="forward_features/forward_head")
+
+
+def _detect_last_head_module(
+    module: nn.Module, head_names: tuple[str, ...], probe: Tensor, expected: Tensor
+) -> FeatureSplit | None:
+    """The head is one submodule, holding every head parameter, called once, whose output the model returns."""
+    owners = {n.rpartition(".")[0] for n in head_names}
+    if len(owners) != 1 or "" in owners:
+        return None
+    (owner,) = owners
+    head = module.get_submodule(owner)
+    if {f"{owner}.{n}" for n, _ in head.named_parameters()} != set(head_names):
+        return None
+    outputs: list[Tensor] = []
+    handle = head.register_forward_hook(lambda _m, _a, out: outputs.append(out))
+    try:
+        module(probe)
+    finally:
+        handle.remove()
+    if len(outputs) != 1 or outputs[0] is not expected and not torch.equal(outputs[0], expected):
+        return None
+    prefix = owner + "."
+
+    def features(tensors: dict[str, Tensor], x: Tensor) -> Tensor:
+        def stop(_m: nn.Module, args: tuple) -> None:
+            raise _Features(args[0])
+
+        hook = head.register_forward_pre_hook(stop)
+        try:
+            torch.func.functional_call(module, tensors, (x,))
+        except _Features as captured:
+            return captured.value
+        finally:
+            hook.remove()
+        raise RuntimeError(f"The forward pass never reached the head {owner!r}.")
+
+    def head_call(tensors: dict[str, Tensor], f: Tensor) -> Tensor:
+        own = {n.removeprefix(prefix): t for n, t in tensors.items() if n.startswith(prefix)}
+        return torch.func.functional_call(head, own, (f,))
+
+    return FeatureSplit(features=features, head=head_call, how=f"head module {owner!r} called last")

@@ -1,0 +1,259 @@
+"""``LockstepEngine``: runs a round's local work with its clients in lockstep (the strategy's fast path).
+
+Per Lightning step it computes every active client's loss in one ``torch.func.vmap`` over the
+group's stacked tensors (the module as a pure function of its tensors, with the declared per-sample
+loss, padding masked out), and after Lightning's backward steps every client's own optimizer. In a
+head phase whose body is frozen and deterministic, each client's features are computed once per
+segment and the head trains on them. Finished clients go to the :class:`Federation` exactly as the
+sequential path hands them over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+from lightning_fedrep.algorithms import PART_GROUPS
+from lightning_fedrep.engine.contract import FeatureSplit, LossFn, find_feature_split
+from lightning_fedrep.engine.group import ClientGroup
+from lightning_fedrep.engine.schedule import LockstepPlan, Segment, lockstep_plan
+from lightning_fedrep.federation import ClientResult, Federation
+from lightning_fedrep.plan import RoundPlan
+
+FEATURE_CHUNK = 1024
+"""Samples per forward pass when a client's features are cached."""
+
+
+def data_is_deterministic(loader: Any) -> str | None:
+    """``None`` if every training batch is a pure function of its sample indices, else why not."""
+    from lightning_fedrep.data.loaders import RoundLoader
+
+    if type(loader).client_batches is not RoundLoader.client_batches:
+        return f"{type(loader).__name__} draws its own batches"
+    for data in loader.clients:
+        dataset = data.dataset
+        if isinstance(dataset, TensorDataset):
+            continue
+        transform = getattr(dataset, "transform", None)
+        if transform is not None and "Random" in repr(transform):
+            return f"the training data is augmented at random ({type(dataset).__name__}.transform)"
+    return None
+
+
+class LockstepEngine:
+    """The vectorized execution of a federation's rounds.
+
+    Args:
+        federation: the federated state it reads clients from and hands them back to.
+        module: the live module, used as a stateless template (``torch.func.functional_call``).
+        optimizer: the user's optimizer (class, param groups, hyper-parameters).
+        loss: the module's declared per-sample loss.
+        width: at most this many clients train together (memory); ``None``: a round's clients.
+        split: how to run the head on cached features (``None``: no caching).
+    """
+
+    def __init__(
+        self,
+        federation: Federation,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss: LossFn,
+        width: int | None = None,
+        split: FeatureSplit | None = None,
+    ):
+        self.federation = federation
+        self.module = module
+        self.user_optimizer = optimizer
+        self.loss_fn = loss
+        self.width = width
+        self.split = split
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.trainable = [
+            n
+            for n in federation.shared_names + federation.local_names
+            if n in dict(module.named_parameters())
+        ]
+        self.param_names = [
+            names.get(id(p)) if names.get(id(p)) in self.trainable else None
+            for group in optimizer.param_groups
+            for p in group["params"]
+        ]
+        self.group: ClientGroup | None = None
+        self.segment: Segment | None = None
+        self._group_index = -1
+        self._active: list[bool] = []
+        self._features: Tensor | None = None
+        self._labels: Tensor | None = None
+        self._loader: Any = None
+        self._schedules: dict[int, LockstepPlan] = {}
+        self._pending: dict[str, Any] | None = None
+        self._cache_decided = split is not None
+
+    # ------------------------------------------------------------------ schedule
+    def bind_loader(self, loader: Any, device: torch.device) -> str | None:
+        """The round's training loader (cached features are read from it). The first time, decide
+        whether head phases run on cached features; returns a line saying how the engine runs."""
+        self._loader = loader
+        self._schedules = {}
+        if self._cache_decided:
+            return None
+        self._cache_decided = True
+        head = self.federation.split.head
+        why = data_is_deterministic(loader) if head else "no head marked"
+        if why is None:
+            x, _ = next(iter(loader.client_batches(0, 0, 0, 1)))
+            self.split = find_feature_split(self.module, head, x.to(device))
+            if self.split is None:
+                why = "the module's output is not head(features(x)): declare forward_features/forward_head"
+        width = f"up to {self.width} clients" if self.width else "all of a round's clients"
+        cache = (
+            f"head phases on cached features ({self.split.how})" if self.split else f"no feature cache: {why}"
+        )
+        return f"{width} in lockstep, {cache}"
+
+    def mean_loss(self) -> Tensor:
+        """The mean loss of the clients that stepped in the last lockstep (for logging)."""
+        active = torch.tensor(self._active, device=self.last_losses.device)
+        return self.last_losses[active].mean()
+
+    def schedule(self, plan: RoundPlan) -> LockstepPlan:
+        """The round's lockstep schedule (computed once per round plan)."""
+        schedule = self._schedules.get(plan.round)
+        if schedule is None or schedule.plan is not plan:
+            width = self.width or max(1, len(plan.work))
+            schedule = lockstep_plan(plan, width, cache_head=self.split is not None)
+            self._schedules = {r: s for r, s in self._schedules.items() if r >= plan.round - 1}
+            self._schedules[plan.round] = schedule
+        return schedule
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, schedule: LockstepPlan, batch_idx: int) -> list[int]:
+        """Before a Lightning step: open its group and phase; returns the clients that start now."""
+        segment, step = schedule.locate(batch_idx)
+        started: list[int] = []
+        if self.group is None or self._group_index != segment.group:
+            resumed = self._open_group(segment)
+            started = [] if resumed else list(segment.clients)
+        if self.segment is not segment:
+            self._enter_segment(segment)
+        self._step = step
+        self._active = segment.active(step)
+        return started
+
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        """The sum over the group's clients of each one's mean loss on its batch (padding masked out)."""
+        mask = batch["mask"]
+        stacked = self.group.stacked
+        trained = {n: stacked[n] for n in self._trained}
+        frozen = {n: t.detach() for n, t in stacked.items() if n not in self._trained}
+        fixed = self._fixed
+        loss_fn = self.loss_fn
+
+        if self.segment.cached:
+            k = torch.arange(mask.shape[0], device=mask.device)[:, None]
+            positions = batch["positions"]
+            inputs, targets = self._features[k, positions], self._labels[k, positions]
+            run = self.split.head
+        else:
+            inputs, targets = batch["x"], batch["y"]
+
+            def run(tensors: dict[str, Tensor], x: Tensor) -> Tensor:
+                return torch.func.functional_call(self.module, tensors, (x,))
+
+        def client_loss(
+            own: dict[str, Tensor], rest: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor
+        ) -> Tensor:
+            per_sample = loss_fn(run({**fixed, **rest, **own}, x), y)
+            return (per_sample * m).sum() / m.sum().clamp_min(1.0)
+
+        losses = torch.func.vmap(client_loss)(trained, frozen, inputs, targets, mask)
+        self.last_losses = losses.detach()
+        return losses.sum()
+
+    def end_step(self) -> list[ClientResult]:
+        """After Lightning's backward: step every active client; returns clients whose round is done."""
+        group = self.group
+        group.sync_hyperparameters(self.user_optimizer)
+        group.step(self._active)
+        if self._step == self.segment.length - 1 and self.segment.last_of_group:
+            return self.finish_group()
+        return []
+
+    def finish_group(self) -> list[ClientResult]:
+        """Hand every client of the open group to the federation (also for a round cut short)."""
+        group, federation = self.group, self.federation
+        if group is None:
+            return []
+        keep = federation.config.client_optimizer_state == "keep"
+        local = set(federation.local_names)
+        results = []
+        for k, client in enumerate(group.clients):
+            tensors = {**federation.start_tensors(client), **group.client_tensors(k)}
+            state = group.client_optimizer_state(k, local) if keep else None
+            results.append(federation.store_client(client, tensors, state, group.steps[k]))
+        self.group, self.segment, self._features, self._labels = None, None, None, None
+        self._group_index = -1
+        return results
+
+    # ------------------------------------------------------------------ groups and phases
+    def _open_group(self, segment: Segment) -> bool:
+        """Stack the group's starting tensors (or restore a checkpointed group: returns ``True``)."""
+        federation = self.federation
+        pending, self._pending = self._pending, None
+        starts = [federation.start_tensors(c) for c in segment.clients]
+        stacked = {n: torch.stack([s[n].detach() for s in starts]).clone() for n in self.trainable}
+        kept = [federation.store.optimizer_states.get(c) for c in segment.clients]
+        if federation.config.client_optimizer_state != "keep":
+            kept = [None] * len(segment.clients)
+        self.group = ClientGroup(segment.clients, stacked, self.user_optimizer, self.param_names, kept)
+        resumed = pending is not None and tuple(pending["clients"]) == segment.clients
+        if resumed:
+            self.group.load_state_dict(pending)
+        self._group_index = segment.group
+        trainable = set(self.trainable)
+        named = {**dict(self.module.named_buffers()), **dict(self.module.named_parameters())}
+        self._fixed = {n: t.detach() for n, t in named.items() if n not in trainable}
+        return resumed
+
+    def _enter_segment(self, segment: Segment) -> None:
+        split = self.federation.split
+        groups = PART_GROUPS[segment.part]
+        self._trained = {n for n in self.trainable if split.group(n) in groups}
+        self.group.train_only(self._trained)
+        self.segment = segment
+        self._features = self._labels = None
+        if segment.cached:
+            self._cache_features(segment)
+
+    @torch.no_grad()
+    def _cache_features(self, segment: Segment) -> None:
+        """Every group client's features (its frozen body on all its training samples) and labels."""
+        features, labels = [], []
+        device = next(iter(self.group.stacked.values())).device
+        for k, client in enumerate(segment.clients):
+            tensors = {**self._fixed, **{n: t[k] for n, t in self.group.stacked.items()}}
+            f, y = [], []
+            for x, target in self._loader.client_samples(client, FEATURE_CHUNK):
+                f.append(self.split.features(tensors, x.to(device)))
+                y.append(target.to(device))
+            features.append(torch.cat(f))
+            labels.append(torch.cat(y))
+        longest = max(len(f) for f in features)
+        self._features = features[0].new_zeros((len(features), longest, *features[0].shape[1:]))
+        self._labels = labels[0].new_zeros((len(labels), longest, *labels[0].shape[1:]))
+        for k, (f, y) in enumerate(zip(features, labels)):
+            self._features[k, : len(f)] = f
+            self._labels[k, : len(y)] = y
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any] | None:
+        """The open group (its tensors, optimizer states, step counts), or ``None`` between groups."""
+        return None if self.group is None else self.group.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Resume inside a group: it is rebuilt from ``state`` at the next step (features recomputed)."""
+        self.group, self.segment, self._group_index = None, None, -1
+        self._pending = state

@@ -1,0 +1,114 @@
+"""When the vectorized engine computes exactly what the sequential path computes, and when not.
+
+:func:`sequential_reasons` lists every reason found (checked at ``setup``, before any step). With
+``engine="auto"`` any reason sends the run to the sequential path with a one-line message; with
+``engine="vectorized"`` it is an error naming them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_fedrep.algorithms import Algorithm
+from lightning_fedrep.engine.contract import declared_loss
+from lightning_fedrep.split import TensorLayout
+
+PER_PARAMETER_OPTIMIZERS = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adadelta,
+)
+"""Optimizers whose update of a parameter reads only that parameter's gradient and state, so one
+optimizer over K per-client copies is exactly K optimizers."""
+
+_RANDOM_MODULES = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+    nn.RReLU,
+)
+_MODULE_HOOKS = (
+    "backward",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "optimizer_step",
+    "optimizer_zero_grad",
+)
+
+
+def module_reasons(module: L.LightningModule, layout: TensorLayout) -> list[str]:
+    """What in the module keeps the engine from being exact."""
+    reasons = []
+    if declared_loss(module) is None:
+        reasons.append(
+            "the module declares no pure loss (set `fedrep_loss` to what training_step computes, e.g. "
+            "fedrep_loss = 'cross_entropy')"
+        )
+    if not module.automatic_optimization:
+        reasons.append("manual optimization")
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+            reasons.append(f"batch norm in train mode ({name!r} uses batch statistics)")
+        elif isinstance(sub, _RANDOM_MODULES) and getattr(sub, "p", 1.0) != 0:
+            reasons.append(f"random layer {name!r} ({type(sub).__name__}) in train mode")
+    overridden = [h for h in _MODULE_HOOKS if getattr(type(module), h) is not getattr(L.LightningModule, h)]
+    if overridden:
+        reasons.append(
+            f"the module overrides {', '.join(overridden)} (the engine steps its own per-client copies)"
+        )
+    buffers = {n for n, _ in module.named_buffers()}
+    if buffers & set(layout.local):
+        reasons.append("buffers kept per client (buffers='local')")
+    return reasons
+
+
+def trainer_reasons(
+    trainer: L.Trainer, optimizers: Sequence[torch.optim.Optimizer], lr_scheduler_configs: Sequence
+) -> list[str]:
+    """What in the Trainer's settings or the optimizers keeps the engine from being exact."""
+    reasons = []
+    if str(trainer.precision) not in ("32-true", "32", "64-true", "64"):
+        reasons.append(f"precision {trainer.precision!r} (the engine runs full precision)")
+    if trainer.gradient_clip_val:
+        reasons.append("gradient clipping (gradient_clip_val)")
+    if len(optimizers) != 1:
+        reasons.append(f"{len(optimizers)} optimizers (the engine steps one)")
+    elif type(optimizers[0]) not in PER_PARAMETER_OPTIMIZERS:
+        reasons.append(
+            f"{type(optimizers[0]).__name__} is not an optimizer the engine knows to be per-parameter "
+            f"({', '.join(o.__name__ for o in PER_PARAMETER_OPTIMIZERS)})"
+        )
+    if any(config.interval == "step" for config in lr_scheduler_configs):
+        reasons.append("a step-interval LR scheduler (it would tick per lockstep, not per client step)")
+    return reasons
+
+
+def federation_reasons(algorithm: Algorithm, callbacks: Sequence[object]) -> list[str]:
+    """What the algorithm or the federated callbacks add that the engine cannot vectorize."""
+    from lightning_fedrep.hooks import FederatedCallback
+
+    reasons = []
+    if type(algorithm).loss_term is not Algorithm.loss_term:
+        reasons.append(f"the algorithm {algorithm.name!r} adds a loss term")
+    for callback in callbacks:
+        if type(callback).loss_term is not FederatedCallback.loss_term and not callable(
+            getattr(callback, "vectorized_loss_term", None)
+        ):
+            reasons.append(f"{type(callback).__name__} adds a loss term without a vectorized form")
+        if getattr(callback, "needs_client_timing", False):
+            reasons.append(f"{type(callback).__name__} measures each client's step time")
+    return reasons
