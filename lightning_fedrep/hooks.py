@@ -57,6 +57,9 @@ class FederatedStrategyAPI(Protocol):
     def current_client(self) -> int | None: ...
 
     @property
+    def current_clients(self) -> tuple[int, ...]: ...
+
+    @property
     def current_phase(self) -> str | None: ...
 
     @property

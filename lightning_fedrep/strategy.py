@@ -76,7 +76,14 @@ class FederatedStrategy(SingleDeviceStrategy):
             gradient clipping (an error lists what is missing). ``"sequential"``: one client step per
             Lightning step, the user's ``training_step`` as is. ``"auto"``: vectorized where exact,
             else sequential with a one-line message saying why.
-        engine_width: at most this many clients train together (memory); ``None``: a round's clients.
+            ``"auto"`` also times, once per fit, whether a phase that cannot use cached features (FedRep's
+            body epoch) is faster in lockstep or one client at a time (the choice is logged and
+            checkpointed), and runs sequentially where the engine would gain nothing.
+        engine_width: at most this many clients train together; ``None``: a round's clients, as many as
+            ``engine_memory`` allows.
+        engine_memory: bytes a lockstep group may take (tensors, gradients, optimizer state, one step's
+            activations, cached features, per client); ``None``: half a GPU's free memory, a quarter of
+            the host's RAM.
     """
 
     strategy_name = "federated"
@@ -99,6 +106,7 @@ class FederatedStrategy(SingleDeviceStrategy):
         device: str | torch.device | None = None,
         engine: Literal["auto", "vectorized", "sequential"] = "auto",
         engine_width: int | None = None,
+        engine_memory: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(device=device or "cpu", **kwargs)
@@ -118,8 +126,16 @@ class FederatedStrategy(SingleDeviceStrategy):
             raise ValueError(
                 f"engine_width must be a client count >= 1 or None (a round's clients), got {engine_width!r}."
             )
+        if engine_memory is not None and (
+            isinstance(engine_memory, bool) or not isinstance(engine_memory, int) or engine_memory < 1
+        ):
+            raise ValueError(
+                f"engine_memory must be a number of bytes >= 1 or None (half a GPU's free memory, a quarter "
+                f"of a host's RAM), got {engine_memory!r}."
+            )
         self.engine = engine
         self.engine_width = engine_width
+        self.engine_memory = engine_memory
         self.head = head
         self.buffers = buffers
         self.allow_frozen = allow_frozen
@@ -166,12 +182,24 @@ class FederatedStrategy(SingleDeviceStrategy):
 
     @property
     def current_client(self) -> int | None:
-        """The client whose state the live module holds during training (``None`` between rounds)."""
+        """The client whose state the live module holds during training (``None`` between rounds, and
+        on the vectorized engine, where :attr:`current_clients` train together)."""
         return self.federation.live_client if self.federation is not None else None
+
+    @property
+    def current_clients(self) -> tuple[int, ...]:
+        """The clients training in the current step: several in lockstep on the vectorized engine, the
+        live client on the sequential path, none between rounds."""
+        if self._engine is not None and self._engine.segment is not None:
+            return self._engine.segment.clients
+        client = self.current_client
+        return () if client is None else (client,)
 
     @property
     def current_phase(self) -> str | None:
         """What trains right now: ``"head"``, ``"body"`` or ``"all"``."""
+        if self._engine is not None and self._engine.segment is not None:
+            return self._engine.segment.part
         return self.federation.live_phase if self.federation is not None else None
 
     @property
@@ -322,9 +350,7 @@ class FederatedStrategy(SingleDeviceStrategy):
             federation.bind_data(dataloader.client_sizes(), dataloader.batch_size)
             trainer = self.lightning_module.trainer
             if self._engine is not None:
-                message = self._engine.bind_loader(dataloader, self.root_device)
-                if message:
-                    rank_zero_info(f"lightning_fedrep: vectorized engine ({message}).")
+                self._bind_engine(dataloader, trainer)
             dataloader.bind(lambda: self._training_schedule(trainer.current_epoch))
             if self.round_plan(trainer.current_epoch).length == 0:
                 raise ValueError(
@@ -341,6 +367,25 @@ class FederatedStrategy(SingleDeviceStrategy):
             f"EvalLoader for evaluation), got {type(dataloader).__name__}. Build the data with "
             "lightning_fedrep.FederatedDataModule(train_set, test_set, partitioner=...) and pass it as datamodule=."
         )
+
+    def _bind_engine(self, loader: RoundLoader, trainer: L.Trainer) -> None:
+        """On the fit's first training loader: how the engine runs (feature cache, widths), in one line;
+        under ``engine="auto"`` the sequential path where the engine would not be faster."""
+        engine = self._engine
+        cache = engine.bind_loader(loader, self.root_device)
+        if cache is None:
+            return
+        plan = self.round_plan(trainer.current_epoch)
+        widths = engine.prepare(
+            plan, self.root_device, measure=self.engine == "auto", memory=self.engine_memory
+        )
+        if self.engine == "auto" and not engine.gains(plan):
+            rank_zero_info(
+                f"lightning_fedrep: sequential engine (no cached features and no gain in lockstep: {widths})."
+            )
+            self._engine = None
+            return
+        rank_zero_info(f"lightning_fedrep: vectorized engine ({cache}; {widths}).")
 
     def _training_schedule(self, round_index: int) -> RoundPlan | LockstepPlan:
         plan = self.round_plan(round_index)
@@ -377,7 +422,8 @@ class FederatedStrategy(SingleDeviceStrategy):
         vectorized engine: every active client's loss on its batch, summed (the user's step is not run)."""
         if self._engine is not None:
             loss = self._engine.loss(args[0] if args else kwargs["batch"])
-            self.lightning_module.log("train/loss", self._engine.mean_loss(), on_step=True, batch_size=1)
+            if internals.step_metrics_reach_loggers(self.lightning_module.trainer):
+                self.lightning_module.log("train/loss", self._engine.mean_loss(), on_step=True, batch_size=1)
             return loss
         output = super().training_step(*args, **kwargs)
         if self._has_loss_terms():
@@ -577,8 +623,10 @@ class FederatedStrategy(SingleDeviceStrategy):
         """Called to write a checkpoint: add the federation's state under ``checkpoint["lightning_fedrep"]``."""
         if self.federation is not None and self.federation.has_state:
             state = self.federation.state_dict()
-            if self._engine is not None and self.federation.round_open:
-                state["round"]["engine"] = self._engine.state_dict()
+            if self._engine is not None:
+                state["engine"] = self._engine.settings()
+                if self.federation.round_open:
+                    state["round"]["engine"] = self._engine.state_dict()
             checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -610,6 +658,10 @@ class FederatedStrategy(SingleDeviceStrategy):
         if state is None:
             return
         self.federation.restore_round(state)
+        if self._engine is not None and self.engine == "auto" and "engine" not in state:
+            self._engine = None  # the run that saved it ran sequentially: so does its continuation
+        if self._engine is not None:
+            self._engine.load_settings(state.get("engine"))
         if not self.federation.round_open:
             internals.start_next_round_after_restore(self.lightning_module.trainer)
             return

@@ -11,7 +11,8 @@ from lightning_fedrep.hooks import FederatedCallback
 
 
 class FederatedProgressBar(TQDMProgressBar, FederatedCallback):
-    """``Round 3: 45%|... client 4/10 (#17), phase head`` instead of epochs and batches.
+    """``Round 3: 45%|... client 4/10 (#17), phase head`` instead of epochs and batches (on the
+    vectorized engine ``clients 1-10/10``: the clients training together).
 
     The federated strategy puts it in place of Lightning's default progress bar by itself.
     """
@@ -28,9 +29,13 @@ class FederatedProgressBar(TQDMProgressBar, FederatedCallback):
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
         strategy = self.strategy(trainer)
-        client = strategy.current_client
-        if client is not None and trainer.training:
+        training = strategy.current_clients
+        if training and trainer.training:
             clients = strategy.round_plan(trainer.current_epoch).clients
-            items["client"] = f"{clients.index(client) + 1}/{len(clients)} (#{client})"
+            first = clients.index(training[0]) + 1
+            if len(training) == 1:
+                items["client"] = f"{first}/{len(clients)} (#{training[0]})"
+            else:
+                items["clients"] = f"{first}-{first + len(training) - 1}/{len(clients)}"
             items["phase"] = strategy.current_phase
         return items

@@ -140,6 +140,21 @@ class RoundLoader:
         data = self.clients[client]
         return self.fetcher.batches(data.dataset, list(data.indices.split(chunk)))
 
+    def clients_samples(self, clients: Sequence[int], chunk: int) -> Iterator[Any]:
+        """The training samples of several clients, one client after another in position order, in
+        batches of ``chunk`` that may span clients (one base data set), else client by client."""
+        datasets = {id(self.clients[c].dataset) for c in clients}
+        if len(datasets) > 1:
+            for client in clients:
+                yield from self.client_samples(client, chunk)
+            return
+        indices = torch.cat([self.clients[c].indices for c in clients])
+        yield from self.fetcher.batches(self.clients[clients[0]].dataset, list(indices.split(chunk)))
+
+    def client_size(self, client: int) -> int:
+        """How many training samples a client has."""
+        return len(self.clients[client])
+
     def __iter__(self) -> Iterator[Any]:
         plan = self._plan()
         start, self._resume_position = self._resume_position, 0

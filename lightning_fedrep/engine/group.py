@@ -1,7 +1,7 @@
 """A group of clients training in lockstep: stacked copies of their tensors and their optimizers.
 
-Every trainable tensor ``n`` of the module becomes one leaf ``stacked[n]`` of shape ``[K, ...]`` (client
-``k``'s copy at ``[k]``), which the vectorized forward differentiates. The user's optimizer class runs
+Every trainable tensor ``n`` of the module becomes one tensor ``stacked[n]`` of shape ``[K, ...]``
+(client ``k``'s copy at ``[k]``); a segment differentiates a leaf view of its lanes' rows. The user's optimizer class runs
 over per-client *views* ``stacked[n][k]``, each its own parameter with its own state, so an optimizer
 whose update reads only a parameter's own gradient and state (SGD, Adam, ...) is exactly K separate
 optimizers. A client that does not step gets no gradient, so nothing of it moves (momentum and weight
@@ -41,13 +41,15 @@ class ClientGroup:
         kept_states: Sequence[OptimizerState | None],
     ):
         self.clients = tuple(clients)
-        self.stacked = {n: t.detach().requires_grad_(False) for n, t in start.items()}
+        self.stacked = {n: t.detach() for n, t in start.items()}
         self.views = {
             n: [t.detach()[k].requires_grad_(True) for k in range(len(self.clients))]
             for n, t in self.stacked.items()
         }
         self.param_names = list(param_names)
         self.steps = [0] * len(self.clients)
+        self._lanes: tuple[int, int] = (0, len(self.clients))
+        self._leaves: dict[str, Tensor] = {}
         self.optimizer = self._build_optimizer(user_optimizer)
         self._index = [
             (g, i) for g, group in enumerate(user_optimizer.param_groups) for i in range(len(group["params"]))
@@ -74,11 +76,14 @@ class ClientGroup:
                 group["foreach"] = True
         return type(user_optimizer)(groups, **defaults)
 
-    def train_only(self, names: set[str]) -> None:
-        """Make only ``names`` differentiable (the phase's trainable part)."""
-        for name, tensor in self.stacked.items():
-            tensor.requires_grad_(name in names)
-            tensor.grad = None
+    def lanes(self, lanes: tuple[int, int], names: set[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The tensors of the group positions ``lanes = (start, stop)`` for a segment: the trainable
+        ``names`` as leaves that collect the lanes' gradients, the others plain (views, no copy)."""
+        start, stop = lanes
+        self._lanes = lanes
+        self._leaves = {n: self.stacked[n][start:stop].requires_grad_(True) for n in names}
+        rest = {n: t[start:stop] for n, t in self.stacked.items() if n not in names}
+        return self._leaves, rest
 
     def sync_hyperparameters(self, user_optimizer: torch.optim.Optimizer) -> None:
         """Copy the user optimizer's current hyper-parameters (an LR scheduler changes them per round)."""
@@ -89,18 +94,23 @@ class ClientGroup:
 
     @torch.no_grad()
     def step(self, active: Sequence[bool]) -> None:
-        """One optimizer step of every active client, from the gradients on the stacked tensors."""
-        for name, tensor in self.stacked.items():
-            grad = tensor.grad
-            for k, view in enumerate(self.views[name]):
-                view.grad = grad[k] if grad is not None and active[k] else None
-            tensor.grad = None
+        """One optimizer step of each active lane of the segment, from the gradients on its leaves."""
+        start, _ = self._lanes
+        stepped = []
+        for name, leaf in self._leaves.items():
+            grad, views = leaf.grad, self.views[name]
+            if grad is None:
+                continue
+            for j, on in enumerate(active):
+                if on:
+                    views[start + j].grad = grad[j]
+                    stepped.append(views[start + j])
+            leaf.grad = None
         self.optimizer.step()
-        for views in self.views.values():
-            for view in views:
-                view.grad = None
-        for k, on in enumerate(active):
-            self.steps[k] += int(on)
+        for view in stepped:
+            view.grad = None
+        for j, on in enumerate(active):
+            self.steps[start + j] += int(on)
 
     def client_tensors(self, k: int) -> dict[str, Tensor]:
         """Client ``k``'s current trainable tensors by name (views: copy what you keep)."""

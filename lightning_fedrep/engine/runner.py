@@ -10,6 +10,7 @@ sequential path hands them over.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from lightning_fedrep.algorithms import PART_GROUPS
+from lightning_fedrep.engine import sizing
 from lightning_fedrep.engine.contract import FeatureSplit, LossFn, find_feature_split
 from lightning_fedrep.engine.group import ClientGroup
 from lightning_fedrep.engine.schedule import LockstepPlan, Segment, lockstep_plan
@@ -91,11 +93,18 @@ class LockstepEngine:
         self._schedules: dict[int, LockstepPlan] = {}
         self._pending: dict[str, Any] | None = None
         self._cache_decided = split is not None
+        self.group_width: int | None = None
+        """Clients per group after the memory bound (``None``: a round's clients)."""
+        self.lane_width: int | None = None
+        """Clients per lockstep step in phases without cached features (``None``: the group's)."""
+        self._sized = False
+        self.client_bytes = 0
+        """Estimated bytes one client of a lockstep group takes."""
 
     # ------------------------------------------------------------------ schedule
     def bind_loader(self, loader: Any, device: torch.device) -> str | None:
         """The round's training loader (cached features are read from it). The first time, decide
-        whether head phases run on cached features; returns a line saying how the engine runs."""
+        whether head phases run on cached features and return a line saying so (then ``None``)."""
         self._loader = loader
         self._schedules = {}
         if self._cache_decided:
@@ -108,11 +117,107 @@ class LockstepEngine:
             self.split = find_feature_split(self.module, head, x.to(device))
             if self.split is None:
                 why = "the module's output is not head(features(x)): declare forward_features/forward_head"
-        width = f"up to {self.width} clients" if self.width else "all of a round's clients"
-        cache = (
+        return (
             f"head phases on cached features ({self.split.how})" if self.split else f"no feature cache: {why}"
         )
-        return f"{width} in lockstep, {cache}"
+
+    def prepare(self, plan: RoundPlan, device: torch.device, measure: bool, memory: int | None = None) -> str:
+        """Before the first round of a fit: bound the group width by ``memory`` bytes (default: see
+        :func:`~lightning_fedrep.engine.sizing.default_memory_budget`) and, if ``measure``, time whether
+        phases without cached features are faster in lockstep or one client at a time. A run resumed
+        from a checkpoint keeps the widths it was saved with. Returns a line saying what was decided."""
+        if not self._sized:
+            self._sized = True
+            width = self._memory_width(plan, device, memory)
+            self.group_width = min(width, self.width) if self.width else width
+            self.lane_width = None
+            self._timing = ""
+            if measure and self._pending is None:
+                self._measure_lanes(plan, device)
+        groups = f"groups of up to {self.group_width} clients ({self.client_bytes / 2**20:.3g} MiB each)"
+        lanes = (
+            "the other phases one client at a time"
+            if self.lane_width == 1
+            else "the other phases in lockstep"
+        )
+        return f"{groups}; {lanes}{self._timing}"
+
+    def gains(self, plan: RoundPlan) -> bool:
+        """Whether the engine does anything the sequential path does not in rounds like ``plan``: a
+        head phase on cached features, or phases in lockstep."""
+        cached = self.split is not None and any(phase.train == "head" for phase in plan.phases)
+        return cached or self.lane_width != 1
+
+    def settings(self) -> dict[str, int]:
+        """The widths decided for this run (checkpointed: a resumed run keeps them)."""
+        return {"group_width": self.group_width or 0, "lane_width": self.lane_width or 0}
+
+    def load_settings(self, settings: dict[str, int] | None) -> None:
+        """Keep the widths of the run a checkpoint was saved from."""
+        if settings:
+            self.group_width = settings["group_width"] or None
+            self.lane_width = settings["lane_width"] or None
+            self._sized = True
+            self._timing = " (widths as in the checkpoint)"
+            self._schedules = {}
+
+    def _memory_width(self, plan: RoundPlan, device: torch.device, memory: int | None) -> int:
+        loader, module = self._loader, self.module
+        x, y = (
+            t.to(device) for t in next(iter(loader.client_batches(plan.work[0].client, plan.round, 0, 1)))
+        )
+        loss_fn = self.loss_fn
+        activations = sizing.activation_bytes(lambda: loss_fn(module(x), y).sum())
+        features = 0
+        if self.split is not None:
+            with torch.no_grad():
+                per_sample = self.split.features(sizing.module_tensors(module), x[:1])
+            largest = max(plan.client_sizes[w.client] for w in plan.work)
+            features = largest * (
+                per_sample.numel() * per_sample.element_size() + y[:1].numel() * y.element_size()
+            )
+        named = dict(module.named_parameters())
+        per_client = sizing.client_bytes((named[n] for n in self.trainable), activations, features)
+        self.client_bytes = per_client
+        budget = memory if memory is not None else sizing.default_memory_budget(device)
+        return sizing.group_width(budget, per_client)
+
+    def _measure_lanes(self, plan: RoundPlan, device: torch.device) -> None:
+        """Decide ``lane_width`` (1 or the group's) by timing the first uncached phase of the first group."""
+        width = min(self.group_width, len(plan.work))
+        wide_plan = lockstep_plan(plan, width, cache_head=self.split is not None)
+        wide = next((s for s in wide_plan.segments if s.group == 0 and not s.cached), None)
+        if wide is None or len(wide.clients) < 2:
+            return
+        narrow_plan = lockstep_plan(plan, width, cache_head=self.split is not None, uncached_width=1)
+        narrow = [s for s in narrow_plan.segments if s.group == 0 and s.phase_index == wide.phase_index]
+
+        def first_batch(schedule: LockstepPlan, segment: Segment) -> dict[str, Tensor]:
+            batch = next(iter(schedule.batches(self._loader, segment.start)))
+            return {k: v.to(device) for k, v in batch.items()}
+
+        def work(segment: Segment, batch: dict[str, Tensor]) -> Callable[[], None]:
+            def run() -> None:
+                self._enter_segment(segment)
+                self.loss(batch).backward()
+
+            return run
+
+        self._open_group(wide)
+        try:
+            faster, wide_s, narrow_s = sizing.faster_lane_width(
+                work(wide, first_batch(wide_plan, wide)),
+                [work(s, first_batch(narrow_plan, s)) for s in narrow],
+                device,
+            )
+        finally:
+            self.group, self.segment, self._features, self._labels = None, None, None, None
+            self._group_index = -1
+        self.lane_width = None if faster else 1
+        self._timing = (
+            f" (one step of {len(wide.clients)} clients measured {wide_s * 1e3:.2f} ms in lockstep, "
+            f"{narrow_s * 1e3:.2f} ms one after another)"
+        )
 
     def mean_loss(self) -> Tensor:
         """The mean loss of the clients that stepped in the last lockstep (for logging)."""
@@ -123,8 +228,8 @@ class LockstepEngine:
         """The round's lockstep schedule (computed once per round plan)."""
         schedule = self._schedules.get(plan.round)
         if schedule is None or schedule.plan is not plan:
-            width = self.width or max(1, len(plan.work))
-            schedule = lockstep_plan(plan, width, cache_head=self.split is not None)
+            width = min(self.group_width or len(plan.work), max(1, len(plan.work)))
+            schedule = lockstep_plan(plan, width, self.split is not None, self.lane_width)
             self._schedules = {r: s for r, s in self._schedules.items() if r >= plan.round - 1}
             self._schedules[plan.round] = schedule
         return schedule
@@ -136,7 +241,7 @@ class LockstepEngine:
         started: list[int] = []
         if self.group is None or self._group_index != segment.group:
             resumed = self._open_group(segment)
-            started = [] if resumed else list(segment.clients)
+            started = [] if resumed else list(segment.group_clients)
         if self.segment is not segment:
             self._enter_segment(segment)
         self._step = step
@@ -146,9 +251,7 @@ class LockstepEngine:
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
         """The sum over the group's clients of each one's mean loss on its batch (padding masked out)."""
         mask = batch["mask"]
-        stacked = self.group.stacked
-        trained = {n: stacked[n] for n in self._trained}
-        frozen = {n: t.detach() for n, t in stacked.items() if n not in self._trained}
+        trained, frozen = self._lane_tensors
         fixed = self._fixed
         loss_fn = self.loss_fn
 
@@ -203,13 +306,14 @@ class LockstepEngine:
         """Stack the group's starting tensors (or restore a checkpointed group: returns ``True``)."""
         federation = self.federation
         pending, self._pending = self._pending, None
-        starts = [federation.start_tensors(c) for c in segment.clients]
+        clients = segment.group_clients
+        starts = [federation.start_tensors(c) for c in clients]
         stacked = {n: torch.stack([s[n].detach() for s in starts]).clone() for n in self.trainable}
-        kept = [federation.store.optimizer_states.get(c) for c in segment.clients]
+        kept = [federation.store.optimizer_states.get(c) for c in clients]
         if federation.config.client_optimizer_state != "keep":
-            kept = [None] * len(segment.clients)
-        self.group = ClientGroup(segment.clients, stacked, self.user_optimizer, self.param_names, kept)
-        resumed = pending is not None and tuple(pending["clients"]) == segment.clients
+            kept = [None] * len(clients)
+        self.group = ClientGroup(clients, stacked, self.user_optimizer, self.param_names, kept)
+        resumed = pending is not None and tuple(pending["clients"]) == clients
         if resumed:
             self.group.load_state_dict(pending)
         self._group_index = segment.group
@@ -222,7 +326,7 @@ class LockstepEngine:
         split = self.federation.split
         groups = PART_GROUPS[segment.part]
         self._trained = {n for n in self.trainable if split.group(n) in groups}
-        self.group.train_only(self._trained)
+        self._lane_tensors = self.group.lanes(segment.lanes, self._trained)
         self.segment = segment
         self._features = self._labels = None
         if segment.cached:
@@ -231,22 +335,40 @@ class LockstepEngine:
     @torch.no_grad()
     def _cache_features(self, segment: Segment) -> None:
         """Every group client's features (its frozen body on all its training samples) and labels."""
-        features, labels = [], []
         device = next(iter(self.group.stacked.values())).device
-        for k, client in enumerate(segment.clients):
-            tensors = {**self._fixed, **{n: t[k] for n, t in self.group.stacked.items()}}
-            f, y = [], []
-            for x, target in self._loader.client_samples(client, FEATURE_CHUNK):
-                f.append(self.split.features(tensors, x.to(device)))
-                y.append(target.to(device))
-            features.append(torch.cat(f))
-            labels.append(torch.cat(y))
+        first, stop = segment.lanes
+        stacked = self.group.stacked
+
+        def client_tensors(k: int) -> dict[str, Tensor]:
+            return {**self._fixed, **{n: t[first + k] for n, t in stacked.items()}}
+
+        frozen = [t[first:stop] for n, t in stacked.items() if n not in self._trained]
+        if all(torch.equal(t, t[:1].expand_as(t)) for t in frozen):  # one body for all: one pass
+            batches = self._loader.clients_samples(segment.clients, FEATURE_CHUNK)
+            features, labels = self._features_of(client_tensors(0), batches, device)
+            sizes = [self._loader.client_size(c) for c in segment.clients]
+            features, labels = list(features.split(sizes)), list(labels.split(sizes))
+        else:
+            pairs = [
+                self._features_of(client_tensors(k), self._loader.client_samples(c, FEATURE_CHUNK), device)
+                for k, c in enumerate(segment.clients)
+            ]
+            features, labels = [f for f, _ in pairs], [y for _, y in pairs]
         longest = max(len(f) for f in features)
         self._features = features[0].new_zeros((len(features), longest, *features[0].shape[1:]))
         self._labels = labels[0].new_zeros((len(labels), longest, *labels[0].shape[1:]))
         for k, (f, y) in enumerate(zip(features, labels)):
             self._features[k, : len(f)] = f
             self._labels[k, : len(y)] = y
+
+    def _features_of(
+        self, tensors: dict[str, Tensor], batches: Any, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        features, labels = [], []
+        for x, target in batches:
+            features.append(self.split.features(tensors, x.to(device)))
+            labels.append(target.to(device))
+        return torch.cat(features), torch.cat(labels)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any] | None:

@@ -2,9 +2,11 @@
 
 A round's clients are cut into groups of at most ``width``; each group runs the round's phases one
 after another, and a phase is a *segment* of ``max(steps)`` Lightning steps in which every client of
-the group takes its own next local step (a client with fewer steps in the phase is masked out once it
-is done). Every client sees exactly its sequential batches, in the same order: its data position is
-its local step count, continued across phases.
+the segment's lanes takes its own next local step (a client with fewer steps in the phase is masked
+out once it is done). A phase that does not run on cached features may use narrower lanes than the
+group (``uncached_width``: where one wide step costs more than several narrow ones, e.g. convolutions
+on a CPU); its lanes then run one after another. Every client sees exactly its sequential batches, in
+the same order: its data position is its local step count, continued across phases.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ class Segment:
     """Lightning steps ``start .. start + length - 1`` in which a group runs one phase in lockstep."""
 
     group: int
-    clients: tuple[int, ...]
+    group_clients: tuple[int, ...]
+    """Every client of the group (the tensors stacked together while the group trains)."""
+    lanes: tuple[int, int]
+    """The group positions ``[start, stop)`` that train in this segment."""
     phase_index: int
     part: Part
     steps: tuple[int, ...]
@@ -40,6 +45,11 @@ class Segment:
     cached: bool
     """Whether the phase trains the head on features cached from the frozen body."""
     last_of_group: bool
+
+    @property
+    def clients(self) -> tuple[int, ...]:
+        """The clients that train in this segment (the group's lanes)."""
+        return self.group_clients[self.lanes[0] : self.lanes[1]]
 
     @property
     def length(self) -> int:
@@ -86,10 +96,13 @@ class LockstepPlan:
             yield from _segment_batches(loader, self.round, segment, first)
 
 
-def lockstep_plan(plan: RoundPlan, width: int, cache_head: bool) -> LockstepPlan:
-    """Cut ``plan``'s clients into groups of at most ``width`` and each group's work into phase segments."""
-    if width < 1:
-        raise ValueError(f"The engine's width must be >= 1, got {width}.")
+def lockstep_plan(
+    plan: RoundPlan, width: int, cache_head: bool, uncached_width: int | None = None
+) -> LockstepPlan:
+    """Cut ``plan``'s clients into groups of at most ``width`` and each group's work into phase segments;
+    phases not on cached features run in lanes of at most ``uncached_width`` clients (default ``width``)."""
+    if width < 1 or (uncached_width is not None and uncached_width < 1):
+        raise ValueError(f"The engine's widths must be >= 1, got {width} and {uncached_width}.")
     work = [w.client for w in plan.work]
     segments: list[Segment] = []
     start = 0
@@ -99,16 +112,20 @@ def lockstep_plan(plan: RoundPlan, width: int, cache_head: bool) -> LockstepPlan
         offsets = [0] * len(clients)
         group_segments = []
         for p, phase in enumerate(plan.phases):
-            steps = tuple(phase.num_steps(n) for n in per_epoch)
+            steps = [phase.num_steps(n) for n in per_epoch]
             if max(steps) == 0:
                 continue
             cached = cache_head and phase.train == "head"
-            group_segments.append((p, phase.train, steps, tuple(offsets), cached))
+            lane = len(clients) if cached or uncached_width is None else uncached_width
+            for a in range(0, len(clients), lane):
+                b = min(a + lane, len(clients))
+                if max(steps[a:b]) > 0:
+                    lanes_steps, lanes_offsets = tuple(steps[a:b]), tuple(offsets[a:b])
+                    group_segments.append((p, phase.train, (a, b), lanes_steps, lanes_offsets, cached))
             offsets = [o + s for o, s in zip(offsets, steps)]
-        for i, (p, part, steps, offs, cached) in enumerate(group_segments):
-            segments.append(
-                Segment(g, clients, p, part, steps, offs, start, cached, i == len(group_segments) - 1)
-            )
+        for i, (p, part, lanes, steps, offs, cached) in enumerate(group_segments):
+            last = i == len(group_segments) - 1
+            segments.append(Segment(g, clients, lanes, p, part, steps, offs, start, cached, last))
             start += max(steps)
     return LockstepPlan(plan, tuple(segments))
 

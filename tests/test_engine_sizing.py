@@ -1,0 +1,145 @@
+"""How wide the vectorized engine runs: the memory bound, the measured lane choice of ``engine="auto"``,
+and that every width computes what the sequential path computes."""
+
+import logging
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_fedrep import FederatedStrategy
+from lightning_fedrep.engine import sizing
+from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
+
+
+class LossNet(TinyNet):
+    """TinyNet declaring what its training_step computes (the engine applies)."""
+
+    fedrep_loss = "cross_entropy"
+
+
+def fit(engine, rounds=3, per_round=5, algorithm="fedrep", **kwargs):
+    torch.manual_seed(0)
+    model = LossNet()
+    dm = tiny_datamodule(num_clients=8, seed=3)
+    strategy = FederatedStrategy(
+        head="classifier",
+        algorithm=algorithm,
+        clients_per_round=per_round,
+        head_epochs=2,
+        body_epochs=1,
+        seed=5,
+        engine=engine,
+        **kwargs,
+    )
+    trainer = quiet_trainer(strategy=strategy, max_epochs=rounds, limit_val_batches=0)
+    trainer.fit(model, datamodule=dm)
+    return strategy
+
+
+def assert_same_federation(a, b, atol=1e-5):
+    for name, value in a.global_tensors().items():
+        torch.testing.assert_close(b.global_tensors()[name], value, atol=atol, rtol=1e-4)
+    for client in range(a.num_clients):
+        for name, value in a.client_tensors(client).items():
+            torch.testing.assert_close(b.client_tensors(client)[name], value, atol=atol, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def sequential():
+    return fit("sequential")
+
+
+def lanes_measured(faster: bool):
+    return lambda wide, narrow, device, repeats=3: (faster, 2.0 if not faster else 1.0, 1.5)
+
+
+def test_body_phase_one_client_at_a_time_equals_sequential(sequential, monkeypatch, caplog):
+    monkeypatch.setattr(sizing, "faster_lane_width", lanes_measured(False))
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy = fit("auto")
+    assert "the other phases one client at a time" in caplog.text
+    assert strategy._engine is not None and strategy._engine.lane_width == 1
+    assert_same_federation(sequential, strategy)
+
+
+def test_body_phase_in_lockstep_equals_sequential(sequential, monkeypatch, caplog):
+    monkeypatch.setattr(sizing, "faster_lane_width", lanes_measured(True))
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy = fit("auto")
+    assert "the other phases in lockstep" in caplog.text
+    assert strategy._engine.lane_width is None
+    assert_same_federation(sequential, strategy)
+
+
+def test_auto_runs_sequentially_where_the_engine_gains_nothing(monkeypatch, caplog):
+    # FedAvg has no head phase to cache; if lockstep is measured slower there is nothing left to gain
+    monkeypatch.setattr(sizing, "faster_lane_width", lanes_measured(False))
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy = fit("auto", algorithm="fedavg", rounds=1)
+    assert strategy._engine is None
+    assert "sequential engine (no cached features and no gain in lockstep" in caplog.text
+
+
+def test_memory_budget_chunks_the_round_into_groups(sequential, caplog):
+    unbounded = fit("vectorized", rounds=1)
+    params = sum(p.numel() * p.element_size() for p in LossNet().parameters())
+    per_client = unbounded._engine.client_bytes
+    assert per_client > params * (2 + sizing.OPTIMIZER_SLOTS)  # tensors, state, activations, features
+    assert unbounded._engine.group_width > 5
+    budget = 2 * per_client + 1
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy = fit("vectorized", engine_memory=budget)
+    assert "groups of up to 2 clients" in caplog.text
+    assert strategy._engine.group_width == 2
+    assert_same_federation(sequential, strategy)
+
+
+def test_activation_bytes_counts_what_autograd_saves():
+    x = torch.randn(7, 5)
+    w = torch.randn(5, 3, requires_grad=True)
+    # the matmul saves its input x for w's gradient; the sum saves nothing
+    assert sizing.activation_bytes(lambda: (x @ w).sum()) == x.numel() * x.element_size()
+    assert sizing.group_width(budget=100, per_client=30) == 3
+    assert sizing.group_width(budget=10, per_client=30) == 1
+
+
+def test_faster_lane_width_picks_the_cheaper_way():
+    import time
+
+    def slow():
+        time.sleep(0.004)
+
+    def fast():
+        time.sleep(0.0005)
+
+    assert sizing.faster_lane_width(fast, [fast, fast], torch.device("cpu"), repeats=2)[0]
+    assert not sizing.faster_lane_width(slow, [fast, fast], torch.device("cpu"), repeats=2)[0]
+
+
+def test_resumed_run_keeps_the_measured_widths(tmp_path, monkeypatch):
+    monkeypatch.setattr(sizing, "faster_lane_width", lanes_measured(False))
+    torch.manual_seed(0)
+    dm = tiny_datamodule(num_clients=8, seed=3)
+    kwargs = dict(head="classifier", clients_per_round=5, head_epochs=2, body_epochs=1, seed=5, engine="auto")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=7, save_top_k=-1)
+    first = FederatedStrategy(**kwargs)
+    trainer = quiet_trainer(
+        strategy=first, max_epochs=2, limit_val_batches=0, enable_checkpointing=True, callbacks=[checkpoint]
+    )
+    trainer.fit(LossNet(), datamodule=dm)
+    saved = sorted(tmp_path.glob("*.ckpt"))[0]
+
+    monkeypatch.setattr(sizing, "faster_lane_width", lanes_measured(True))  # would choose lockstep now
+    resumed = FederatedStrategy(**kwargs)
+    trainer = quiet_trainer(strategy=resumed, max_epochs=2, limit_val_batches=0)
+    trainer.fit(LossNet(), datamodule=tiny_datamodule(num_clients=8, seed=3), ckpt_path=saved)
+    assert resumed._engine.lane_width == 1
+    for name, value in first.global_tensors().items():
+        assert torch.equal(resumed.global_tensors()[name], value)
+
+
+@pytest.mark.parametrize("value", [0, -5, 1.5, True])
+def test_bad_engine_memory_is_refused(value):
+    with pytest.raises(ValueError, match="engine_memory"):
+        FederatedStrategy(head="classifier", engine_memory=value)
