@@ -39,17 +39,26 @@ def headline_sums(output: Tensor, target: Tensor) -> dict[str, Tensor] | None:
     mean squared error for real targets; ``None`` when the output does not fit the target."""
     if not isinstance(output, Tensor) or not isinstance(target, Tensor) or output.shape[0] != target.shape[0]:
         return None
-    output = output.detach().float()
-    if not target.is_floating_point() and target.dim() == 1 and output.dim() == 2:
+    sums = headline_sums_per_client(output[None], target[None], output.new_ones(1, output.shape[0]))
+    return None if sums is None else {name: value[0] for name, value in sums.items()}
+
+
+def headline_sums_per_client(outputs: Tensor, targets: Tensor, mask: Tensor) -> dict[str, Tensor] | None:
+    """:func:`headline_sums` of many clients at once: ``outputs[c, i]`` and ``targets[c, i]`` are
+    client ``c``'s ``i``-th sample where ``mask[c, i]`` is 1 (padding elsewhere). Float64 sums per client."""
+    outputs = outputs.detach().float()
+    weights = mask.double()
+    clients, samples = targets.shape[:2]
+    if not targets.is_floating_point() and targets.dim() == 2 and outputs.dim() == 3:
+        per_sample = F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), reduction="none")
         return {
-            "acc": (output.argmax(dim=1) == target).sum().double(),
-            "loss": F.cross_entropy(output, target, reduction="sum").double(),
+            "acc": ((outputs.argmax(dim=2) == targets).double() * weights).sum(1),
+            "loss": (per_sample.view(clients, samples).double() * weights).sum(1),
         }
-    if target.is_floating_point() and output.numel() == target.numel():
-        per_sample = (
-            (output.reshape(target.shape) - target.float()).pow(2).reshape(target.shape[0], -1).mean(dim=1)
-        )
-        return {"loss": per_sample.sum().double()}
+    if targets.is_floating_point() and outputs.numel() == targets.numel():
+        difference = outputs.reshape(targets.shape) - targets.float()
+        per_sample = difference.pow(2).reshape(clients, samples, -1).mean(dim=2)
+        return {"loss": (per_sample.double() * weights).sum(1)}
     return None
 
 

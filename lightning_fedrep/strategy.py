@@ -23,7 +23,7 @@ from typing_extensions import override
 from lightning_fedrep import lightning_internals as internals
 from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase, get_algorithm, parse_phases
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
-from lightning_fedrep.data.loaders import EvalLoader, RoundLoader
+from lightning_fedrep.data.loaders import ClientChunk, EvalLoader, RoundLoader
 from lightning_fedrep.engine import (
     LockstepEngine,
     LockstepPlan,
@@ -31,6 +31,12 @@ from lightning_fedrep.engine import (
     federation_reasons,
     module_reasons,
     trainer_reasons,
+)
+from lightning_fedrep.engine.evaluation import (
+    EVALUATION_CHUNK_SAMPLES,
+    BatchedEvaluation,
+    declares_headline_only,
+    evaluation_split,
 )
 from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass
 from lightning_fedrep.federation import Federation, FederationConfig
@@ -159,6 +165,7 @@ class FederatedStrategy(SingleDeviceStrategy):
         self._eval_loader: EvalLoader | None = None
         self._pending: dict[str, Any] | None = None
         self._engine: LockstepEngine | None = None
+        self._batched_evaluation: BatchedEvaluation | None = None
 
     @classmethod
     @override
@@ -359,6 +366,8 @@ class FederatedStrategy(SingleDeviceStrategy):
             return dataloader
         if isinstance(dataloader, EvalLoader):
             self._eval_loader = dataloader
+            self._batched_evaluation = self._choose_batched_evaluation(dataloader)
+            dataloader.chunk(EVALUATION_CHUNK_SAMPLES if self._batched_evaluation is not None else None)
             return dataloader
         if self.lightning_module.trainer.state.fn == "predict":
             return dataloader
@@ -573,9 +582,30 @@ class FederatedStrategy(SingleDeviceStrategy):
         """Called for each test batch: run it on the batch's client's personalized model."""
         return self._evaluation_step(super().test_step, args, kwargs)
 
+    def _choose_batched_evaluation(self, loader: EvalLoader) -> BatchedEvaluation | None:
+        """Evaluate many clients per step where that is the whole evaluation (see
+        :mod:`lightning_fedrep.engine.evaluation`); never with ``engine="sequential"``."""
+        module, federation = self.lightning_module, self.federation
+        if (
+            self.engine == "sequential"
+            or not self.headline_metrics
+            or not declares_headline_only(module)
+            or federation is None
+            or not federation.has_state
+            or not federation.split.head
+        ):
+            return None
+        probe = loader.first_batch()
+        if not (isinstance(probe, list | tuple) and len(probe) == 2 and isinstance(probe[0], Tensor)):
+            return None
+        split = evaluation_split(module, federation.split.head, probe[0].to(self.root_device))
+        return BatchedEvaluation(split, federation.split.head) if split is not None else None
+
     def _evaluation_step(self, step: Callable, args: tuple, kwargs: dict) -> Any:
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
+        if isinstance(batch, ClientChunk):
+            return self._batched_evaluation_step(batch)
         client = self._eval_loader.client_of(batch_idx)
         self.federation.evaluate_client(client)
         evaluation = self._evaluation
@@ -585,6 +615,16 @@ class FederatedStrategy(SingleDeviceStrategy):
         if internals.evaluation_ends_now(self.lightning_module.trainer):
             self._log_evaluation(evaluation)
         return output
+
+    def _batched_evaluation_step(self, chunk: ClientChunk) -> None:
+        evaluation = self._evaluation
+        plugin = self.precision_plugin
+        context = plugin.val_step_context if evaluation.stage == "val" else plugin.test_step_context
+        self._batched_evaluation.add(
+            chunk, self.lightning_module, self.federation, evaluation.metrics, evaluation.stage, context
+        )
+        if internals.evaluation_ends_now(self.lightning_module.trainer):
+            self._log_evaluation(evaluation)
 
     def _log_evaluation(self, evaluation: EvaluationPass) -> None:
         """Log every metric's summary over clients; keep the federated rounds' history (validation)."""

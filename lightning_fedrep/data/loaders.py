@@ -194,8 +194,20 @@ class RoundLoader:
         self._resume_position = state["position"]
 
 
+@dataclass
+class ClientChunk:
+    """Several clients' whole evaluation splits in one item (batched evaluation): ``inputs`` and
+    ``targets`` are their samples one client after another, ``sizes`` how many each has."""
+
+    clients: torch.Tensor
+    sizes: torch.Tensor
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+
 class EvalLoader:
-    """Every listed client's evaluation batches, client after client, in a fixed order."""
+    """Every listed client's evaluation batches, client after client, in a fixed order; or, once
+    :meth:`chunk` was called, :class:`ClientChunk` items of many clients each (batched evaluation)."""
 
     def __init__(
         self,
@@ -211,19 +223,65 @@ class EvalLoader:
         self._owner: list[int] = []
         for cid, data in enumerate(self.clients):
             self._owner.extend([cid] * steps_per_epoch(len(data), batch_size))
+        self._chunks: list[list[int]] | None = None
 
     @property
     def num_clients(self) -> int:
         return len(self.clients)
 
     def client_of(self, batch_idx: int) -> int:
-        """The client whose data the ``batch_idx``-th batch is."""
+        """The client whose data the ``batch_idx``-th batch is (per-batch mode)."""
         return self._owner[batch_idx]
 
+    def first_batch(self) -> Any:
+        """The first evaluation batch (a probe), or ``None`` without evaluation data."""
+        return next(self._batches(), None)
+
+    def chunk(self, max_samples: int | None) -> None:
+        """Yield :class:`ClientChunk` items of consecutive clients holding at most ``max_samples``
+        samples (a larger client alone); ``None`` goes back to one batch per step."""
+        if max_samples is None:
+            self._chunks = None
+            return
+        chunks: list[list[int]] = [[]]
+        held = 0
+        for cid, data in enumerate(self.clients):
+            if not len(data):
+                continue
+            if chunks[-1] and held + len(data) > max_samples:
+                chunks.append([])
+                held = 0
+            chunks[-1].append(cid)
+            held += len(data)
+        self._chunks = [c for c in chunks if c]
+
+    @property
+    def chunked(self) -> bool:
+        return self._chunks is not None
+
     def __len__(self) -> int:
-        return len(self._owner)
+        return len(self._chunks) if self._chunks is not None else len(self._owner)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._chunks is None:
+            yield from self._batches()
+            return
+        for clients in self._chunks:
+            datas = [self.clients[c] for c in clients]
+            sizes = torch.tensor([len(d) for d in datas])
+            if len({id(d.dataset) for d in datas}) == 1:
+                index = torch.cat([d.indices for d in datas])
+                parts = self.fetcher.batches(datas[0].dataset, list(index.split(MAX_FETCH)))
+            else:
+                parts = (b for d in datas for b in self.fetcher.batches(d.dataset, list(d.indices.split(MAX_FETCH))))
+            xs, ys = zip(*((x, y) for x, y in parts))
+            yield ClientChunk(torch.tensor(clients), sizes, torch.cat(xs), torch.cat(ys))
+
+    def _batches(self) -> Iterator[Any]:
         for data in self.clients:
             if len(data):
                 yield from self.fetcher.batches(data.dataset, list(data.indices.split(self.batch_size)))
+
+
+MAX_FETCH = 4096
+"""Samples fetched at once when a chunk of clients is collected."""

@@ -65,7 +65,7 @@ def group_width(budget: int, per_client: int) -> int:
 
 
 def faster_lane_width(
-    wide: Callable[[], None], narrow: list[Callable[[], None]], device: torch.device, repeats: int = 3
+    wide: Callable[[], None], narrow: list[Callable[[], None]], device: torch.device, repeats: int = 2
 ) -> tuple[bool, float, float]:
     """Time one lockstep step of K clients (``wide``) against the same K clients' steps one after
     another (``narrow``), each after a warm-up, best of ``repeats``. Returns whether the wide step is

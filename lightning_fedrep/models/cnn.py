@@ -29,6 +29,10 @@ class _FedRepClassifier(L.LightningModule):
     fedrep_loss = "cross_entropy"
     """What ``training_step`` computes: cross-entropy of ``self(x)`` against integer labels."""
 
+    fedrep_evaluation = "headline"
+    """``validation_step``/``test_step`` log nothing beyond the strategy's headline metrics, so the strategy
+    may evaluate many clients per step."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output: the head on the body's features."""
         return self.forward_head(self.forward_features(x))

@@ -19,6 +19,8 @@ class MLPClassifier(L.LightningModule):
     fedrep_head = "classifier"
     fedrep_loss = "cross_entropy"
     """What ``training_step`` computes (the strategy's vectorized engine needs it)."""
+    fedrep_evaluation = "headline"
+    """Its evaluation steps log nothing beyond the headline metrics (batched evaluation applies)."""
 
     def __init__(
         self,

@@ -1,0 +1,291 @@
+"""One FedRep round on the official CIFAR-10 workload, five ways, timed in one run.
+
+The official CNN (``CIFAR10CNN``, 307,842 parameters, head ``fc3``), 10 clients x 500 samples of 2
+classes (random tensors of CIFAR's shape: the cost does not depend on the pixels), 10 head epochs with
+the body frozen, then 1 body epoch with the head frozen, batch 10, SGD lr 0.01 momentum 0.5 (weight
+decay 1e-4 on weights, the official recipe), every client from the same global model:
+
+  (a) official-style : the official code's way: per client a ``copy.deepcopy`` of the model, a
+                       shuffling ``DataLoader``, a new optimizer, every head epoch a full forward pass
+  (b) plain, fast    : a hand-written loop with the engine's optimizations: features cached once,
+                       all clients' heads trained together (batched matmul), the body epoch client
+                       after client; the same batches and updates as the strategy
+  (c) sequential     : ``FederatedStrategy(engine="sequential")``, whole ``Trainer.fit`` of one round
+  (d) vectorized     : ``FederatedStrategy(engine="vectorized")``; (d') ``engine="auto"``
+  (e) floor          : one feature pass over every client's data plus one body epoch per client
+                       (forward, backward, SGD step), nothing else
+
+Usage::
+
+    .venv/bin/python benchmarks/engine/cifar_round.py            # reduced: 10 clients x 100, 2 head epochs
+    .venv/bin/python benchmarks/engine/cifar_round.py --full     # the official workload
+
+The issue's targets (printed beside the measured ratios, never asserted): (d) >= 6x faster than (a),
+within 15% of (b), within 1.3x of (e); on a GPU >= 20x over (a).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import make_trainer, quiet  # noqa: E402
+
+from lightning_fedrep import FederatedDataModule, FederatedStrategy, ShardPartitioner  # noqa: E402
+from lightning_fedrep.models import CIFAR10CNN  # noqa: E402
+from lightning_fedrep.models._optim import fedrep_sgd  # noqa: E402
+
+HEAD = ("fc3.weight", "fc3.bias")
+
+
+@dataclass(frozen=True)
+class Workload:
+    clients: int = 10
+    samples: int = 500
+    head_epochs: int = 10
+    body_epochs: int = 1
+    batch_size: int = 10
+    seed: int = 0
+
+
+def make_data(w: Workload) -> FederatedDataModule:
+    g = torch.Generator().manual_seed(w.seed)
+    n = w.clients * w.samples
+    x = torch.randn(n, 3, 32, 32, generator=g)
+    y = torch.arange(n) % 10
+    train = TensorDataset(x, y)
+    test = TensorDataset(x[:20], y[:20])
+    dm = FederatedDataModule(
+        train, test, partitioner=ShardPartitioner(w.clients, 2), batch_size=w.batch_size, seed=w.seed
+    )
+    dm.setup("fit")
+    return dm
+
+
+def initial_model(w: Workload) -> CIFAR10CNN:
+    torch.manual_seed(w.seed)
+    return CIFAR10CNN()
+
+
+def body_names(model: CIFAR10CNN) -> list[str]:
+    return [n for n, _ in model.named_parameters() if n not in HEAD]
+
+
+def average(bodies: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
+    total = sum(weights)
+    return {n: (sum(b[n].double() * w for b, w in zip(bodies, weights)) / total).float() for n in bodies[0]}
+
+
+# ----------------------------------------------------------------------------- (a) official-style loop
+
+
+def official_style(w: Workload, dm: FederatedDataModule) -> dict[str, torch.Tensor]:
+    """The official FedRep code's round: deepcopy, DataLoader, new optimizer, full forward per epoch."""
+    global_model = initial_model(w)
+    bodies, weights = [], []
+    for client in range(w.clients):
+        local = copy.deepcopy(global_model)
+        data = dm.client_data(client)
+        x, y = data.dataset.tensors
+        loader = DataLoader(
+            TensorDataset(x[data.indices], y[data.indices]), batch_size=w.batch_size, shuffle=True
+        )
+        optimizer = fedrep_sgd(local, 0.01, 0.5, 1e-4)
+        for epoch in range(w.head_epochs + w.body_epochs):
+            head_phase = epoch < w.head_epochs
+            for name, p in local.named_parameters():
+                p.requires_grad_((name in HEAD) == head_phase)
+            for xb, yb in loader:
+                optimizer.zero_grad()
+                F.nll_loss(local(xb), yb).backward()
+                optimizer.step()
+        bodies.append({n: p.detach() for n, p in local.named_parameters() if n not in HEAD})
+        weights.append(float(len(data)))
+    return average(bodies, weights)
+
+
+# ----------------------------------------------------------------------------- (b) plain fast loop
+
+
+def plain_fast(w: Workload, dm: FederatedDataModule) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Cached features, every client's head at once (bmm), then the body epoch client by client.
+
+    Uses the strategy's batches (``RoundLoader.client_positions``) so its result is the strategy's.
+    Returns the new global body and the stacked heads ``[clients, 10, 65]``.
+    """
+    model = initial_model(w)
+    loader = dm.train_dataloader()
+    per_epoch = -(-w.samples // w.batch_size)
+    head_steps, body_steps = w.head_epochs * per_epoch, w.body_epochs * per_epoch
+    xs = [dm.client_data(c).dataset.tensors[0][dm.client_data(c).indices] for c in range(w.clients)]
+    ys = [dm.client_data(c).dataset.tensors[1][dm.client_data(c).indices] for c in range(w.clients)]
+    with torch.no_grad():
+        features = torch.stack([model.forward_features(x) for x in xs])  # [K, n, 64]
+    labels = torch.stack(ys)
+    weight = model.fc3.weight.detach().expand(w.clients, -1, -1).clone().requires_grad_(True)
+    bias = model.fc3.bias.detach().expand(w.clients, -1).clone().requires_grad_(True)
+    optimizer = torch.optim.SGD(
+        [{"params": [weight], "weight_decay": 1e-4}, {"params": [bias], "weight_decay": 0.0}],
+        lr=0.01,
+        momentum=0.5,
+    )
+    positions = [loader.client_positions(c, 0, 0, head_steps + body_steps) for c in range(w.clients)]
+    rows = torch.arange(w.clients)[:, None]
+    for step in range(head_steps):
+        index = torch.stack([positions[c][step] for c in range(w.clients)])
+        f, y = features[rows, index], labels[rows, index]
+        logits = torch.baddbmm(bias[:, None, :], f, weight.transpose(1, 2))
+        loss = F.cross_entropy(F.log_softmax(logits, -1).flatten(0, 1), y.flatten(), reduction="none")
+        optimizer.zero_grad()
+        loss.view(w.clients, -1).mean(1).sum().backward()
+        optimizer.step()
+    bodies = []
+    global_body = {n: p.detach().clone() for n, p in model.named_parameters() if n not in HEAD}
+    for c in range(w.clients):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(global_body[n] if n not in HEAD else (weight[c] if n == "fc3.weight" else bias[c]))
+        for n, p in model.named_parameters():
+            p.requires_grad_(n not in HEAD)
+        body_optimizer = fedrep_sgd(model, 0.01, 0.5, 1e-4)
+        for step in range(head_steps, head_steps + body_steps):
+            index = positions[c][step]
+            body_optimizer.zero_grad()
+            F.cross_entropy(model(xs[c][index]), ys[c][index]).backward()
+            body_optimizer.step()
+        bodies.append({n: p.detach().clone() for n, p in model.named_parameters() if n not in HEAD})
+    heads = torch.cat([weight.detach(), bias.detach()[:, :, None]], dim=2)
+    return average(bodies, [float(w.samples)] * w.clients), heads
+
+
+# ----------------------------------------------------------------------------- (c, d) the strategy
+
+
+def strategy_round(w: Workload, dm: FederatedDataModule, engine: str) -> FederatedStrategy:
+    """One round through ``Trainer.fit`` (no validation, logger or checkpoint)."""
+    strategy = FederatedStrategy(
+        clients_per_round=w.clients,
+        head_epochs=w.head_epochs,
+        body_epochs=w.body_epochs,
+        seed=w.seed,
+        engine=engine,
+    )
+    make_trainer(1, strategy=strategy).fit(initial_model(w), datamodule=dm)
+    return strategy
+
+
+def strategy_heads(strategy: FederatedStrategy, clients: int) -> torch.Tensor:
+    tensors = [strategy.client_tensors(c) for c in range(clients)]
+    return torch.stack([torch.cat([t["fc3.weight"], t["fc3.bias"][:, None]], dim=1) for t in tensors])
+
+
+# ----------------------------------------------------------------------------- (e) arithmetic floor
+
+
+def floor(w: Workload, dm: FederatedDataModule) -> None:
+    """One feature pass over all clients' data, then one body epoch per client; nothing else."""
+    model = initial_model(w)
+    x, y = dm.client_data(0).dataset.tensors
+    with torch.no_grad():
+        for chunk in x.split(1024):
+            model.forward_features(chunk)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in HEAD)
+    per_epoch = -(-w.samples // w.batch_size)
+    for c in range(w.clients):
+        optimizer = fedrep_sgd(model, 0.01, 0.5, 1e-4)
+        index = dm.client_data(c).indices
+        for j in range(per_epoch * w.body_epochs):
+            batch = index[(j % per_epoch) * w.batch_size : (j % per_epoch + 1) * w.batch_size]
+            optimizer.zero_grad()
+            F.cross_entropy(model(x[batch]), y[batch]).backward()
+            optimizer.step()
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def compare(w: Workload) -> dict[str, object]:
+    """The variants that must compute the same round: (b), (c), (d) bodies and heads (for the tests)."""
+    dm = make_data(w)
+    body_b, heads_b = plain_fast(w, dm)
+    out: dict[str, object] = {"plain": (body_b, heads_b)}
+    for engine in ("sequential", "vectorized"):
+        s = strategy_round(w, make_data(w), engine)
+        out[engine] = (
+            {n: t for n, t in s.global_tensors().items() if n not in HEAD},
+            strategy_heads(s, w.clients),
+        )
+    return out
+
+
+def timed(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="10 clients x 500 samples, 10 head epochs")
+    parser.add_argument("--small", action="store_true", help="a tiny run (tests)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    quiet(args.threads)
+    if args.full:
+        w = Workload()
+    elif args.small:
+        w = Workload(clients=3, samples=20, head_epochs=2)
+    else:
+        w = Workload(samples=100, head_epochs=2)
+    dm = make_data(w)
+    device = "cpu"
+    print(
+        f"FedRep round, CIFAR10CNN, {w.clients} clients x {w.samples} samples, {w.head_epochs} head + "
+        f"{w.body_epochs} body epochs, batch {w.batch_size}, on {device} ({torch.get_num_threads()} threads), "
+        f"best of {args.repeats}"
+    )
+    times = {
+        "(a) official-style": timed(lambda: official_style(w, dm), args.repeats),
+        "(b) plain, fast": timed(lambda: plain_fast(w, dm), args.repeats),
+        "(c) strategy sequential": timed(lambda: strategy_round(w, dm, "sequential"), args.repeats),
+        "(d) strategy vectorized": timed(lambda: strategy_round(w, dm, "vectorized"), args.repeats),
+        "(d') strategy auto": timed(lambda: strategy_round(w, dm, "auto"), args.repeats),
+        "(e) floor": timed(lambda: floor(w, dm), args.repeats),
+    }
+    for name, seconds in times.items():
+        print(f"  {name:<26} {seconds:8.2f} s")
+    a, b, c, d = (
+        times[k]
+        for k in (
+            "(a) official-style",
+            "(b) plain, fast",
+            "(c) strategy sequential",
+            "(d) strategy vectorized",
+        )
+    )
+    auto, e = times["(d') strategy auto"], times["(e) floor"]
+    print(f"  (a)/(d)  official-style / vectorized : {a / d:6.2f}x   target >= 6x (CPU), >= 20x (GPU)")
+    print(f"  (a)/(d') official-style / auto       : {a / auto:6.2f}x")
+    print(f"  (d)/(b)  vectorized / plain fast     : {d / b:6.2f}x   target <= 1.15x")
+    print(f"  (d)/(e)  vectorized / floor          : {d / e:6.2f}x   target <= 1.3x")
+    print(f"  (a)/(c)  official-style / sequential : {a / c:6.2f}x")
+    return times
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Personalized evaluation of many clients at once (the evaluation side of the vectorized engine).
+
+Per :class:`~lightning_fedrep.data.loaders.ClientChunk` of clients: one forward pass of the global body
+over all their samples (clients whose own tensors change the features, LG-FedAvg's local body or a
+fine-tuned body, get their own pass), then every client's head on its own features in one
+``torch.func.vmap``, and the headline metrics' sums per client, as the per-batch path computes them
+(:func:`~lightning_fedrep.evaluation.headline_sums_per_client`).
+
+It applies only where that is the whole evaluation: the module declares that its evaluation steps
+log nothing beyond the headline metrics (``fedrep_evaluation = "headline"``) and its output is
+``head(features(x))`` in evaluation mode (checked on a probe batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fedrep.data.loaders import ClientChunk
+from lightning_fedrep.engine.contract import FeatureSplit, find_feature_split
+from lightning_fedrep.evaluation import ClientMetrics, headline_sums_per_client
+from lightning_fedrep.federation import Federation
+
+EVALUATION_CHUNK_SAMPLES = 4096
+"""Samples per batched evaluation step (consecutive clients, a larger client alone)."""
+
+HEADLINE_ONLY = "headline"
+"""The value of ``fedrep_evaluation`` declaring that ``validation_step``/``test_step`` log nothing the
+strategy's headline metrics (``acc``, ``loss``) do not."""
+
+
+def declares_headline_only(module: nn.Module) -> bool:
+    """Whether the module declares ``fedrep_evaluation = "headline"``."""
+    return getattr(module, "fedrep_evaluation", None) == HEADLINE_ONLY
+
+
+def evaluation_split(module: nn.Module, head_names: tuple[str, ...], probe: Tensor) -> FeatureSplit | None:
+    """The module as ``head(features(x))`` in evaluation mode, verified on ``probe``, or ``None``."""
+    training = module.training
+    module.eval()
+    try:
+        return find_feature_split(module, head_names, probe)
+    finally:
+        module.train(training)
+
+
+class BatchedEvaluation:
+    """Adds a :class:`ClientChunk`'s per-client headline sums to an evaluation pass's metrics.
+
+    Args:
+        split: how to run the features and the head with any tensors.
+        head_names: the parameter names the head consists of.
+    """
+
+    def __init__(self, split: FeatureSplit, head_names: tuple[str, ...]):
+        self.split = split
+        self.head_names = tuple(head_names)
+
+    @torch.no_grad()
+    def add(
+        self,
+        chunk: ClientChunk,
+        module: nn.Module,
+        federation: Federation,
+        metrics: ClientMetrics,
+        stage: str,
+        precision_context: Callable[[], AbstractContextManager],
+    ) -> None:
+        """Evaluate every client of ``chunk`` on its own model and record its metric sums."""
+        clients, sizes = chunk.clients.tolist(), chunk.sizes.tolist()
+        fixed = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+        base = {**fixed, **federation.global_view()}
+        personal = [federation.store.personal(c, federation.local_names) for c in clients]
+        inputs, targets = chunk.inputs.split(sizes), chunk.targets.split(sizes)
+        with precision_context():
+            shared_features = None
+            features: list[Tensor] = []
+            for k, (own, x) in enumerate(zip(personal, inputs)):
+                if any(n not in self.head_names for n in own):  # its own tensors change its features
+                    features.append(self.split.features({**base, **own}, x))
+                    continue
+                if shared_features is None:
+                    shared_features = self.split.features(base, chunk.inputs).split(sizes)
+                features.append(shared_features[k])
+            outputs = self._heads(base, personal, features)
+        longest = max(sizes)
+        padded = targets[0].new_zeros((len(clients), longest, *targets[0].shape[1:]))
+        mask = torch.zeros(len(clients), longest, device=padded.device)
+        for k, y in enumerate(targets):
+            padded[k, : len(y)] = y
+            mask[k, : len(y)] = 1.0
+        sums = headline_sums_per_client(outputs, padded, mask)
+        for k, (client, size) in enumerate(zip(clients, sizes)):
+            metrics.samples[client] += size
+            for name, totals in (sums or {}).items():
+                metrics.add(f"{stage}/{name}", client, float(totals[k]), size)
+
+    def _heads(self, base: dict[str, Tensor], personal: list[dict[str, Tensor]], features: list[Tensor]) -> Tensor:
+        """Every client's head on its features, in one ``vmap`` over the clients (padded)."""
+        longest = max(len(f) for f in features)
+        stacked_features = features[0].new_zeros((len(features), longest, *features[0].shape[1:]))
+        for k, f in enumerate(features):
+            stacked_features[k, : len(f)] = f
+        heads = {
+            n: torch.stack([own.get(n, base[n]) for own in personal]) for n in self.head_names if n in base
+        }
+        rest = {n: t for n, t in base.items() if n not in heads}
+        split = self.split
+
+        def client_output(head: dict[str, Tensor], f: Tensor) -> Tensor:
+            return split.head({**rest, **head}, f)
+
+        return torch.func.vmap(client_output)(heads, stacked_features)
