@@ -14,6 +14,9 @@ hook                                                  when
                                                       user's ``training_step``; a tensor is added to the
                                                       loss, ``None`` adds nothing (automatic
                                                       optimization only)
+``vectorized_loss_term(trainer, pl_module, step)``    the same for the clients of a vectorized-engine
+                                                      step at once (one term per client); without it a
+                                                      callback's ``loss_term`` keeps runs sequential
 ``on_round_start(trainer, pl_module, plan)``          before the round's first step
 ``on_client_start(trainer, pl_module, client)``       after a client was loaded, before its first step
 ``on_client_end(trainer, pl_module, result)``         after a client's last step of the round and its
@@ -31,6 +34,7 @@ From any hook, :meth:`FederatedCallback.federation` gives the run's :class:`Fede
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -43,7 +47,14 @@ from lightning_fedrep.evaluation import ClientMetrics
 from lightning_fedrep.federation import ClientResult, Federation, RoundResult
 from lightning_fedrep.plan import RoundPlan
 
-__all__ = ["ClientResult", "FederatedCallback", "FederatedStrategyAPI", "LiveStep", "RoundResult"]
+__all__ = [
+    "ClientResult",
+    "FederatedCallback",
+    "FederatedStrategyAPI",
+    "LiveStep",
+    "LockstepStep",
+    "RoundResult",
+]
 
 
 @runtime_checkable
@@ -82,6 +93,24 @@ class LiveStep:
     batch_idx: int
 
 
+@dataclass(frozen=True)
+class LockstepStep:
+    """A step of the vectorized engine a vectorized loss term is asked for: ``K`` clients at once.
+
+    ``tensors`` holds each of the module's per-client tensors stacked over the clients (``[K, ...]``,
+    client ``k`` at ``[k]``; the phase's trainable ones carry gradients); ``features`` is the head's
+    input of every client's batch (``[K, B, ...]``, padding rows included) and ``mask`` marks the real
+    rows (``[K, B]``, 1 or 0).
+    """
+
+    round: int
+    clients: tuple[int, ...]
+    phase: Part
+    tensors: Mapping[str, Tensor]
+    features: Tensor
+    mask: Tensor
+
+
 class FederatedCallback(Callback):
     """Base class of callbacks that take part in federated rounds (see the module docstring).
 
@@ -105,6 +134,18 @@ class FederatedCallback(Callback):
     ) -> Tensor | None:
         """A term to add to the live client's training loss, or ``None`` (every local step)."""
         return None
+
+    def vectorized_loss_term(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: LockstepStep
+    ) -> Tensor | None:
+        """On the vectorized engine, :meth:`loss_term` of ``step.clients`` at once: a ``[K]`` tensor, one
+        term per client (the engine masks clients that do not step), or ``None``. Override it with
+        :meth:`loss_term` so that runs with the loss term can use the engine."""
+        raise NotImplementedError
+
+    def has_vectorized_loss_term(self) -> bool:
+        """Whether :meth:`vectorized_loss_term` computes this callback's :meth:`loss_term` (checked at setup)."""
+        return type(self).vectorized_loss_term is not FederatedCallback.vectorized_loss_term
 
     def on_round_start(self, trainer: L.Trainer, pl_module: L.LightningModule, plan: RoundPlan) -> None:
         """Before the round's first step."""

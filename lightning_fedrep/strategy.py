@@ -10,6 +10,7 @@ the documented hooks lives in :mod:`lightning_fedrep.lightning_internals`.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -344,8 +345,16 @@ class FederatedStrategy(SingleDeviceStrategy):
                 )
             rank_zero_info(f"lightning_fedrep: sequential engine ({'; '.join(reasons)}).")
             return None
+        loss_terms = [
+            functools.partial(c.vectorized_loss_term, trainer, module) for c in self._loss_callbacks
+        ]
         return LockstepEngine(
-            federation, module, self.optimizers[0], declared_loss(module), self.engine_width
+            federation,
+            module,
+            self.optimizers[0],
+            declared_loss(module),
+            self.engine_width,
+            loss_terms=loss_terms,
         )
 
     @override
@@ -383,6 +392,16 @@ class FederatedStrategy(SingleDeviceStrategy):
         engine = self._engine
         cache = engine.bind_loader(loader, self.root_device)
         if cache is None:
+            return
+        if engine.loss_terms and engine.split is None:
+            reason = f"the callbacks' vectorized loss terms need the head's input, and there is {cache}"
+            if self.engine == "vectorized":
+                raise ValueError(
+                    f"engine='vectorized' cannot run here: {reason}. Declare forward_features/forward_head on the "
+                    "module, or pass engine='auto' or engine='sequential'."
+                )
+            rank_zero_info(f"lightning_fedrep: sequential engine ({reason}).")
+            self._engine = None
             return
         plan = self.round_plan(trainer.current_epoch)
         widths = engine.prepare(
@@ -431,7 +450,8 @@ class FederatedStrategy(SingleDeviceStrategy):
         vectorized engine: every active client's loss on its batch, summed (the user's step is not run)."""
         if self._engine is not None:
             loss = self._engine.loss(args[0] if args else kwargs["batch"])
-            if internals.step_metrics_reach_loggers(self.lightning_module.trainer):
+            trainer = self.lightning_module.trainer
+            if internals.step_metrics_reach_loggers(trainer) or internals.round_ends_now(trainer):
                 self.lightning_module.log("train/loss", self._engine.mean_loss(), on_step=True, batch_size=1)
             return loss
         output = super().training_step(*args, **kwargs)

@@ -41,7 +41,7 @@ from lightning_fedrep.collapse import (
 )
 from lightning_fedrep.data.module import dataset_labels
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.hooks import FederatedCallback, LiveStep
+from lightning_fedrep.hooks import FederatedCallback, LiveStep, LockstepStep
 from lightning_fedrep.plan import round_generator
 
 __all__ = ["NeuralCollapse"]
@@ -244,9 +244,12 @@ class NeuralCollapse(FederatedCallback):
 
     # ------------------------------------------------------------------ penalties
     def _client_mask(self, client: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        return self._masks_on(device)[client].to(dtype)
+
+    def _masks_on(self, device: torch.device) -> Tensor:
         if self._device_masks is None or self._device_masks.device != device:
             self._device_masks = self.masks.to(device)
-        return self._device_masks[client].to(dtype)
+        return self._device_masks
 
     def loss_term(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step: LiveStep
@@ -273,6 +276,34 @@ class NeuralCollapse(FederatedCallback):
                     "training_step must run the model's forward through it."
                 )
             term = self.nu * captured.square().sum()
+            extra = term if extra is None else extra + term
+        return extra
+
+    def has_vectorized_loss_term(self) -> bool:
+        """The vectorized form applies when ``φ`` is the classifier's input (the head's features)."""
+        return self.features_module is None or self.nu == 0
+
+    def vectorized_loss_term(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: LockstepStep
+    ) -> Tensor | None:
+        """:meth:`loss_term` of every client of a vectorized-engine step: ``[K]`` terms."""
+        if self.masks is None:
+            return None
+        extra: Tensor | None = None
+        if self.lam or self.mu:
+            weight = step.tensors.get(self.weight_name)
+            if weight is None:  # shared and not per client: the global classifier, the same for all
+                weight = pl_module.get_parameter(self.weight_name).expand(len(step.clients), -1, -1)
+            if self.lam:
+                clients = torch.tensor(step.clients, device=weight.device)
+                masks = self._masks_on(weight.device)[clients].to(weight.dtype)
+                extra = self.lam * nc_regularizer(weight, masks)
+            if self.mu:
+                term = self.mu * weight.square().sum(dim=(1, 2))
+                extra = term if extra is None else extra + term
+        if self.nu and step.phase in ("body", "all"):
+            per_sample = step.features.square().flatten(2).sum(-1)
+            term = self.nu * (per_sample * step.mask.to(per_sample.dtype)).sum(-1)
             extra = term if extra is None else extra + term
         return extra
 

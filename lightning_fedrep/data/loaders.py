@@ -273,7 +273,11 @@ class EvalLoader:
                 index = torch.cat([d.indices for d in datas])
                 parts = self.fetcher.batches(datas[0].dataset, list(index.split(MAX_FETCH)))
             else:
-                parts = (b for d in datas for b in self.fetcher.batches(d.dataset, list(d.indices.split(MAX_FETCH))))
+                parts = (
+                    b
+                    for d in datas
+                    for b in self.fetcher.batches(d.dataset, list(d.indices.split(MAX_FETCH)))
+                )
             xs, ys = zip(*((x, y) for x, y in parts))
             yield ClientChunk(torch.tensor(clients), sizes, torch.cat(xs), torch.cat(ys))
 

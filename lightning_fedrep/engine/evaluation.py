@@ -98,7 +98,9 @@ class BatchedEvaluation:
             for name, totals in (sums or {}).items():
                 metrics.add(f"{stage}/{name}", client, float(totals[k]), size)
 
-    def _heads(self, base: dict[str, Tensor], personal: list[dict[str, Tensor]], features: list[Tensor]) -> Tensor:
+    def _heads(
+        self, base: dict[str, Tensor], personal: list[dict[str, Tensor]], features: list[Tensor]
+    ) -> Tensor:
         """Every client's head on its features, in one ``vmap`` over the clients (padded)."""
         longest = max(len(f) for f in features)
         stacked_features = features[0].new_zeros((len(features), longest, *features[0].shape[1:]))

@@ -10,7 +10,7 @@ sequential path hands them over.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from lightning_fedrep.engine.contract import FeatureSplit, LossFn, find_feature_
 from lightning_fedrep.engine.group import ClientGroup
 from lightning_fedrep.engine.schedule import LockstepPlan, Segment, lockstep_plan
 from lightning_fedrep.federation import ClientResult, Federation
+from lightning_fedrep.hooks import LockstepStep
 from lightning_fedrep.plan import RoundPlan
 
 FEATURE_CHUNK = 1024
@@ -65,11 +66,14 @@ class LockstepEngine:
         loss: LossFn,
         width: int | None = None,
         split: FeatureSplit | None = None,
+        loss_terms: Sequence[Callable[[LockstepStep], Tensor | None]] = (),
     ):
         self.federation = federation
         self.module = module
         self.user_optimizer = optimizer
         self.loss_fn = loss
+        self.loss_terms = list(loss_terms)
+        """Callbacks' vectorized loss terms (they need the head's input: a feature split)."""
         self.width = width
         self.split = split
         names = {id(p): n for n, p in module.named_parameters()}
@@ -199,6 +203,7 @@ class LockstepEngine:
         def work(segment: Segment, batch: dict[str, Tensor]) -> Callable[[], None]:
             def run() -> None:
                 self._enter_segment(segment)
+                self._active = segment.active(0)
                 self.loss(batch).backward()
 
             return run
@@ -249,30 +254,57 @@ class LockstepEngine:
         return started
 
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
-        """The sum over the group's clients of each one's mean loss on its batch (padding masked out)."""
+        """The sum over the segment's clients of each one's mean loss on its batch (padding masked out)
+        plus the vectorized loss terms of the callbacks (clients that do not step count zero)."""
         mask = batch["mask"]
         trained, frozen = self._lane_tensors
         fixed = self._fixed
-        loss_fn = self.loss_fn
+        loss_fn, split = self.loss_fn, self.split
 
         if self.segment.cached:
             k = torch.arange(mask.shape[0], device=mask.device)[:, None]
             positions = batch["positions"]
             inputs, targets = self._features[k, positions], self._labels[k, positions]
-            run = self.split.head
+
+            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
+                return split.head(tensors, x), x
+
+        elif self.loss_terms:
+            inputs, targets = batch["x"], batch["y"]
+
+            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
+                features = split.features(tensors, x)
+                return split.head(tensors, features), features
+
         else:
             inputs, targets = batch["x"], batch["y"]
 
-            def run(tensors: dict[str, Tensor], x: Tensor) -> Tensor:
-                return torch.func.functional_call(self.module, tensors, (x,))
+            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
+                return torch.func.functional_call(self.module, tensors, (x,)), x[:0]
 
         def client_loss(
             own: dict[str, Tensor], rest: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor
-        ) -> Tensor:
-            per_sample = loss_fn(run({**fixed, **rest, **own}, x), y)
-            return (per_sample * m).sum() / m.sum().clamp_min(1.0)
+        ) -> tuple[Tensor, Tensor]:
+            output, features = run({**fixed, **rest, **own}, x)
+            per_sample = loss_fn(output, y)
+            return (per_sample * m).sum() / m.sum().clamp_min(1.0), features
 
-        losses = torch.func.vmap(client_loss)(trained, frozen, inputs, targets, mask)
+        losses, features = torch.func.vmap(client_loss)(trained, frozen, inputs, targets, mask)
+        if self.loss_terms:
+            step = LockstepStep(
+                self.federation.round_index,
+                self.segment.clients,
+                self.segment.part,
+                {**frozen, **trained},
+                features,
+                mask,
+            )
+            for term in self.loss_terms:
+                extra = term(step)
+                if extra is not None:
+                    losses = losses + extra
+        active = torch.tensor(self._active, dtype=losses.dtype, device=losses.device)
+        losses = losses * active
         self.last_losses = losses.detach()
         return losses.sum()
 

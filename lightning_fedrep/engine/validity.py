@@ -105,8 +105,9 @@ def federation_reasons(algorithm: Algorithm, callbacks: Sequence[object]) -> lis
     if type(algorithm).loss_term is not Algorithm.loss_term:
         reasons.append(f"the algorithm {algorithm.name!r} adds a loss term")
     for callback in callbacks:
-        if type(callback).loss_term is not FederatedCallback.loss_term and not callable(
-            getattr(callback, "vectorized_loss_term", None)
+        if (
+            type(callback).loss_term is not FederatedCallback.loss_term
+            and not callback.has_vectorized_loss_term()
         ):
             reasons.append(f"{type(callback).__name__} adds a loss term without a vectorized form")
         if getattr(callback, "needs_client_timing", False):
