@@ -376,7 +376,9 @@ class FederatedStrategy(SingleDeviceStrategy):
         if isinstance(dataloader, EvalLoader):
             self._eval_loader = dataloader
             self._batched_evaluation = self._choose_batched_evaluation(dataloader)
-            dataloader.chunk(EVALUATION_CHUNK_SAMPLES if self._batched_evaluation is not None else None)
+            smoke = self.lightning_module.trainer.fast_dev_run  # one chunk is the pass: keep it a batch
+            chunk = dataloader.batch_size if smoke else EVALUATION_CHUNK_SAMPLES
+            dataloader.chunk(chunk if self._batched_evaluation is not None else None)
             return dataloader
         if self.lightning_module.trainer.state.fn == "predict":
             return dataloader
@@ -405,7 +407,11 @@ class FederatedStrategy(SingleDeviceStrategy):
             return
         plan = self.round_plan(trainer.current_epoch)
         widths = engine.prepare(
-            plan, self.root_device, measure=self.engine == "auto", memory=self.engine_memory
+            plan,
+            self.root_device,
+            measure=self.engine == "auto" and not trainer.fast_dev_run,
+            memory=self.engine_memory,
+            smoke=bool(trainer.fast_dev_run),
         )
         if self.engine == "auto" and not engine.gains(plan):
             rank_zero_info(

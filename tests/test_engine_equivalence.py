@@ -277,3 +277,22 @@ def test_auto_falls_back_with_its_reason_and_vectorized_refuses(model_cls, train
 def test_bad_engine_arguments_are_refused_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FederatedStrategy(head="classifier", **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["head", "full"])
+def test_fine_tuning_rounds_on_the_engine_equal_sequential(mode):
+    from lightning_fedrep.callbacks import HeadFineTuning
+
+    def run(engine):
+        return fit(
+            engine, data="unequal", rounds=2, trainer=dict(callbacks=[HeadFineTuning(epochs=1, mode=mode)])
+        )[0]
+
+    sequential, vectorized = run("sequential"), run("vectorized")
+    assert_same(sequential, vectorized)
+    assert vectorized.federation.store.finetuned.keys() == sequential.federation.store.finetuned.keys()
+    for client, tensors in sequential.federation.store.finetuned.items():
+        for name, value in tensors.items():
+            torch.testing.assert_close(
+                vectorized.federation.store.finetuned[client][name], value, atol=1e-5, rtol=1e-4
+            )

@@ -26,6 +26,12 @@ from lightning_fedrep.federation import ClientResult, Federation
 from lightning_fedrep.hooks import LockstepStep
 from lightning_fedrep.plan import RoundPlan
 
+SMOKE_GROUP = 4
+"""Clients per group in a smoke run (``fast_dev_run``: one lockstep step is the whole run)."""
+
+MEASURED_CLIENTS = 8
+"""Clients whose steps ``engine="auto"`` times to choose lockstep or one client at a time."""
+
 FEATURE_CHUNK = 1024
 """Samples per forward pass when a client's features are cached."""
 
@@ -125,15 +131,24 @@ class LockstepEngine:
             f"head phases on cached features ({self.split.how})" if self.split else f"no feature cache: {why}"
         )
 
-    def prepare(self, plan: RoundPlan, device: torch.device, measure: bool, memory: int | None = None) -> str:
+    def prepare(
+        self,
+        plan: RoundPlan,
+        device: torch.device,
+        measure: bool,
+        memory: int | None = None,
+        smoke: bool = False,
+    ) -> str:
         """Before the first round of a fit: bound the group width by ``memory`` bytes (default: see
         :func:`~lightning_fedrep.engine.sizing.default_memory_budget`) and, if ``measure``, time whether
-        phases without cached features are faster in lockstep or one client at a time. A run resumed
-        from a checkpoint keeps the widths it was saved with. Returns a line saying what was decided."""
+        phases without cached features are faster in lockstep or one client at a time. A smoke run
+        (``fast_dev_run``) trains groups of at most :data:`SMOKE_GROUP` clients. A run resumed from a
+        checkpoint keeps the widths it was saved with. Returns a line saying what was decided."""
         if not self._sized:
             self._sized = True
             width = self._memory_width(plan, device, memory)
-            self.group_width = min(width, self.width) if self.width else width
+            width = min(width, self.width) if self.width else width
+            self.group_width = min(width, SMOKE_GROUP) if smoke else width
             self.lane_width = None
             self._timing = ""
             if measure and self._pending is None:
@@ -187,8 +202,9 @@ class LockstepEngine:
         return sizing.group_width(budget, per_client)
 
     def _measure_lanes(self, plan: RoundPlan, device: torch.device) -> None:
-        """Decide ``lane_width`` (1 or the group's) by timing the first uncached phase of the first group."""
-        width = min(self.group_width, len(plan.work))
+        """Decide ``lane_width`` (1 or the group's) by timing the first uncached phase on the first
+        :data:`MEASURED_CLIENTS` clients: one lockstep step of them against their steps one by one."""
+        width = min(self.group_width, len(plan.work), MEASURED_CLIENTS)
         wide_plan = lockstep_plan(plan, width, cache_head=self.split is not None)
         wide = next((s for s in wide_plan.segments if s.group == 0 and not s.cached), None)
         if wide is None or len(wide.clients) < 2:
