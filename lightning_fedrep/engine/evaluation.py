@@ -74,7 +74,7 @@ class BatchedEvaluation:
         fixed = {**dict(module.named_buffers()), **dict(module.named_parameters())}
         base = {**fixed, **federation.global_view()}
         personal = [federation.store.personal(c, federation.local_names) for c in clients]
-        inputs, targets = chunk.inputs.split(sizes), chunk.targets.split(sizes)
+        inputs = chunk.inputs.split(sizes)
         with precision_context():
             shared_features = None
             features: list[Tensor] = []
@@ -86,26 +86,28 @@ class BatchedEvaluation:
                     shared_features = self.split.features(base, chunk.inputs).split(sizes)
                 features.append(shared_features[k])
             outputs = self._heads(base, personal, features)
-        longest = max(sizes)
-        padded = targets[0].new_zeros((len(clients), longest, *targets[0].shape[1:]))
-        mask = torch.zeros(len(clients), longest, device=padded.device)
-        for k, y in enumerate(targets):
-            padded[k, : len(y)] = y
-            mask[k, : len(y)] = 1.0
-        sums = headline_sums_per_client(outputs, padded, mask)
+        rows, columns = _padded_positions(chunk.sizes.to(chunk.targets.device))
+        padded = chunk.targets.new_zeros((len(clients), max(sizes), *chunk.targets.shape[1:]))
+        padded[rows, columns] = chunk.targets
+        mask = torch.zeros(padded.shape[:2], device=padded.device)
+        mask[rows, columns] = 1.0
+        sums = {
+            name: totals.tolist()
+            for name, totals in (headline_sums_per_client(outputs, padded, mask) or {}).items()
+        }
         for k, (client, size) in enumerate(zip(clients, sizes)):
             metrics.samples[client] += size
-            for name, totals in (sums or {}).items():
-                metrics.add(f"{stage}/{name}", client, float(totals[k]), size)
+            for name, totals in sums.items():
+                metrics.add(f"{stage}/{name}", client, totals[k], size)
 
     def _heads(
         self, base: dict[str, Tensor], personal: list[dict[str, Tensor]], features: list[Tensor]
     ) -> Tensor:
         """Every client's head on its features, in one ``vmap`` over the clients (padded)."""
-        longest = max(len(f) for f in features)
-        stacked_features = features[0].new_zeros((len(features), longest, *features[0].shape[1:]))
-        for k, f in enumerate(features):
-            stacked_features[k, : len(f)] = f
+        flat = torch.cat(features)
+        rows, columns = _padded_positions(torch.tensor([len(f) for f in features], device=flat.device))
+        stacked_features = flat.new_zeros((len(features), int(columns.max()) + 1, *flat.shape[1:]))
+        stacked_features[rows, columns] = flat
         heads = {
             n: torch.stack([own.get(n, base[n]) for own in personal]) for n in self.head_names if n in base
         }
@@ -116,3 +118,12 @@ class BatchedEvaluation:
             return split.head({**rest, **head}, f)
 
         return torch.func.vmap(client_output)(heads, stacked_features)
+
+
+def _padded_positions(sizes: Tensor) -> tuple[Tensor, Tensor]:
+    """Row (client) and column (its sample) of every sample when clients of ``sizes`` samples are
+    laid out one per row, padded on the right."""
+    rows = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    columns = torch.arange(int(sizes.sum()), device=sizes.device) - starts[rows]
+    return rows, columns
