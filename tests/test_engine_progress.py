@@ -5,7 +5,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_fedrep import FederatedStrategy
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from tests.fixtures import quiet_trainer, tiny_datamodule
-from tests.test_engine_sizing import LossNet
+from tests.test_engine_equivalence import LossNet
 
 
 class BarReader(Callback):

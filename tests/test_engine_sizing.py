@@ -9,40 +9,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fedrep import FederatedStrategy
 from lightning_fedrep.engine import sizing
-from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
+from tests.fixtures import quiet_trainer, tiny_datamodule
+from tests.test_engine_equivalence import LossNet, assert_same
+from tests.test_engine_equivalence import fit as run
 
 
-class LossNet(TinyNet):
-    """TinyNet declaring what its training_step computes (the engine applies)."""
-
-    fedrep_loss = "cross_entropy"
+def fit(engine, rounds=3, algorithm="fedrep", **kwargs):
+    return run(engine, rounds=rounds, per_round=5, algorithm=algorithm, **kwargs)[0]
 
 
-def fit(engine, rounds=3, per_round=5, algorithm="fedrep", **kwargs):
-    torch.manual_seed(0)
-    model = LossNet()
-    dm = tiny_datamodule(num_clients=8, seed=3)
-    strategy = FederatedStrategy(
-        head="classifier",
-        algorithm=algorithm,
-        clients_per_round=per_round,
-        head_epochs=2,
-        body_epochs=1,
-        seed=5,
-        engine=engine,
-        **kwargs,
-    )
-    trainer = quiet_trainer(strategy=strategy, max_epochs=rounds, limit_val_batches=0)
-    trainer.fit(model, datamodule=dm)
-    return strategy
-
-
-def assert_same_federation(a, b, atol=1e-5):
-    for name, value in a.global_tensors().items():
-        torch.testing.assert_close(b.global_tensors()[name], value, atol=atol, rtol=1e-4)
-    for client in range(a.num_clients):
-        for name, value in a.client_tensors(client).items():
-            torch.testing.assert_close(b.client_tensors(client)[name], value, atol=atol, rtol=1e-4)
+assert_same_federation = assert_same
 
 
 @pytest.fixture(scope="module")
