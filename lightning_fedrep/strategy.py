@@ -10,7 +10,6 @@ the documented hooks lives in :mod:`lightning_fedrep.lightning_internals`.
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -25,20 +24,9 @@ from lightning_fedrep import lightning_internals as internals
 from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase, get_algorithm, parse_phases
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from lightning_fedrep.data.loaders import ClientChunk, EvalLoader, RoundLoader
-from lightning_fedrep.engine import (
-    LockstepEngine,
-    LockstepPlan,
-    declared_loss,
-    federation_reasons,
-    module_reasons,
-    trainer_reasons,
-)
-from lightning_fedrep.engine.evaluation import (
-    EVALUATION_CHUNK_SAMPLES,
-    BatchedEvaluation,
-    declares_headline_only,
-    evaluation_split,
-)
+from lightning_fedrep.engine import LockstepEngine, LockstepPlan
+from lightning_fedrep.engine.evaluation import EVALUATION_CHUNK_SAMPLES, BatchedEvaluation, batched_evaluation
+from lightning_fedrep.engine.selection import build_engine, start_engine
 from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass
 from lightning_fedrep.federation import Federation, FederationConfig
 from lightning_fedrep.hooks import FederatedCallback, LiveStep
@@ -127,19 +115,13 @@ class FederatedStrategy(SingleDeviceStrategy):
             raise ValueError(f"buffers must be 'shared' or 'local', got {buffers!r}.")
         if engine not in ("auto", "vectorized", "sequential"):
             raise ValueError(f"engine must be 'auto', 'vectorized' or 'sequential', got {engine!r}.")
-        if engine_width is not None and (
-            isinstance(engine_width, bool) or not isinstance(engine_width, int) or engine_width < 1
-        ):
-            raise ValueError(
-                f"engine_width must be a client count >= 1 or None (a round's clients), got {engine_width!r}."
-            )
-        if engine_memory is not None and (
-            isinstance(engine_memory, bool) or not isinstance(engine_memory, int) or engine_memory < 1
-        ):
-            raise ValueError(
-                f"engine_memory must be a number of bytes >= 1 or None (half a GPU's free memory, a quarter "
-                f"of a host's RAM), got {engine_memory!r}."
-            )
+        _check_positive_or_none("engine_width", engine_width, "a client count", "a round's clients")
+        _check_positive_or_none(
+            "engine_memory",
+            engine_memory,
+            "a number of bytes",
+            "half a GPU's free memory, a quarter of the RAM",
+        )
         self.engine = engine
         self.engine_width = engine_width
         self.engine_memory = engine_memory
@@ -325,37 +307,20 @@ class FederatedStrategy(SingleDeviceStrategy):
                 "Loss terms (from the algorithm or a FederatedCallback) need automatic optimization; this module "
                 "uses manual optimization."
             )
-        self._engine = self._choose_engine(trainer) if trainer.state.fn == "fit" else None
-
-    def _choose_engine(self, trainer: L.Trainer) -> LockstepEngine | None:
-        if self.engine == "sequential":
-            return None
-        module, federation = self.lightning_module, self.federation
-        reasons = (
-            module_reasons(module, federation.layout)
-            + trainer_reasons(trainer, self.optimizers, self.lr_scheduler_configs)
-            + federation_reasons(self.algorithm, self._callbacks)
-        )
-        if reasons:
-            if self.engine == "vectorized":
-                raise ValueError(
-                    "engine='vectorized' would not compute what the sequential path computes: "
-                    f"{'; '.join(reasons)}. Remove what is listed, or pass engine='auto' (falls back to the "
-                    "sequential path) or engine='sequential'."
-                )
-            rank_zero_info(f"lightning_fedrep: sequential engine ({'; '.join(reasons)}).")
-            return None
-        loss_terms = [
-            functools.partial(c.vectorized_loss_term, trainer, module) for c in self._loss_callbacks
-        ]
-        return LockstepEngine(
-            federation,
-            module,
-            self.optimizers[0],
-            declared_loss(module),
-            self.engine_width,
-            loss_terms=loss_terms,
-        )
+        self._engine = None
+        if trainer.state.fn == "fit":
+            self._engine = build_engine(
+                self.engine,
+                trainer,
+                self.lightning_module,
+                federation,
+                self.optimizers,
+                self.lr_scheduler_configs,
+                self.algorithm,
+                self._callbacks,
+                self._loss_callbacks,
+                self.engine_width,
+            )
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -366,7 +331,15 @@ class FederatedStrategy(SingleDeviceStrategy):
             federation.bind_data(dataloader.client_sizes(), dataloader.batch_size)
             trainer = self.lightning_module.trainer
             if self._engine is not None:
-                self._bind_engine(dataloader, trainer)
+                self._engine = start_engine(
+                    self._engine,
+                    self.engine,
+                    dataloader,
+                    self.round_plan(trainer.current_epoch),
+                    self.root_device,
+                    self.engine_memory,
+                    smoke=bool(trainer.fast_dev_run),
+                )
             dataloader.bind(lambda: self._training_schedule(trainer.current_epoch))
             if self.round_plan(trainer.current_epoch).length == 0:
                 raise ValueError(
@@ -375,7 +348,11 @@ class FederatedStrategy(SingleDeviceStrategy):
             return dataloader
         if isinstance(dataloader, EvalLoader):
             self._eval_loader = dataloader
-            self._batched_evaluation = self._choose_batched_evaluation(dataloader)
+            self._batched_evaluation = None
+            if self.engine != "sequential" and self.headline_metrics and self.federation is not None:
+                self._batched_evaluation = batched_evaluation(
+                    self.lightning_module, self.federation, dataloader, self.root_device
+                )
             smoke = self.lightning_module.trainer.fast_dev_run  # one chunk is the pass: keep it a batch
             chunk = dataloader.batch_size if smoke else EVALUATION_CHUNK_SAMPLES
             dataloader.chunk(chunk if self._batched_evaluation is not None else None)
@@ -387,39 +364,6 @@ class FederatedStrategy(SingleDeviceStrategy):
             f"EvalLoader for evaluation), got {type(dataloader).__name__}. Build the data with "
             "lightning_fedrep.FederatedDataModule(train_set, test_set, partitioner=...) and pass it as datamodule=."
         )
-
-    def _bind_engine(self, loader: RoundLoader, trainer: L.Trainer) -> None:
-        """On the fit's first training loader: how the engine runs (feature cache, widths), in one line;
-        under ``engine="auto"`` the sequential path where the engine would not be faster."""
-        engine = self._engine
-        cache = engine.bind_loader(loader, self.root_device)
-        if cache is None:
-            return
-        if engine.loss_terms and engine.split is None:
-            reason = f"the callbacks' vectorized loss terms need the head's input, and there is {cache}"
-            if self.engine == "vectorized":
-                raise ValueError(
-                    f"engine='vectorized' cannot run here: {reason}. Declare forward_features/forward_head on the "
-                    "module, or pass engine='auto' or engine='sequential'."
-                )
-            rank_zero_info(f"lightning_fedrep: sequential engine ({reason}).")
-            self._engine = None
-            return
-        plan = self.round_plan(trainer.current_epoch)
-        widths = engine.prepare(
-            plan,
-            self.root_device,
-            measure=self.engine == "auto" and not trainer.fast_dev_run,
-            memory=self.engine_memory,
-            smoke=bool(trainer.fast_dev_run),
-        )
-        if self.engine == "auto" and not engine.gains(plan):
-            rank_zero_info(
-                f"lightning_fedrep: sequential engine (no cached features and no gain in lockstep: {widths})."
-            )
-            self._engine = None
-            return
-        rank_zero_info(f"lightning_fedrep: vectorized engine ({cache}; {widths}).")
 
     def _training_schedule(self, round_index: int) -> RoundPlan | LockstepPlan:
         plan = self.round_plan(round_index)
@@ -608,25 +552,6 @@ class FederatedStrategy(SingleDeviceStrategy):
         """Called for each test batch: run it on the batch's client's personalized model."""
         return self._evaluation_step(super().test_step, args, kwargs)
 
-    def _choose_batched_evaluation(self, loader: EvalLoader) -> BatchedEvaluation | None:
-        """Evaluate many clients per step where that is the whole evaluation (see
-        :mod:`lightning_fedrep.engine.evaluation`); never with ``engine="sequential"``."""
-        module, federation = self.lightning_module, self.federation
-        if (
-            self.engine == "sequential"
-            or not self.headline_metrics
-            or not declares_headline_only(module)
-            or federation is None
-            or not federation.has_state
-            or not federation.split.head
-        ):
-            return None
-        probe = loader.first_batch()
-        if not (isinstance(probe, list | tuple) and len(probe) == 2 and isinstance(probe[0], Tensor)):
-            return None
-        split = evaluation_split(module, federation.split.head, probe[0].to(self.root_device))
-        return BatchedEvaluation(split, federation.split.head) if split is not None else None
-
     def _evaluation_step(self, step: Callable, args: tuple, kwargs: dict) -> Any:
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
@@ -741,6 +666,11 @@ class FederatedStrategy(SingleDeviceStrategy):
             )
         if self._engine is not None:
             self._engine.load_state_dict(state["round"]["engine"])
+
+
+def _check_positive_or_none(name: str, value: Any, what: str, default: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be {what} >= 1 or None ({default}), got {value!r}.")
 
 
 FedRepStrategy = FederatedStrategy

@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.data.loaders import ClientChunk
+from lightning_fedrep.data.loaders import ClientChunk, EvalLoader
 from lightning_fedrep.engine.contract import FeatureSplit, find_feature_split
 from lightning_fedrep.evaluation import ClientMetrics, headline_sums_per_client
 from lightning_fedrep.federation import Federation
@@ -45,6 +45,20 @@ def evaluation_split(module: nn.Module, head_names: tuple[str, ...], probe: Tens
         return find_feature_split(module, head_names, probe)
     finally:
         module.train(training)
+
+
+def batched_evaluation(
+    module: nn.Module, federation: Federation, loader: EvalLoader, device: torch.device
+) -> BatchedEvaluation | None:
+    """The batched evaluation of ``module`` on ``loader``'s clients where it is the whole evaluation
+    (the declaration, ``(x, y)`` tensor batches, a verified feature split), else ``None``."""
+    if not declares_headline_only(module) or not federation.has_state or not federation.split.head:
+        return None
+    probe = loader.first_batch()
+    if not (isinstance(probe, list | tuple) and len(probe) == 2 and isinstance(probe[0], Tensor)):
+        return None
+    split = evaluation_split(module, federation.split.head, probe[0].to(device))
+    return BatchedEvaluation(split, federation.split.head) if split is not None else None
 
 
 class BatchedEvaluation:

@@ -1,0 +1,96 @@
+"""Which engine runs a fit: the strategy's ``engine=`` setting against what is exact and what is faster.
+
+:func:`build_engine` runs at ``setup`` (before any step): the reasons the vectorized engine would not
+compute what the sequential path computes send ``engine="auto"`` to the sequential path with one line,
+and make ``engine="vectorized"`` an error naming them. :func:`start_engine` runs when the first training
+loader is bound: it decides the feature cache and the widths, and under ``"auto"`` keeps the sequential
+path where the engine would gain nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_fedrep.algorithms import Algorithm
+from lightning_fedrep.engine.contract import declared_loss
+from lightning_fedrep.engine.runner import LockstepEngine
+from lightning_fedrep.engine.validity import federation_reasons, module_reasons, trainer_reasons
+from lightning_fedrep.federation import Federation
+from lightning_fedrep.plan import RoundPlan
+
+EngineMode = Literal["auto", "vectorized", "sequential"]
+
+
+def build_engine(
+    mode: EngineMode,
+    trainer: L.Trainer,
+    module: L.LightningModule,
+    federation: Federation,
+    optimizers: Sequence[torch.optim.Optimizer],
+    lr_scheduler_configs: Sequence[Any],
+    algorithm: Algorithm,
+    callbacks: Sequence[Any],
+    loss_callbacks: Sequence[Any],
+    width: int | None,
+) -> LockstepEngine | None:
+    """The vectorized engine for this fit, or ``None`` for the sequential path (``mode="auto"`` where it
+    would not be exact); raises for ``mode="vectorized"`` where it would not be exact."""
+    if mode == "sequential":
+        return None
+    reasons = (
+        module_reasons(module, federation.layout)
+        + trainer_reasons(trainer, optimizers, lr_scheduler_configs)
+        + federation_reasons(algorithm, callbacks)
+    )
+    if reasons:
+        if mode == "vectorized":
+            raise ValueError(
+                "engine='vectorized' would not compute what the sequential path computes: "
+                f"{'; '.join(reasons)}. Remove what is listed, or pass engine='auto' (falls back to the "
+                "sequential path) or engine='sequential'."
+            )
+        rank_zero_info(f"lightning_fedrep: sequential engine ({'; '.join(reasons)}).")
+        return None
+    loss_terms = [functools.partial(c.vectorized_loss_term, trainer, module) for c in loss_callbacks]
+    return LockstepEngine(
+        federation, module, optimizers[0], declared_loss(module), width, loss_terms=loss_terms
+    )
+
+
+def start_engine(
+    engine: LockstepEngine,
+    mode: EngineMode,
+    loader: Any,
+    plan: RoundPlan,
+    device: torch.device,
+    memory: int | None,
+    smoke: bool,
+) -> LockstepEngine | None:
+    """On the fit's first training loader: decide the feature cache and the widths and say so in one
+    line; ``None`` where ``mode="auto"`` keeps the sequential path. Later loaders change nothing."""
+    cache = engine.bind_loader(loader, device)
+    if cache is None:
+        return engine
+    if engine.loss_terms and engine.split is None:
+        reason = f"the callbacks' vectorized loss terms need the head's input, and there is {cache}"
+        if mode == "vectorized":
+            raise ValueError(
+                f"engine='vectorized' cannot run here: {reason}. Declare forward_features/forward_head on the "
+                "module, or pass engine='auto' or engine='sequential'."
+            )
+        rank_zero_info(f"lightning_fedrep: sequential engine ({reason}).")
+        return None
+    widths = engine.prepare(plan, device, measure=mode == "auto" and not smoke, memory=memory, smoke=smoke)
+    if mode == "auto" and not engine.gains(plan):
+        rank_zero_info(
+            f"lightning_fedrep: sequential engine (no cached features and no gain in lockstep: {widths})."
+        )
+        return None
+    rank_zero_info(f"lightning_fedrep: vectorized engine ({cache}; {widths}).")
+    return engine
