@@ -158,27 +158,25 @@ class RoundLoader:
     def __iter__(self) -> Iterator[Any]:
         plan = self._plan()
         start, self._resume_position = self._resume_position, 0
-        if not isinstance(plan, RoundPlan):  # a lockstep schedule of the vectorized engine
-            if self._round is not None and self._round != plan.round:
-                start = 0
-            self._round = plan.round
-            self._position = start
-            for batch in plan.batches(self, start):
-                self._position += 1
-                yield batch
-            return
         if self._round is not None and self._round != plan.round:
             start = 0
         self._round = plan.round
         self._position = start
+        batches = (
+            plan.batches(self, start) if not isinstance(plan, RoundPlan) else self._plan_batches(plan, start)
+        )
+        for batch in batches:  # a round plan, or the vectorized engine's lockstep schedule
+            self._position += 1
+            yield batch
+
+    def _plan_batches(self, plan: RoundPlan, start: int) -> Iterator[Any]:
+        """A round's batches from its ``start``-th step: client after client."""
         if start >= plan.length:
             return
         first = plan.locate(start)
         for work in plan.work[first.work_index :]:
             offset = first.client_step if work is plan.work[first.work_index] else 0
-            for batch in self.client_batches(work.client, plan.round, offset, work.steps - offset):
-                self._position += 1
-                yield batch
+            yield from self.client_batches(work.client, plan.round, offset, work.steps - offset)
 
     def client_batches(self, client: int, round_index: int, first_step: int, num_steps: int) -> Iterator[Any]:
         """The batches of a client's steps ``first_step ..`` in a round (subclasses may draw other data)."""
