@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -249,3 +250,47 @@ def plan_round(
             work.append(ClientWork(cid, steps))
     spec = RoundSpec(clients, tuple(phases), aggregate, prefix)
     return RoundPlan(round_index, spec, tuple(work), tuple(client_sizes), batch_size)
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """The part of a round one process trains when the round is sharded over ranks."""
+
+    rank: int
+    clients: tuple[int, ...]
+    """Its clients, in the round plan's order."""
+    steps: int
+    """Their local steps in the round (one client after another)."""
+
+
+def shard_round(plan: RoundPlan, world_size: int) -> tuple[RankShare, ...]:
+    """Deal a round's clients to ``world_size`` ranks, balanced by steps, not by count.
+
+    Longest first: clients by decreasing step count (ties by id) each go to the rank with the fewest
+    steps so far (ties to the lowest rank). A pure function of the plan, so every rank computes the
+    same shares without a collective. Every rank must still run the same number of Lightning steps:
+    a rank with fewer steps than the longest pads with idle steps.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a number of processes >= 1, got {world_size!r}.")
+    loads = [0] * world_size
+    owner: dict[int, int] = {}
+    for work in sorted(plan.work, key=lambda w: (-w.steps, w.client)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owner[work.client] = rank
+        loads[rank] += work.steps
+    return tuple(
+        RankShare(rank, tuple(w.client for w in plan.work if owner[w.client] == rank), loads[rank])
+        for rank in range(world_size)
+    )
+
+
+def plan_fingerprint(plan: RoundPlan) -> int:
+    """A number that differs between plans that differ in round, clients, phases or step counts
+    (ranks compare theirs before training a round: a disagreement is an error, never a hang)."""
+    value = plan.round + 1
+    for work in plan.work:
+        parts = (zlib.crc32(part.encode()) for part, _ in work.phases)  # stable across processes
+        for key in (work.client, *(steps for _, steps in work.phases), *parts):
+            value = (value * 1_000_003 + key + 1) % (2**61 - 1)
+    return (value * 1_000_003 + int(plan.aggregate)) % (2**61 - 1)

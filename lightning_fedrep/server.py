@@ -44,6 +44,21 @@ class WeightedAverage:
             out.append(value.to(ref.dtype))
         return out
 
+    def flat(self) -> Tensor:
+        """The sums and the weight in one float64 vector: what one ``all_reduce(SUM)`` adds up when a
+        round's clients are sharded over processes."""
+        parts = [s.reshape(-1) for s in self.sums]
+        weight = torch.tensor([self.weight], dtype=torch.float64, device=parts[0].device if parts else None)
+        return torch.cat([*parts, weight])
+
+    def load_flat(self, flat: Tensor) -> None:
+        """Take the sums and the weight from :meth:`flat`'s layout (e.g. after the reduction)."""
+        offset = 0
+        for total in self.sums:
+            total.copy_(flat[offset : offset + total.numel()].view_as(total))
+            offset += total.numel()
+        self.weight = float(flat[offset])
+
     def state_dict(self) -> dict[str, Any]:
         return {"sums": self.sums, "weight": self.weight}
 
