@@ -123,7 +123,8 @@ class LockstepEngine:
         head = self.federation.split.head
         why = data_is_deterministic(loader) if head else "no head marked"
         if why is None:
-            x, _ = next(iter(loader.client_batches(0, 0, 0, 1)))
+            client = next(c for c in range(len(loader.clients)) if loader.client_size(c))
+            x, _ = next(iter(loader.client_batches(client, 0, 0, 1)))
             self.split = find_feature_split(self.module, head, x.to(device))
             if self.split is None:
                 why = "the module's output is not head(features(x)): declare forward_features/forward_head"
