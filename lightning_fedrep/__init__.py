@@ -26,7 +26,7 @@ from lightning_fedrep.data.partition import (
 )
 from lightning_fedrep.export import personalized_state_dict
 from lightning_fedrep.federation import ClientResult, Federation, RoundResult
-from lightning_fedrep.hooks import FederatedCallback, LiveStep, LockstepStep
+from lightning_fedrep.hooks import FederatedCallback, LiveStep, VectorizedLossTerm
 from lightning_fedrep.participation import (
     DynamicExponential,
     FixedExponential,
@@ -59,7 +59,6 @@ __all__ = [
     "IIDPartitioner",
     "LatencyModel",
     "LiveStep",
-    "LockstepStep",
     "NaturalPartitioner",
     "NeuralCollapse",
     "ParameterSplit",
@@ -73,6 +72,7 @@ __all__ = [
     "SplitError",
     "StepLocation",
     "TwoClassExponential",
+    "VectorizedLossTerm",
     "personalized_state_dict",
     "register_algorithm",
     "resolve_split",

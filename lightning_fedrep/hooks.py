@@ -14,9 +14,11 @@ hook                                                  when
                                                       user's ``training_step``; a tensor is added to the
                                                       loss, ``None`` adds nothing (automatic
                                                       optimization only)
-``vectorized_loss_term(trainer, pl_module, step)``    the same for the clients of a vectorized-engine
-                                                      step at once (one term per client); without it a
-                                                      callback's ``loss_term`` keeps runs sequential
+``vectorized_loss_term(trainer, pl_module)``          once, when the vectorized engine is built (at
+                                                      ``setup``): ``loss_term``'s pure form, a
+                                                      :class:`VectorizedLossTerm` the engine applies
+                                                      per client inside its ``vmap``; ``None`` (the
+                                                      default) keeps a run with ``loss_term`` sequential
 ``on_round_start(trainer, pl_module, plan)``          before the round's first step
 ``on_client_start(trainer, pl_module, client)``       after a client was loaded, before its first step
 ``on_client_end(trainer, pl_module, result)``         after a client's last step of the round and its
@@ -34,7 +36,7 @@ From any hook, :meth:`FederatedCallback.federation` gives the run's :class:`Fede
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -52,8 +54,8 @@ __all__ = [
     "FederatedCallback",
     "FederatedStrategyAPI",
     "LiveStep",
-    "LockstepStep",
     "RoundResult",
+    "VectorizedLossTerm",
 ]
 
 
@@ -94,21 +96,47 @@ class LiveStep:
 
 
 @dataclass(frozen=True)
-class LockstepStep:
-    """A step of the vectorized engine a vectorized loss term is asked for: ``K`` clients at once.
+class VectorizedLossTerm:
+    """A callback's loss term as a pure function of one client's tensors, applied by the vectorized engine.
 
-    ``tensors`` holds each of the module's per-client tensors stacked over the clients (``[K, ...]``,
-    client ``k`` at ``[k]``; the phase's trainable ones carry gradients); ``features`` is the head's
-    input of every client's batch (``[K, B, ...]``, padding rows included) and ``mask`` marks the real
-    rows (``[K, B]``, 1 or 0).
+    The engine calls it inside its ``torch.func.vmap`` over a lockstep step's clients, once per client
+    and step, right after the client's loss on its batch::
+
+        fn(tensors, features, mask, client, phase) -> Tensor | None
+
+    * ``tensors``: the client's module tensors by full name (``dict[str, Tensor]``): its own trainable
+      ones (those the phase trains carry gradients) and the fixed ones (buffers, frozen parameters);
+    * ``features``: the head's input for the client's batch (``[batch, ...]``, padding rows included),
+      or ``None`` when ``needs_features`` is ``False``;
+    * ``mask``: ``[batch]``, ``1`` for real rows and ``0`` for padding; padding rows must not contribute;
+    * ``client``: the client id as a 0-dim integer tensor (batched under ``vmap``): index per-client
+      tables with it (``table[client]`` or ``torch.index_select(table, 0, client.reshape(1))``), never
+      turn it into a Python number;
+    * ``phase``: the segment's phase (``"head"``, ``"body"``, ``"all"``), a Python string, the same for
+      every client of the call (Python branches on it are fine).
+
+    It returns a scalar added to the client's loss (exactly what :meth:`FederatedCallback.loss_term`
+    adds on the sequential path), or ``None`` to add nothing. Under ``vmap`` it must avoid Python
+    control flow on tensor values (``if t > 0``, ``.item()``, ``.tolist()``) and in-place updates of
+    its inputs. Clients that do not step are masked out by the engine.
+
+    ``needs_features=True`` makes the engine compute each client's output as
+    ``head(features(x))`` with the module's feature split (so the features exist); a run whose module
+    has no feature split (``forward_features``/``forward_head``, or a head module called last) then
+    stays sequential (``engine="auto"``) or is refused (``engine="vectorized"``). With
+    ``needs_features=False`` the module's ``forward`` runs as usual. ``features_of`` names the
+    submodule whose *input* the term means by ``features``: the engine checks on a probe batch that
+    the split's features are exactly that input, and otherwise treats the run as above.
     """
 
-    round: int
-    clients: tuple[int, ...]
-    phase: Part
-    tensors: Mapping[str, Tensor]
-    features: Tensor
-    mask: Tensor
+    fn: Callable[[dict[str, Tensor], Tensor | None, Tensor, Tensor, str], Tensor | None]
+    needs_features: bool = True
+    features_of: str | None = None
+
+    def __call__(
+        self, tensors: dict[str, Tensor], features: Tensor | None, mask: Tensor, client: Tensor, phase: str
+    ) -> Tensor | None:
+        return self.fn(tensors, features, mask, client, phase)
 
 
 class FederatedCallback(Callback):
@@ -136,16 +164,17 @@ class FederatedCallback(Callback):
         return None
 
     def vectorized_loss_term(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, step: LockstepStep
-    ) -> Tensor | None:
-        """On the vectorized engine, :meth:`loss_term` of ``step.clients`` at once: a ``[K]`` tensor, one
-        term per client (the engine masks clients that do not step), or ``None``. Override it with
-        :meth:`loss_term` so that runs with the loss term can use the engine."""
-        raise NotImplementedError
+        self, trainer: L.Trainer, pl_module: L.LightningModule
+    ) -> VectorizedLossTerm | None:
+        """Optional: :meth:`loss_term` as a pure per-client function for the vectorized engine, or ``None``.
 
-    def has_vectorized_loss_term(self) -> bool:
-        """Whether :meth:`vectorized_loss_term` computes this callback's :meth:`loss_term` (checked at setup)."""
-        return type(self).vectorized_loss_term is not FederatedCallback.vectorized_loss_term
+        Called once when the engine is built (at ``setup``, before ``on_fit_start``: read state that is
+        set later, e.g. per-client tables, when the term runs). The engine applies the returned
+        :class:`VectorizedLossTerm` inside its ``vmap``, once per client per lockstep step; it must add
+        exactly what :meth:`loss_term` adds. ``None`` (the default) sends a run whose callbacks add a
+        :meth:`loss_term` to the sequential path (``engine="auto"``), or refuses it
+        (``engine="vectorized"``). A plain callable is taken as ``VectorizedLossTerm(fn)``."""
+        return None
 
     def on_round_start(self, trainer: L.Trainer, pl_module: L.LightningModule, plan: RoundPlan) -> None:
         """Before the round's first step."""

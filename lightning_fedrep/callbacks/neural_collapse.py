@@ -41,7 +41,7 @@ from lightning_fedrep.collapse import (
 )
 from lightning_fedrep.data.module import dataset_labels
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.hooks import FederatedCallback, LiveStep, LockstepStep
+from lightning_fedrep.hooks import FederatedCallback, LiveStep, VectorizedLossTerm
 from lightning_fedrep.plan import round_generator
 
 __all__ = ["NeuralCollapse"]
@@ -279,33 +279,45 @@ class NeuralCollapse(FederatedCallback):
             extra = term if extra is None else extra + term
         return extra
 
-    def has_vectorized_loss_term(self) -> bool:
-        """The vectorized form applies when ``φ`` is the classifier's input (the head's features)."""
-        return self.features_module is None or self.nu == 0
+    def vectorized_loss_term(self, trainer: L.Trainer, pl_module: L.LightningModule) -> VectorizedLossTerm:
+        """:meth:`loss_term` for the vectorized engine: the same terms, per client inside its ``vmap``.
 
-    def vectorized_loss_term(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, step: LockstepStep
-    ) -> Tensor | None:
-        """:meth:`loss_term` of every client of a vectorized-engine step: ``[K]`` terms."""
-        if self.masks is None:
-            return None
-        extra: Tensor | None = None
-        if self.lam or self.mu:
-            weight = step.tensors.get(self.weight_name)
-            if weight is None:  # shared and not per client: the global classifier, the same for all
-                weight = pl_module.get_parameter(self.weight_name).expand(len(step.clients), -1, -1)
-            if self.lam:
-                clients = torch.tensor(step.clients, device=weight.device)
-                masks = self._masks_on(weight.device)[clients].to(weight.dtype)
-                extra = self.lam * nc_regularizer(weight, masks)
-            if self.mu:
-                term = self.mu * weight.square().sum(dim=(1, 2))
-                extra = term if extra is None else extra + term
-        if self.nu and step.phase in ("body", "all"):
-            per_sample = step.features.square().flatten(2).sum(-1)
-            term = self.nu * (per_sample * step.mask.to(per_sample.dtype)).sum(-1)
-            extra = term if extra is None else extra + term
-        return extra
+        ``W_i`` is the client's classifier weight in its tensors, ``e_i`` the row ``client`` of the
+        ``(N, K)`` class-mask table, and ``φ(X)`` the features the engine hands over, summed over the
+        batch's real rows only (padding masked). The features are asked for only when ``nu > 0``, and are
+        declared to be the features module's input: the engine runs sequentially (``engine="auto"``)
+        where its feature split's features are not exactly that input.
+        """
+        name = self._classifier_name(pl_module, self.federation(trainer))
+        weight_name = f"{name}.weight" if name else "weight"
+        callback = self  # a closure over the callback: its masks are read from the data at fit start
+
+        def term(
+            tensors: dict[str, Tensor], features: Tensor | None, mask: Tensor, client: Tensor, phase: str
+        ) -> Tensor | None:
+            callback._captured = None  # the forward pre-hook's capture inside the vmap is not used here
+            if callback.masks is None:
+                return None
+            extra: Tensor | None = None
+            if callback.lam or callback.mu:
+                weight = tensors[weight_name]
+                if callback.lam:
+                    table = callback._masks_on(weight.device)
+                    client_mask = torch.index_select(table, 0, client.reshape(1)).squeeze(0).to(weight.dtype)
+                    extra = callback.lam * nc_regularizer(weight, client_mask)
+                if callback.mu:
+                    value = callback.mu * weight.square().sum()
+                    extra = value if extra is None else extra + value
+            if callback.nu and phase in ("body", "all"):
+                if features is None:
+                    raise RuntimeError("NeuralCollapse(nu>0) got no features from the vectorized engine.")
+                rows = mask.to(features.dtype).reshape(-1, *([1] * (features.dim() - 1)))
+                value = callback.nu * (features.square() * rows).sum()
+                extra = value if extra is None else extra + value
+            return extra
+
+        features_of = self.features_module if self.features_module is not None else name
+        return VectorizedLossTerm(term, needs_features=self.nu > 0, features_of=features_of)
 
     # ------------------------------------------------------------------ server step
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -23,7 +23,7 @@ from lightning_fedrep.engine.contract import FeatureSplit, LossFn, find_feature_
 from lightning_fedrep.engine.group import ClientGroup
 from lightning_fedrep.engine.schedule import LockstepPlan, Segment, lockstep_plan
 from lightning_fedrep.federation import ClientResult, Federation
-from lightning_fedrep.hooks import LockstepStep
+from lightning_fedrep.hooks import VectorizedLossTerm
 from lightning_fedrep.plan import RoundPlan
 
 SMOKE_GROUP = 4
@@ -62,6 +62,7 @@ class LockstepEngine:
         loss: the module's declared per-sample loss.
         width: at most this many clients train together (memory); ``None``: a round's clients.
         split: how to run the head on cached features (``None``: no caching).
+        loss_terms: the callbacks' vectorized loss terms, applied per client inside the ``vmap``.
     """
 
     def __init__(
@@ -72,16 +73,22 @@ class LockstepEngine:
         loss: LossFn,
         width: int | None = None,
         split: FeatureSplit | None = None,
-        loss_terms: Sequence[Callable[[LockstepStep], Tensor | None]] = (),
+        loss_terms: Sequence[VectorizedLossTerm] = (),
     ):
         self.federation = federation
         self.module = module
         self.user_optimizer = optimizer
         self.loss_fn = loss
         self.loss_terms = list(loss_terms)
-        """Callbacks' vectorized loss terms (they need the head's input: a feature split)."""
+        """Callbacks' vectorized loss terms (those with ``needs_features`` need a feature split)."""
+        self.needs_features = any(term.needs_features for term in self.loss_terms)
+        """Whether uncached steps run the module as ``head(features(x))`` (for the loss terms)."""
+        self.loss_terms_problem: str | None = None
+        """Why the loss terms cannot run on this engine (decided in :meth:`bind_loader`), or ``None``."""
         self.width = width
         self.split = split
+        self.caching = split is not None
+        """Whether head phases run on cached features (decided in :meth:`bind_loader`)."""
         names = {id(p): n for n, p in module.named_parameters()}
         self.trainable = [
             n
@@ -113,8 +120,9 @@ class LockstepEngine:
 
     # ------------------------------------------------------------------ schedule
     def bind_loader(self, loader: Any, device: torch.device) -> str | None:
-        """The round's training loader (cached features are read from it). The first time, decide
-        whether head phases run on cached features and return a line saying so (then ``None``)."""
+        """The round's training loader (cached features are read from it). The first time, find the
+        feature split, decide whether head phases run on cached features (and whether the loss terms
+        can run: :attr:`loss_terms_problem`), and return a line saying so (then ``None``)."""
         self._loader = loader
         self._schedules = {}
         if self._cache_decided:
@@ -122,15 +130,47 @@ class LockstepEngine:
         self._cache_decided = True
         head = self.federation.split.head
         why = data_is_deterministic(loader) if head else "no head marked"
-        if why is None:
+        if head and (why is None or self.needs_features):
             client = next(c for c in range(len(loader.clients)) if loader.client_size(c))
             x, _ = next(iter(loader.client_batches(client, 0, 0, 1)))
             self.split = find_feature_split(self.module, head, x.to(device))
             if self.split is None:
                 why = "the module's output is not head(features(x)): declare forward_features/forward_head"
+            elif self.needs_features:
+                self.loss_terms_problem = self._features_of_problem(x.to(device))
+        if self.needs_features and self.split is None:
+            self.loss_terms_problem = f"the callbacks' vectorized loss terms need the head's input ({why})"
+        self.caching = self.split is not None and why is None
         return (
-            f"head phases on cached features ({self.split.how})" if self.split else f"no feature cache: {why}"
+            f"head phases on cached features ({self.split.how})"
+            if self.caching
+            else f"no feature cache: {why}"
         )
+
+    def _features_of_problem(self, probe: Tensor) -> str | None:
+        """Whether every loss term's ``features_of`` submodule gets exactly the split's features as its
+        input on ``probe`` (the term's features are then what the engine hands it)."""
+        tensors = {**dict(self.module.named_buffers()), **dict(self.module.named_parameters())}
+        with torch.no_grad():
+            features = self.split.features(tensors, probe)
+        names = dict.fromkeys(t.features_of for t in self.loss_terms if t.needs_features and t.features_of)
+        for name in names:
+            seen: list[Any] = []
+            hook = self.module.get_submodule(name).register_forward_pre_hook(
+                lambda _m, args, seen=seen: seen.append(args[0] if args else None)
+            )
+            try:
+                with torch.no_grad():
+                    self.module(probe)
+            finally:
+                hook.remove()
+            got = seen[0] if len(seen) == 1 else None  # called once, on exactly the split's features
+            if not (isinstance(got, Tensor) and got.shape == features.shape and torch.equal(got, features)):
+                return (
+                    f"a vectorized loss term takes the input of {name!r} as its features, which is not the "
+                    f"head's input ({self.split.how})"
+                )
+        return None
 
     def prepare(
         self,
@@ -165,7 +205,7 @@ class LockstepEngine:
     def gains(self, plan: RoundPlan) -> bool:
         """Whether the engine does anything the sequential path does not in rounds like ``plan``: a
         head phase on cached features, or phases in lockstep."""
-        cached = self.split is not None and any(phase.train == "head" for phase in plan.phases)
+        cached = self.caching and any(phase.train == "head" for phase in plan.phases)
         return cached or self.lane_width != 1
 
     def settings(self) -> dict[str, int]:
@@ -189,7 +229,7 @@ class LockstepEngine:
         loss_fn = self.loss_fn
         activations = sizing.activation_bytes(lambda: loss_fn(module(x), y).sum())
         features = 0
-        if self.split is not None:
+        if self.caching:
             with torch.no_grad():
                 per_sample = self.split.features(sizing.module_tensors(module), x[:1])
             largest = max(plan.client_sizes[w.client] for w in plan.work)
@@ -206,11 +246,11 @@ class LockstepEngine:
         """Decide ``lane_width`` (1 or the group's) by timing the first uncached phase on the first
         :data:`MEASURED_CLIENTS` clients: one lockstep step of them against their steps one by one."""
         width = min(self.group_width, len(plan.work), MEASURED_CLIENTS)
-        wide_plan = lockstep_plan(plan, width, cache_head=self.split is not None)
+        wide_plan = lockstep_plan(plan, width, cache_head=self.caching)
         wide = next((s for s in wide_plan.segments if s.group == 0 and not s.cached), None)
         if wide is None or len(wide.clients) < 2:
             return
-        narrow_plan = lockstep_plan(plan, width, cache_head=self.split is not None, uncached_width=1)
+        narrow_plan = lockstep_plan(plan, width, cache_head=self.caching, uncached_width=1)
         narrow = [s for s in narrow_plan.segments if s.group == 0 and s.phase_index == wide.phase_index]
 
         def first_batch(schedule: LockstepPlan, segment: Segment) -> dict[str, Tensor]:
@@ -251,7 +291,7 @@ class LockstepEngine:
         schedule = self._schedules.get(plan.round)
         if schedule is None or schedule.plan is not plan:
             width = min(self.group_width or len(plan.work), max(1, len(plan.work)))
-            schedule = lockstep_plan(plan, width, self.split is not None, self.lane_width)
+            schedule = lockstep_plan(plan, width, self.caching, self.lane_width)
             self._schedules = {r: s for r, s in self._schedules.items() if r >= plan.round - 1}
             self._schedules[plan.round] = schedule
         return schedule
@@ -272,54 +312,50 @@ class LockstepEngine:
 
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
         """The sum over the segment's clients of each one's mean loss on its batch (padding masked out)
-        plus the vectorized loss terms of the callbacks (clients that do not step count zero)."""
+        plus the callbacks' vectorized loss terms, each applied per client inside the same ``vmap``
+        (clients that do not step count zero)."""
         mask = batch["mask"]
         trained, frozen = self._lane_tensors
         fixed = self._fixed
         loss_fn, split = self.loss_fn, self.split
+        terms, phase = self.loss_terms, self.segment.part
 
         if self.segment.cached:
             k = torch.arange(mask.shape[0], device=mask.device)[:, None]
             positions = batch["positions"]
             inputs, targets = self._features[k, positions], self._labels[k, positions]
 
-            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
+            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor | None]:
                 return split.head(tensors, x), x
 
-        elif self.loss_terms:
+        elif self.needs_features:
             inputs, targets = batch["x"], batch["y"]
 
-            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
+            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor | None]:
                 features = split.features(tensors, x)
                 return split.head(tensors, features), features
 
         else:
             inputs, targets = batch["x"], batch["y"]
 
-            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
-                return torch.func.functional_call(self.module, tensors, (x,)), x[:0]
+            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor | None]:
+                return torch.func.functional_call(self.module, tensors, (x,)), None
 
         def client_loss(
-            own: dict[str, Tensor], rest: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor
-        ) -> tuple[Tensor, Tensor]:
-            output, features = run({**fixed, **rest, **own}, x)
+            own: dict[str, Tensor], rest: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor, client: Tensor
+        ) -> Tensor:
+            tensors = {**fixed, **rest, **own}
+            output, features = run(tensors, x)
             per_sample = loss_fn(output, y)
-            return (per_sample * m).sum() / m.sum().clamp_min(1.0), features
-
-        losses, features = torch.func.vmap(client_loss)(trained, frozen, inputs, targets, mask)
-        if self.loss_terms:
-            step = LockstepStep(
-                self.federation.round_index,
-                self.segment.clients,
-                self.segment.part,
-                {**frozen, **trained},
-                features,
-                mask,
-            )
-            for term in self.loss_terms:
-                extra = term(step)
+            loss = (per_sample * m).sum() / m.sum().clamp_min(1.0)
+            for term in terms:
+                extra = term(tensors, features if term.needs_features else None, m, client, phase)
                 if extra is not None:
-                    losses = losses + extra
+                    loss = loss + extra
+            return loss
+
+        clients = torch.tensor(self.segment.clients, device=mask.device)
+        losses = torch.func.vmap(client_loss)(trained, frozen, inputs, targets, mask, clients)
         active = torch.tensor(self._active, dtype=losses.dtype, device=losses.device)
         losses = losses * active
         self.last_losses = losses.detach()

@@ -9,7 +9,6 @@ path where the engine would gain nothing.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -22,6 +21,7 @@ from lightning_fedrep.engine.contract import declared_loss
 from lightning_fedrep.engine.runner import LockstepEngine
 from lightning_fedrep.engine.validity import federation_reasons, module_reasons, trainer_reasons
 from lightning_fedrep.federation import Federation
+from lightning_fedrep.hooks import VectorizedLossTerm
 from lightning_fedrep.plan import RoundPlan
 
 EngineMode = Literal["auto", "vectorized", "sequential"]
@@ -43,10 +43,11 @@ def build_engine(
     would not be exact); raises for ``mode="vectorized"`` where it would not be exact."""
     if mode == "sequential":
         return None
+    terms = {id(c): _loss_term(c, c.vectorized_loss_term(trainer, module)) for c in loss_callbacks}
     reasons = (
         module_reasons(module, federation.layout)
         + trainer_reasons(trainer, optimizers, lr_scheduler_configs)
-        + federation_reasons(algorithm, callbacks)
+        + federation_reasons(algorithm, callbacks, {i for i, term in terms.items() if term is not None})
     )
     if reasons:
         if mode == "vectorized":
@@ -57,10 +58,23 @@ def build_engine(
             )
         rank_zero_info(f"lightning_fedrep: sequential engine ({'; '.join(reasons)}).")
         return None
-    loss_terms = [functools.partial(c.vectorized_loss_term, trainer, module) for c in loss_callbacks]
+    loss_terms = list(terms.values())
     return LockstepEngine(
         federation, module, optimizers[0], declared_loss(module), width, loss_terms=loss_terms
     )
+
+
+def _loss_term(callback: Any, term: Any) -> VectorizedLossTerm | None:
+    """A callback's ``vectorized_loss_term`` answer as a :class:`VectorizedLossTerm` (a plain callable
+    gets the defaults), or ``None``."""
+    if term is None or isinstance(term, VectorizedLossTerm):
+        return term
+    if not callable(term):
+        raise TypeError(
+            f"{type(callback).__name__}.vectorized_loss_term must return a VectorizedLossTerm, a callable or "
+            f"None, got {term!r}."
+        )
+    return VectorizedLossTerm(term)
 
 
 def start_engine(
@@ -77,12 +91,13 @@ def start_engine(
     cache = engine.bind_loader(loader, device)
     if cache is None:
         return engine
-    if engine.loss_terms and engine.split is None:
-        reason = f"the callbacks' vectorized loss terms need the head's input, and there is {cache}"
+    if engine.loss_terms_problem is not None:
+        reason = engine.loss_terms_problem
         if mode == "vectorized":
             raise ValueError(
                 f"engine='vectorized' cannot run here: {reason}. Declare forward_features/forward_head on the "
-                "module, or pass engine='auto' or engine='sequential'."
+                "module (its features being what the loss terms take), or pass engine='auto' or "
+                "engine='sequential'."
             )
         rank_zero_info(f"lightning_fedrep: sequential engine ({reason}).")
         return None

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import lightning as L
 import torch
@@ -97,18 +97,18 @@ def trainer_reasons(
     return reasons
 
 
-def federation_reasons(algorithm: Algorithm, callbacks: Sequence[object]) -> list[str]:
-    """What the algorithm or the federated callbacks add that the engine cannot vectorize."""
+def federation_reasons(
+    algorithm: Algorithm, callbacks: Sequence[object], vectorized: Collection[int] = ()
+) -> list[str]:
+    """What the algorithm or the federated callbacks add that the engine cannot vectorize; ``vectorized``
+    holds the ``id`` of each callback whose ``vectorized_loss_term`` gave its loss term's pure form."""
     from lightning_fedrep.hooks import FederatedCallback
 
     reasons = []
     if type(algorithm).loss_term is not Algorithm.loss_term:
         reasons.append(f"the algorithm {algorithm.name!r} adds a loss term")
     for callback in callbacks:
-        if (
-            type(callback).loss_term is not FederatedCallback.loss_term
-            and not callback.has_vectorized_loss_term()
-        ):
+        if type(callback).loss_term is not FederatedCallback.loss_term and id(callback) not in vectorized:
             reasons.append(f"{type(callback).__name__} adds a loss term without a vectorized form")
         if getattr(callback, "needs_client_timing", False):
             reasons.append(f"{type(callback).__name__} measures each client's step time")
