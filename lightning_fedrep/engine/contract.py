@@ -117,10 +117,12 @@ def _detect_last_head_module(
     module: nn.Module, head_names: tuple[str, ...], probe: Tensor, expected: Tensor
 ) -> FeatureSplit | None:
     """The head is one submodule, holding every head parameter, called once, whose output the model returns."""
-    owners = {n.rpartition(".")[0] for n in head_names}
-    if len(owners) != 1 or "" in owners:
+    # the deepest module holding every head parameter (a multi-layer head: ``classifier.0``, ``classifier.2``)
+    paths = [n.split(".")[:-1] for n in head_names]
+    common = next((i for i in range(min(map(len, paths))) if len({p[i] for p in paths}) > 1), None)
+    owner = ".".join(paths[0][: min(map(len, paths)) if common is None else common])
+    if not owner:
         return None
-    (owner,) = owners
     head = module.get_submodule(owner)
     if {f"{owner}.{n}" for n, _ in head.named_parameters()} != set(head_names):
         return None

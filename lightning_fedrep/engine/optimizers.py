@@ -11,6 +11,7 @@ move between the engines.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,7 +64,9 @@ class ViewOptimizers:
         for group in groups:
             if group.get("foreach", False) is None:
                 group["foreach"] = True
-        self.optimizer = type(user_optimizer)(groups, **defaults)
+        # only what the constructor takes: AdamW's defaults hold Adam's `decoupled_weight_decay`, which
+        # AdamW.__init__ refuses (the param groups still carry it)
+        self.optimizer = type(user_optimizer)(groups, **_constructor_kwargs(type(user_optimizer), defaults))
 
     def sync(self, user_optimizer: torch.optim.Optimizer) -> None:
         """Take the user optimizer's current hyper-parameters (an LR scheduler changes them per round)."""
@@ -203,6 +206,14 @@ class StackedSGD:
 
     def clear(self) -> None:
         self.buffers, self.has_buffer = {}, {}
+
+
+def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``defaults`` that ``cls.__init__`` accepts (all of them if it takes ``**kwargs``)."""
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return defaults
+    return {k: v for k, v in defaults.items() if k in parameters}
 
 
 def _copy(value: Any) -> Any:

@@ -366,6 +366,9 @@ class LockstepEngine:
         group = self.group
         group.sync_hyperparameters(self.user_optimizer)
         group.step(self._active)
+        # the user's optimizer.step() never runs here: mark it as stepped (what torch's LR scheduler wrapper
+        # of .step() does), else every epoch scheduler warns that it stepped before the optimizer
+        self.user_optimizer._opt_called = True
         if self._step == self.segment.length - 1 and self.segment.last_of_group:
             return self.finish_group()
         return []

@@ -1,0 +1,525 @@
+"""The vectorized engine against the sequential path, run on the same data and seeds.
+
+Every equivalence test fits the same module twice — ``engine="sequential"`` (the user's
+``training_step``, one client step per Lightning step) and ``engine="vectorized"`` (a round's clients in
+lockstep) — and compares the global tensors and every client's tensors. The engine is asserted to have
+run (else the comparison would be vacuous). Then: a bit-exact mid-round resume on the engine, the
+fallbacks and refusals, chunked groups, and Lightning's ``max_steps`` / validation / ``EarlyStopping`` /
+``global_step`` on the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from lightning_fedrep import CHECKPOINT_KEY, FederatedDataModule, FederatedStrategy, Phase
+from lightning_fedrep.engine import module_reasons, trainer_reasons
+from tests.fixtures import quiet_trainer
+
+EQUAL = (24,) * 6
+UNEQUAL = (7, 41, 13, 22, 30, 9)  # 1 to 6 batches of 8 per epoch, a partial last batch for most
+ATOL, RTOL = 1e-5, 1e-4
+
+
+class Net(L.LightningModule):
+    """A body and a ``classifier`` head, declaring its loss; the engine detects the feature split
+    (the head module is called last)."""
+
+    fedrep_loss = "cross_entropy"
+
+    def __init__(self, optimizer: str = "sgd", scheduler: bool = False, deep_head: bool = False):
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.scheduler = scheduler
+        self.body = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 8), nn.ReLU())
+        self.classifier = (
+            nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)) if deep_head else nn.Linear(8, 4)
+        )
+
+    def forward(self, x):
+        return self.classifier(self.body(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_ce", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        name = self.optimizer_name
+        if name == "sgd":  # momentum and weight decay: StackedSGD on the engine
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+        elif name == "sgd_groups":  # a group per part, each with its own hyper-parameters
+            optimizer = torch.optim.SGD(
+                [
+                    {"params": self.body.parameters(), "lr": 0.02},
+                    {"params": self.classifier.parameters(), "weight_decay": 0.0, "nesterov": True},
+                ],
+                lr=0.1,
+                momentum=0.5,
+                weight_decay=1e-2,
+            )
+        elif name == "adam":  # per-client views on the engine
+            optimizer = torch.optim.Adam(self.parameters(), lr=0.01, weight_decay=1e-3)
+        elif name == "adamw":
+            optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, amsgrad=True)
+        else:
+            raise ValueError(name)
+        if not self.scheduler:
+            return optimizer
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+
+class DeclaredNet(Net):
+    """Declares its feature split."""
+
+    def forward_features(self, x):
+        return self.body(x)
+
+    def forward_head(self, features):
+        return self.classifier(features)
+
+
+def datamodule(sizes=UNEQUAL, seed=3) -> FederatedDataModule:
+    g = torch.Generator().manual_seed(seed)
+    clients = []
+    for n in sizes:
+        x = torch.randn(n, 6, generator=g)
+        clients.append(TensorDataset(x, (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long()))
+    return FederatedDataModule.from_client_datasets(clients, clients, batch_size=8, seed=seed)
+
+
+def make_strategy(engine, **kwargs) -> FederatedStrategy:
+    options = dict(
+        head="classifier", clients_per_round=4, head_epochs=2, body_epochs=1, local_epochs=2, seed=5
+    )
+    return FederatedStrategy(engine=engine, **{**options, **kwargs})
+
+
+def fit(engine, model=Net, sizes=UNEQUAL, rounds=3, trainer=None, ckpt_path=None, **strategy_kwargs):
+    torch.manual_seed(0)
+    module = model()
+    strategy = make_strategy(engine, **strategy_kwargs)
+    lightning_trainer = quiet_trainer(
+        strategy=strategy, max_epochs=rounds, **{"limit_val_batches": 0, **(trainer or {})}
+    )
+    lightning_trainer.fit(module, datamodule=datamodule(sizes), ckpt_path=ckpt_path)
+    return strategy, lightning_trainer
+
+
+def initial_tensors(model=Net) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {n: p.detach().clone() for n, p in model().named_parameters()}
+
+
+def assert_same(expected: FederatedStrategy, got: FederatedStrategy, exact: bool = False) -> None:
+    """The global tensors and every client's tensors agree (``exact``: bit for bit)."""
+
+    def check(a, b, what):
+        if exact:
+            assert torch.equal(a, b), what
+        else:
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+
+    assert expected.global_tensors().keys() == got.global_tensors().keys()
+    for name, value in expected.global_tensors().items():
+        check(got.global_tensors()[name], value, f"global {name}")
+    assert expected.num_clients == got.num_clients
+    for client in range(expected.num_clients):
+        mine, theirs = expected.client_tensors(client), got.client_tensors(client)
+        assert mine.keys() == theirs.keys()
+        for name, value in mine.items():
+            check(theirs[name], value, f"client {client} {name}")
+
+
+def assert_kept_states_equal(expected: FederatedStrategy, got: FederatedStrategy) -> None:
+    kept, theirs = expected.federation.store.optimizer_states, got.federation.store.optimizer_states
+    assert kept.keys() == theirs.keys()
+    for client, per_optimizer in kept.items():
+        assert per_optimizer.keys() == theirs[client].keys(), client
+        for index, entries in per_optimizer.items():
+            assert entries.keys() == theirs[client][index].keys(), (client, index)
+            for param, state in entries.items():
+                assert state.keys() == theirs[client][index][param].keys(), (client, param)
+                for key, value in state.items():
+                    torch.testing.assert_close(
+                        torch.as_tensor(theirs[client][index][param][key]),
+                        torch.as_tensor(value),
+                        atol=ATOL,
+                        rtol=RTOL,
+                        msg=lambda m, c=client, p=param, k=key: f"client {c} param {p} {k}: {m}",
+                    )
+
+
+# ----------------------------------------------------------------------------- 1. equivalence
+
+CASES = [
+    # algorithm, optimizer, client_optimizer_state, client sizes, model
+    ("fedrep", "sgd", "reset", "equal", "detected"),
+    ("fedrep", "sgd", "keep", "unequal", "declared"),
+    ("fedrep", "adam", "keep", "unequal", "detected"),
+    ("fedrep", "adam", "reset", "equal", "declared"),
+    ("fedper", "sgd", "keep", "equal", "detected"),
+    ("fedper", "adam", "reset", "unequal", "declared"),
+    ("lg_fedavg", "sgd", "reset", "unequal", "detected"),
+    ("lg_fedavg", "adam", "keep", "equal", "declared"),
+    ("fedavg", "sgd", "keep", "unequal", "declared"),
+    ("fedavg", "adam", "reset", "equal", "detected"),
+    ("local", "sgd", "reset", "equal", "declared"),
+    ("local", "adam", "keep", "unequal", "detected"),
+    ("fedrep", "adamw", "keep", "unequal", "detected"),
+    ("fedrep", "sgd_groups", "keep", "unequal", "deep_head"),
+]
+MODELS = {"detected": Net, "declared": DeclaredNet, "deep_head": lambda **kw: Net(deep_head=True, **kw)}
+
+
+@pytest.mark.parametrize(
+    "algorithm,optimizer,state,sizes,model", CASES, ids=["-".join(case) for case in CASES]
+)
+def test_vectorized_equals_sequential(algorithm, optimizer, state, sizes, model):
+    def build():
+        return MODELS[model](optimizer=optimizer)
+
+    kwargs = dict(
+        algorithm=algorithm,
+        model=build,
+        sizes=EQUAL if sizes == "equal" else UNEQUAL,
+        client_optimizer_state=state,
+    )
+    sequential, seq_trainer = fit("sequential", **kwargs)
+    vectorized, vec_trainer = fit("vectorized", **kwargs)
+
+    engine = vectorized._engine
+    assert sequential._engine is None and engine is not None
+    assert vec_trainer.global_step < seq_trainer.global_step  # the clients really ran in lockstep
+    if algorithm == "fedrep":  # a head phase: on cached features, through the expected split
+        assert engine.caching
+        how = (
+            "forward_features/forward_head" if model == "declared" else "head module 'classifier' called last"
+        )
+        assert engine.split.how == how
+    assert_same(sequential, vectorized)
+    # and something was trained (the comparison is not of two untouched models)
+    start = initial_tensors(build)
+    moved = {**vectorized.global_tensors(), **vectorized.client_tensors(vectorized.round_plan(2).clients[0])}
+    assert any(not torch.equal(value, start[name]) for name, value in moved.items())
+    if state == "keep":
+        assert_kept_states_equal(sequential, vectorized)
+        if algorithm != "fedavg":  # fedavg keeps nothing local, so no optimizer state either
+            assert vectorized.federation.store.optimizer_states
+
+
+@pytest.mark.parametrize("optimizer,state", [("sgd", "reset"), ("adam", "keep")])
+def test_epoch_lr_scheduler_on_the_engine_equals_sequential(optimizer, state):
+    def build():
+        return DeclaredNet(optimizer=optimizer, scheduler=True)
+
+    kwargs = dict(model=build, client_optimizer_state=state, algorithm="fedper")
+    sequential, _ = fit("sequential", **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        vectorized, vec_trainer = fit("vectorized", **kwargs)
+    assert vectorized._engine is not None
+    assert_same(sequential, vectorized)
+    if state == "keep":
+        assert_kept_states_equal(sequential, vectorized)
+    # the schedule ticked once per round: 3 rounds of StepLR(gamma=0.5) on the user's optimizer
+    base = 0.05 if optimizer == "sgd" else 0.01
+    assert vec_trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(base * 0.5**3)
+    # the engine steps the clients' optimizers, not the user's: the scheduler must not think it ran first
+    assert not [w for w in caught if "lr_scheduler.step()` before `optimizer.step()" in str(w.message)]
+
+
+def test_explicit_step_phases_on_the_engine_equal_sequential():
+    phases = [Phase("body", epochs=1), Phase("head", steps=9), Phase("all", steps=2)]
+    sequential, _ = fit("sequential", phases=phases, client_optimizer_state="keep")
+    vectorized, _ = fit("vectorized", phases=phases, client_optimizer_state="keep")
+    assert vectorized._engine is not None
+    assert_same(sequential, vectorized)
+    assert_kept_states_equal(sequential, vectorized)
+
+
+# ----------------------------------------------------------------------------- 2. checkpoint / resume
+
+RESUME = dict(
+    model=lambda: Net(optimizer="adam", scheduler=True),
+    clients_per_round=5,
+    engine_width=2,
+    client_optimizer_state="keep",
+)
+
+
+def test_mid_round_resume_on_the_engine_is_bit_exact(tmp_path):
+    uninterrupted, full_trainer = fit("vectorized", **RESUME)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    first, _ = fit("vectorized", trainer=dict(enable_checkpointing=True, callbacks=[saver]), **RESUME)
+
+    engine = first._engine
+    schedules = [engine.schedule(first.round_plan(r)) for r in range(3)]
+    ends = torch.tensor([s.length for s in schedules]).cumsum(0).tolist()
+    picked: dict[tuple[bool, bool], int] = {}  # (cached head segment, first group) -> a checkpoint step
+    for path in tmp_path.glob("step=*.ckpt"):
+        step = int(path.stem.split("=")[1])
+        if step in ends or step >= ends[-1]:
+            continue  # a round boundary
+        round_index = next(r for r, end in enumerate(ends) if step < end)
+        segment, _ = schedules[round_index].locate(step - ([0, *ends][round_index]))
+        picked.setdefault((segment.cached, segment.group == 0), step)
+    assert len(picked) == 4, f"checkpoints do not cover every kind of segment: {picked}"
+
+    for step in sorted(picked.values()):
+        path = tmp_path / f"step={step}.ckpt"
+        state = torch.load(path, weights_only=True)[CHECKPOINT_KEY]
+        assert state["round"]["open"] and state["round"]["engine"] is not None
+        resumed, trainer = fit("vectorized", ckpt_path=path, **RESUME)
+        assert trainer.global_step == full_trainer.global_step
+        assert_same(uninterrupted, resumed, exact=True)
+        assert_kept_states_equal(uninterrupted, resumed)
+
+    # a mid-round checkpoint of the engine cannot continue on the sequential path
+    path = tmp_path / f"step={min(picked.values())}.ckpt"
+    with pytest.raises(ValueError, match="by the vectorized engine, but this run uses the sequential one"):
+        fit("sequential", ckpt_path=path, **RESUME)
+
+
+def test_round_boundary_checkpoint_moves_between_engines(tmp_path):
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    fit("vectorized", trainer=dict(enable_checkpointing=True, callbacks=[saver]), rounds=1, **RESUME)
+    sequential, _ = fit("sequential", ckpt_path=tmp_path / "epoch=0.ckpt", **RESUME)
+    vectorized, _ = fit("vectorized", **RESUME)
+    assert_same(vectorized, sequential)
+
+    # the other way round, mid-round: a sequential checkpoint does not resume on the engine
+    saver = ModelCheckpoint(dirpath=tmp_path / "seq", every_n_train_steps=5, save_top_k=-1, filename="{step}")
+    fit("sequential", trainer=dict(enable_checkpointing=True, callbacks=[saver], max_steps=5), **RESUME)
+    with pytest.raises(ValueError, match="by the sequential engine, but this run uses the vectorized one"):
+        fit("vectorized", ckpt_path=tmp_path / "seq" / "step=5.ckpt", **RESUME)
+
+
+# ----------------------------------------------------------------------------- 3. fallback and refusal
+
+
+class DropoutNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.body.insert(2, nn.Dropout(0.3))
+
+
+class BatchNormNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.body.insert(1, nn.BatchNorm1d(10))
+
+
+class ManualNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        x, y = batch
+        self.manual_backward(F.cross_entropy(self(x), y))
+        optimizer.step()
+
+
+class ScaledSGD(torch.optim.SGD):
+    """Not in the engine's list of element-wise optimizers (a subclass may change the update)."""
+
+
+class SubclassOptimizerNet(Net):
+    def configure_optimizers(self):
+        return ScaledSGD(self.parameters(), lr=0.05)
+
+
+class LBFGSNet(Net):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
+
+
+class StepSchedulerNet(Net):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class HookNet(Net):
+    def on_before_optimizer_step(self, optimizer):
+        pass
+
+
+class BufferNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(6))
+
+    def forward(self, x):
+        return self.classifier(self.body(x * self.scale))
+
+
+class NoLossNet(Net):
+    fedrep_loss = None
+
+
+FALLBACKS = [
+    # id, model, trainer kwargs, strategy kwargs, the reason's words
+    ("dropout", DropoutNet, {}, {}, "random layer 'body.2' (Dropout) in train mode"),
+    ("batch_norm", BatchNormNet, {}, {}, "batch norm in train mode ('body.1'"),
+    ("manual", ManualNet, {}, {}, "manual optimization"),
+    ("sgd_subclass", SubclassOptimizerNet, {}, {}, "ScaledSGD is not an optimizer the engine knows"),
+    ("lbfgs", LBFGSNet, {}, {}, "LBFGS is not an optimizer the engine knows"),
+    ("clipping", Net, {"gradient_clip_val": 1.0}, {}, "gradient clipping"),
+    ("no_loss", NoLossNet, {}, {}, "declares no pure loss"),
+    ("step_scheduler", StepSchedulerNet, {}, {}, "step-interval LR scheduler"),
+    ("hook", HookNet, {}, {}, "overrides on_before_optimizer_step"),
+    ("local_buffers", BufferNet, {}, {"buffers": "local"}, "buffers kept per client"),
+]
+SMALL = dict(rounds=1, clients_per_round=2, head_epochs=1, sizes=EQUAL)  # no batch of 1 (batch norm)
+
+
+@pytest.mark.parametrize(
+    "model,trainer_kwargs,strategy_kwargs,reason", [f[1:] for f in FALLBACKS], ids=[f[0] for f in FALLBACKS]
+)
+def test_auto_falls_back_naming_the_reason_and_vectorized_refuses(
+    model, trainer_kwargs, strategy_kwargs, reason, caplog
+):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy, trainer = fit("auto", model=model, trainer=trainer_kwargs, **SMALL, **strategy_kwargs)
+    assert strategy._engine is None
+    assert trainer.global_step == strategy.round_plan(0).length  # one client step per Lightning step
+    lines = [r.getMessage() for r in caplog.records if "lightning_fedrep:" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: sequential engine (")
+    assert reason in lines[0]
+    found = module_reasons(strategy.lightning_module, strategy.federation.layout) + trainer_reasons(
+        trainer, trainer.optimizers, trainer.lr_scheduler_configs
+    )
+    assert any(reason in r for r in found), found
+
+    with pytest.raises(ValueError, match="engine='vectorized' would not compute") as refused:
+        fit("vectorized", model=model, trainer=trainer_kwargs, **SMALL, **strategy_kwargs)
+    assert reason in str(refused.value)
+
+
+def test_auto_runs_the_engine_where_exact_and_says_so(caplog):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy, _ = fit("auto", **SMALL)
+    assert strategy._engine is not None
+    lines = [r.getMessage() for r in caplog.records if "lightning_fedrep:" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: vectorized engine (")
+    assert "head phases on cached features" in lines[0]
+    assert module_reasons(strategy.lightning_module, strategy.federation.layout) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"engine": "fast"}, "engine must be 'auto', 'vectorized' or 'sequential'"),
+        ({"engine": "Vectorized"}, "engine must be"),
+        ({"engine_width": 0}, "engine_width must be"),
+        ({"engine_width": -2}, "engine_width must be"),
+        ({"engine_width": 2.0}, "engine_width must be"),
+        ({"engine_width": True}, "engine_width must be"),
+        ({"engine_width": "2"}, "engine_width must be"),
+        ({"engine_memory": 0}, "engine_memory must be"),
+    ],
+    ids=str,
+)
+def test_bad_engine_arguments_are_refused_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FederatedStrategy(head="classifier", **kwargs)
+
+
+# ----------------------------------------------------------------------------- 4. chunked groups
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_groups_of_two_over_five_clients_equal_sequential(optimizer):
+    kwargs = dict(model=lambda: Net(optimizer=optimizer), clients_per_round=5, client_optimizer_state="keep")
+    sequential, _ = fit("sequential", **kwargs)
+    chunked, _ = fit("vectorized", engine_width=2, **kwargs)
+    engine = chunked._engine
+    assert engine.group_width == 2
+    for r in range(3):
+        segments = engine.schedule(chunked.round_plan(r)).segments
+        assert sorted({s.group for s in segments}) == [0, 1, 2]
+        assert all(len(s.group_clients) <= 2 for s in segments)
+    assert_same(sequential, chunked)
+    assert_kept_states_equal(sequential, chunked)
+
+
+# ----------------------------------------------------------------------------- 5. Lightning features
+
+
+def test_global_step_counts_lockstep_steps():
+    sequential, seq_trainer = fit("sequential")
+    vectorized, vec_trainer = fit("vectorized")
+    engine = vectorized._engine
+    assert vec_trainer.global_step == sum(engine.schedule(vectorized.round_plan(r)).length for r in range(3))
+    assert seq_trainer.global_step == sum(sequential.round_plan(r).length for r in range(3))
+    # one lockstep step advances every client: a round lasts as long as its longest client's phases
+    for r in range(3):
+        plan = vectorized.round_plan(r)
+        longest = [max(w.phases[p][1] for w in plan.work) for p in range(len(plan.phases))]
+        assert engine.schedule(plan).length == sum(longest)
+    assert "train/loss" in vec_trainer.callback_metrics
+
+
+def test_max_steps_inside_the_body_phase_averages_the_clients_that_trained():
+    """Stopping two lockstep steps into round 0's body phase is round 0 with a two-step body phase."""
+    one_round = fit("vectorized", sizes=EQUAL, rounds=1)[0]
+    plan = one_round.round_plan(0)
+    body = next(s for s in one_round._engine.schedule(plan).segments if s.part == "body")
+    assert body.start == 6 and body.steps == (3,) * 4  # 2 head epochs, then 1 body epoch, of 3 batches
+    with pytest.warns(UserWarning, match="Training stopped inside round 0"):
+        stopped, trainer = fit("vectorized", sizes=EQUAL, rounds=3, trainer=dict(max_steps=body.start + 2))
+    assert trainer.global_step == body.start + 2
+    assert not stopped.federation.round_open
+    assert sorted(stopped.federation.store.local) == sorted(plan.clients)
+
+    truncated, _ = fit(
+        "sequential", sizes=EQUAL, rounds=1, phases=[Phase("head", epochs=2), Phase("body", steps=2)]
+    )
+    assert_same(truncated, stopped)
+    start = initial_tensors()
+    assert any(not torch.equal(v, start[n]) for n, v in stopped.global_tensors().items()), "body unchanged"
+
+
+def test_validation_and_early_stopping_each_round_on_the_engine():
+    validated = dict(limit_val_batches=None)
+    sequential, _ = fit("sequential", trainer=validated)
+    patient = EarlyStopping(monitor="val/acc", mode="max", patience=100)
+    vectorized, trainer = fit("vectorized", trainer={**validated, "callbacks": [patient]})
+    assert vectorized._engine is not None
+    assert [row["round"] for row in vectorized.history] == [0, 1, 2]
+    for seq_row, vec_row in zip(sequential.history, vectorized.history, strict=True):
+        for key in ("val/acc", "val/loss", "val/acc_weighted", "val_ce"):
+            assert vec_row[key] == pytest.approx(seq_row[key], abs=1e-5), key
+    assert {"val/acc", "val/acc_last10", "train/loss"} <= set(trainer.callback_metrics)
+
+    # EarlyStopping stops the fit after a round: the state is that of a one-round run
+    stopping = EarlyStopping(monitor="val/acc", mode="max", stopping_threshold=-1.0)
+    stopped, trainer = fit("vectorized", trainer={**validated, "callbacks": [stopping]}, rounds=3)
+    assert trainer.current_epoch == 1 and [row["round"] for row in stopped.history] == [0]
+    assert trainer.global_step == stopped._engine.schedule(stopped.round_plan(0)).length
+    one_round, _ = fit("vectorized", rounds=1)
+    assert_same(one_round, stopped, exact=True)
+
+
+def test_mid_round_validation_leaves_the_engines_training_untouched():
+    plain, _ = fit("vectorized")
+    validated, trainer = fit("vectorized", trainer=dict(val_check_interval=0.5, limit_val_batches=None))
+    assert validated._engine is not None and len(validated.history) == 3
+    assert_same(plain, validated, exact=True)
