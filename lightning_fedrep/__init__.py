@@ -2,7 +2,8 @@
 
 Importing the package registers one strategy name per algorithm with Lightning (``"fedrep"``,
 ``"fedper"``, ``"lg_fedavg"``, ``"fedavg"``, ``"local"``), so ``Trainer(strategy="fedrep")`` works for
-a module that marks its own head (``fedrep_head = "classifier"``).
+a module that marks its own head (``fedrep_head = "classifier"``), and one per algorithm on several
+processes (``"fedrep_ddp"``, ...: ``Trainer(strategy="fedrep_ddp", devices=2)``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -24,6 +25,7 @@ from lightning_fedrep.data.partition import (
     Partitioner,
     ShardPartitioner,
 )
+from lightning_fedrep.distributed import FederatedDDPStrategy
 from lightning_fedrep.export import personalized_state_dict
 from lightning_fedrep.federation import ClientResult, Federation, RoundResult
 from lightning_fedrep.hooks import FederatedCallback, LiveStep, VectorizedLossTerm
@@ -50,6 +52,7 @@ __all__ = [
     "FedRep",
     "FedRepStrategy",
     "FederatedCallback",
+    "FederatedDDPStrategy",
     "FederatedDataModule",
     "FederatedProgressBar",
     "FederatedStrategy",
@@ -79,3 +82,4 @@ __all__ = [
 ]
 
 FederatedStrategy.register_strategies(StrategyRegistry)
+FederatedDDPStrategy.register_strategies(StrategyRegistry)

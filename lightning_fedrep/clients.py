@@ -46,6 +46,36 @@ class ClientStore:
         elif stored:
             torch._foreach_copy_(stored, [t.detach() for t in tensors])
 
+    def record(self, client: int) -> dict[str, Any]:
+        """Everything stored for ``client`` (not copies): what another process needs to hold it too."""
+        return {
+            "local": self.local.get(client),
+            "optimizer": self.optimizer_states.get(client),
+            "finetuned": self.finetuned.get(client),
+        }
+
+    def load_record(self, client: int, record: dict[str, Any], device: torch.device | None = None) -> None:
+        """Hold what :meth:`record` returned on another process for ``client`` (moved to ``device``)."""
+        single = ClientStore([])
+        single.load_state_dict(
+            {
+                "template": [],
+                "local": {} if record["local"] is None else {client: record["local"]},
+                "optimizer_states": {} if record["optimizer"] is None else {client: record["optimizer"]},
+                "finetuned": {} if record["finetuned"] is None else {client: record["finetuned"]},
+            },
+            device,
+        )
+        for mapping, received in (
+            (self.local, single.local),
+            (self.optimizer_states, single.optimizer_states),
+            (self.finetuned, single.finetuned),
+        ):
+            if client in received:
+                mapping[client] = received[client]
+            else:
+                mapping.pop(client, None)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "template": self.template,

@@ -89,6 +89,25 @@ class ClientMetrics:
             if self.counts[name][c] > 0
         }
 
+    def state(self) -> dict[str, Any]:
+        """The sums, counts and samples as plain dicts: what another process adds with :meth:`merge`."""
+        return {
+            "sums": {name: dict(values) for name, values in self.sums.items()},
+            "counts": {name: dict(values) for name, values in self.counts.items()},
+            "samples": dict(self.samples),
+            "options": dict(self.options),
+        }
+
+    def merge(self, state: dict[str, Any]) -> None:
+        """Add another process's :meth:`state` (its clients' sums and counts: exact, not a mean of means)."""
+        for name, values in state["sums"].items():
+            for client, total in values.items():
+                self.add(name, client, total, state["counts"][name][client])
+        for client, samples in state["samples"].items():
+            self.samples[client] += samples
+        for name, flags in state["options"].items():
+            self.options.setdefault(name, flags)
+
     def summary(self, name: str) -> dict[str, float]:
         per_client = self.per_client(name)
         clients = list(per_client)

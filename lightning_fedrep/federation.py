@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from lightning_fedrep.algorithms import PART_GROUPS, Algorithm, Part, Phase
 from lightning_fedrep.clients import ClientStore, OptimizerState
+from lightning_fedrep.collective import Collective, to_cpu
 from lightning_fedrep.history import History
 from lightning_fedrep.plan import RoundPlan, StepLocation, plan_round, sample_clients
 from lightning_fedrep.server import WeightedAverage
@@ -114,6 +115,8 @@ class Federation:
         self.live_phase: Part | None = None
         self.timing = False
         """Measure each client's step times (``ClientResult.seconds``); set when a callback needs it."""
+        self.collective: Collective = Collective()
+        """The processes the round's clients are sharded over (set by the distributed strategy)."""
         self._module: nn.Module | None = None
         self._device = torch.device("cpu")
         self._named: dict[str, Tensor] = {}
@@ -349,6 +352,8 @@ class Federation:
         if not self.round_open:
             return None
         self.finish_client()
+        if self.collective.distributed:
+            self._gather_round()
         aggregated, weight = False, 0.0
         if self._average is not None and not self._average.empty:
             weight = self._average.weight
@@ -362,6 +367,20 @@ class Federation:
         )
         self._finished = []
         return result
+
+    def _gather_round(self) -> None:
+        """Across processes: add up the round's weighted sums (one all-reduce), and give every process
+        what the others' clients did and now hold (one all-gather), so each holds every client."""
+        if self._average is not None:
+            self._average.load_flat(self.collective.all_reduce_sum(self._average.flat()))
+        mine = [(asdict(r), to_cpu(self.store.record(r.client))) for r in self._finished]
+        finished: dict[int, ClientResult] = {}
+        for rank, records in enumerate(self.collective.all_gather_object(mine)):
+            for result, record in records:
+                if rank != self.collective.rank:
+                    self.store.load_record(result["client"], record, self._device)
+                finished[result["client"]] = ClientResult(**result)
+        self._finished = [finished[c] for c in self.plan(self.round_index).clients if c in finished]
 
     def weight_of(self, client: int) -> float:
         """A client's aggregation weight: its training samples, or 1 under uniform weighting."""

@@ -180,13 +180,16 @@ class FederatedCallback(Callback):
         """Before the round's first step."""
 
     def on_client_start(self, trainer: L.Trainer, pl_module: L.LightningModule, client: int) -> None:
-        """After ``client`` was loaded into the module, before its first step of the round."""
+        """After ``client`` was loaded into the module, before its first step of the round (on several
+        processes: only on the rank that trains it)."""
 
     def on_client_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: ClientResult) -> None:
-        """After a client's last step of the round, once its state is stored."""
+        """After a client's last step of the round, once its state is stored (on several processes:
+        only on the rank that trained it; decide from :meth:`on_round_end`'s result, which every rank sees)."""
 
     def on_round_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: RoundResult) -> None:
-        """After the round's aggregation, before validation and checkpoints."""
+        """After the round's aggregation, before validation and checkpoints. On several processes
+        ``result.clients`` holds every rank's clients and every rank holds every client's state."""
 
     # ------------------------------------------------------------------ helpers
     def strategy(self, trainer: L.Trainer) -> FederatedStrategyAPI:

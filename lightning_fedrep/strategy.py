@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_fedrep import lightning_internals as internals
 from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase, get_algorithm, parse_phases
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
+from lightning_fedrep.collective import Collective, to_cpu
 from lightning_fedrep.data.loaders import ClientChunk, EvalLoader, RoundLoader
 from lightning_fedrep.engine import LockstepEngine, LockstepPlan
 from lightning_fedrep.engine.evaluation import EVALUATION_CHUNK_SAMPLES, BatchedEvaluation, batched_evaluation
@@ -30,7 +31,8 @@ from lightning_fedrep.engine.selection import build_engine, start_engine
 from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass
 from lightning_fedrep.federation import Federation, FederationConfig
 from lightning_fedrep.hooks import FederatedCallback, LiveStep
-from lightning_fedrep.plan import RoundPlan
+from lightning_fedrep.plan import RankShare, RoundPlan, plan_fingerprint, shard_round
+from lightning_fedrep.sharding import IdleStep, RankSchedule, rank_schedule
 from lightning_fedrep.split import HeadSpec, ParameterSplit, resolve_layout
 from lightning_fedrep.trainer_checks import check_optimizers_cover_split, check_trainer_flags
 
@@ -38,8 +40,10 @@ CHECKPOINT_KEY = "lightning_fedrep"
 """Where a checkpoint holds the federation's state (every client's, the open round's, the history)."""
 
 
-class FederatedStrategy(SingleDeviceStrategy):
-    """Personalized federated learning (FedRep and its family) on one device.
+class FederatedStrategyMixin:
+    """The federated hooks shared by :class:`FederatedStrategy` (one device) and
+    :class:`~lightning_fedrep.distributed.FederatedDDPStrategy` (several processes): put before a
+    Lightning strategy class in the bases.
 
     Args:
         head: the per-client part: module name(s) / parameter-name prefixes, or a compiled regex.
@@ -63,7 +67,6 @@ class FederatedStrategy(SingleDeviceStrategy):
         seed: seeds client sampling (data order is seeded by the data module).
         headline_metrics: compute ``val/acc`` and ``val/loss`` (``test/``...) from ``model(x)`` on
             ``(x, y)`` batches, in addition to what the module logs.
-        device: the device to train on; by default the one the Trainer's accelerator picks.
         engine: how a round's local work runs. ``"vectorized"``: a round's clients train together in
             lockstep (one Lightning step = one local step of every client; ``torch.func``), head phases
             on cached body features; exact, but only for a module that declares its loss
@@ -81,8 +84,6 @@ class FederatedStrategy(SingleDeviceStrategy):
             the host's RAM.
     """
 
-    strategy_name = "federated"
-
     def __init__(
         self,
         head: HeadSpec = None,
@@ -98,16 +99,12 @@ class FederatedStrategy(SingleDeviceStrategy):
         allow_frozen: bool = False,
         seed: int = 0,
         headline_metrics: bool = True,
-        device: str | torch.device | None = None,
         engine: Literal["auto", "vectorized", "sequential"] = "auto",
         engine_width: int | None = None,
         engine_memory: int | None = None,
         **kwargs: Any,
     ):
-        super().__init__(device=device or "cpu", **kwargs)
-        # Lightning fills ``parallel_devices`` from ``Trainer(accelerator=..., devices=...)``; the
-        # device then comes from there (SingleDeviceStrategy alone would stay on the CPU).
-        self.parallel_devices = [torch.device(device)] if device is not None else None
+        super().__init__(**kwargs)
         resolved = get_algorithm(algorithm)
         # a registered algorithm is shared by name: each strategy gets its own copy of its server state
         self.algorithm: Algorithm = copy.deepcopy(resolved) if isinstance(algorithm, str) else resolved
@@ -149,20 +146,10 @@ class FederatedStrategy(SingleDeviceStrategy):
         self._pending: dict[str, Any] | None = None
         self._engine: LockstepEngine | None = None
         self._batched_evaluation: BatchedEvaluation | None = None
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register one strategy name per registered algorithm (``"fedrep"``, ``"fedavg"``, ...)."""
-        for name, algorithm in ALGORITHMS.items():
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=algorithm.description, algorithm=name)
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        """The training device: the Trainer's accelerator device (P15: not SingleDeviceStrategy's CPU)."""
-        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+        self.collective: Collective = Collective()
+        """The processes a round's clients are sharded over (one here; several on the DDP strategy)."""
+        self._rank_schedules: dict[int, RankSchedule] = {}
+        self._idle = False
 
     # ------------------------------------------------------------------ public accessors
     @property
@@ -211,6 +198,12 @@ class FederatedStrategy(SingleDeviceStrategy):
         """The frozen plan of a round (sampled clients, in order, their phases' step counts), after
         every federated callback's ``configure_round``."""
         return self.require_federation().plan(round_index, self._configure_round)
+
+    def round_shares(self, round_index: int | None = None) -> tuple[RankShare, ...]:
+        """How a round's clients (the current round's by default) are dealt to the processes: each
+        rank's clients and their local steps, balanced by steps (one share on one process)."""
+        r = self.lightning_module.trainer.current_epoch if round_index is None else round_index
+        return shard_round(self.round_plan(r), self.collective.world_size)
 
     def client_for(self, batch_idx: int, round_index: int | None = None) -> int:
         """The client that trains on the ``batch_idx``-th batch of a round (the current one by default).
@@ -293,6 +286,7 @@ class FederatedStrategy(SingleDeviceStrategy):
             check_optimizers_cover_split(self.optimizers, self.lightning_module, federation.split)
         federation.attach(self.lightning_module, self.optimizers)
         federation.initialize(self.root_device)
+        federation.collective = self.collective
         self._callbacks = [c for c in trainer.callbacks if isinstance(c, FederatedCallback)]
         self._loss_callbacks = [
             c for c in self._callbacks if type(c).loss_term is not FederatedCallback.loss_term
@@ -339,6 +333,7 @@ class FederatedStrategy(SingleDeviceStrategy):
                     self.root_device,
                     self.engine_memory,
                     smoke=bool(trainer.fast_dev_run),
+                    collective=self.collective,
                 )
             dataloader.bind(lambda: self._training_schedule(trainer.current_epoch))
             if self.round_plan(trainer.current_epoch).length == 0:
@@ -348,6 +343,8 @@ class FederatedStrategy(SingleDeviceStrategy):
             return dataloader
         if isinstance(dataloader, EvalLoader):
             self._eval_loader = dataloader
+            if self.collective.distributed:
+                dataloader.shard(self.collective.rank, self.collective.world_size)
             self._batched_evaluation = None
             if self.engine != "sequential" and self.headline_metrics and self.federation is not None:
                 self._batched_evaluation = batched_evaluation(
@@ -365,9 +362,28 @@ class FederatedStrategy(SingleDeviceStrategy):
             "lightning_fedrep.FederatedDataModule(train_set, test_set, partitioner=...) and pass it as datamodule=."
         )
 
-    def _training_schedule(self, round_index: int) -> RoundPlan | LockstepPlan:
+    def _training_schedule(self, round_index: int) -> RoundPlan | LockstepPlan | RankSchedule:
         plan = self.round_plan(round_index)
+        if self.collective.distributed:
+            return self._rank_schedule(plan)
         return self._engine.schedule(plan) if self._engine is not None else plan
+
+    def _rank_schedule(self, plan: RoundPlan) -> RankSchedule:
+        """This process's part of the round, padded with idle steps (computed once per round plan)."""
+        schedule = self._rank_schedules.get(plan.round)
+        if schedule is None or schedule.plan is not plan:
+            engine = self._engine
+
+            def how(local: RoundPlan, own: bool) -> RoundPlan | LockstepPlan:
+                if engine is None:
+                    return local
+                return engine.schedule(local) if own else engine.build_schedule(local)
+
+            collective = self.collective
+            schedule = rank_schedule(plan, collective.rank, collective.world_size, how)
+            self._rank_schedules = {r: v for r, v in self._rank_schedules.items() if r >= plan.round - 1}
+            self._rank_schedules[plan.round] = schedule
+        return schedule
 
     # ------------------------------------------------------------------ rounds
     @override
@@ -380,8 +396,17 @@ class FederatedStrategy(SingleDeviceStrategy):
             self._close_round()
         plan = self.round_plan(round_index)
         if not federation.round_open:
+            if self.collective.distributed:
+                self.collective.agree(plan_fingerprint(plan), f"the plan of round {round_index}")
             federation.open_round(plan)
             self._dispatch("on_round_start", plan)
+        self._idle = False
+        if self.collective.distributed:
+            schedule = self._rank_schedule(plan)
+            self._idle = schedule.idle(batch_idx)
+            if self._idle:
+                return
+            plan = schedule.local
         if self._engine is not None:
             for client in self._engine.begin_step(self._engine.schedule(plan), batch_idx):
                 self._dispatch("on_client_start", client)
@@ -397,7 +422,15 @@ class FederatedStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Called for each training batch (inside the optimizer closure in automatic optimization): add
         the loss terms; under manual optimization, close the round after its last step. On the
-        vectorized engine: every active client's loss on its batch, summed (the user's step is not run)."""
+        vectorized engine: every active client's loss on its batch, summed (the user's step is not run).
+        On an idle step (this process has no client left in the round) nothing runs: under automatic
+        optimization the loss is a zero that depends on no parameter (Lightning refuses ``None`` on
+        several processes), and the optimizer does not step."""
+        if self._idle:
+            if not self.lightning_module.automatic_optimization:
+                self._after_step()
+                return None
+            return torch.zeros((), device=self.root_device, requires_grad=True)
         if self._engine is not None:
             loss = self._engine.loss(args[0] if args else kwargs["batch"])
             trainer = self.lightning_module.trainer
@@ -416,7 +449,13 @@ class FederatedStrategy(SingleDeviceStrategy):
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
         """Called for each optimizer step: under automatic optimization, close the round after its last.
-        On the vectorized engine: run the closure (loss and backward), then step every client's optimizer."""
+        On the vectorized engine: run the closure (loss and backward), then step every client's optimizer.
+        On an idle step: run the closure (it trains nothing) and step nothing."""
+        if self._idle:
+            closure()
+            if internals.round_ends_now(self.lightning_module.trainer):
+                self._close_round()
+            return None
         if self._engine is not None:
             closure()
             for result in self._engine.end_step():
@@ -555,6 +594,10 @@ class FederatedStrategy(SingleDeviceStrategy):
     def _evaluation_step(self, step: Callable, args: tuple, kwargs: dict) -> Any:
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
+        if isinstance(batch, IdleStep):  # this process has evaluated all its clients
+            if internals.evaluation_ends_now(self.lightning_module.trainer):
+                self._log_evaluation(self._evaluation)
+            return None
         if isinstance(batch, ClientChunk):
             return self._batched_evaluation_step(batch)
         client = self._eval_loader.client_of(batch_idx)
@@ -581,6 +624,8 @@ class FederatedStrategy(SingleDeviceStrategy):
         """Log every metric's summary over clients; keep the federated rounds' history (validation)."""
         module, federation = self.lightning_module, self.federation
         trainer = module.trainer
+        if self.collective.distributed:
+            self._gather_evaluation(evaluation)
         in_fit = evaluation.stage == "val" and trainer.state.fn == "fit" and not trainer.sanity_checking
         prefix = ""
         if evaluation.stage == "val" and federation.round_index >= 0 and federation.client_sizes is not None:
@@ -596,7 +641,24 @@ class FederatedStrategy(SingleDeviceStrategy):
             )
         for key, value in values.items():
             options = evaluation.logging_options(key.removeprefix(prefix))
-            module.log(key, value, on_step=False, on_epoch=True, batch_size=1, **options)
+            # the same value on every process: synced only to spare Lightning's warning
+            module.log(
+                key,
+                value,
+                on_step=False,
+                on_epoch=True,
+                batch_size=1,
+                sync_dist=self.collective.distributed,
+                **options,
+            )
+
+    def _gather_evaluation(self, evaluation: EvaluationPass) -> None:
+        """Every process's per-client sums in one table on every process (one all-gather)."""
+        states = self.collective.all_gather_object((evaluation.headline, evaluation.metrics.state()))
+        evaluation.metrics = ClientMetrics()
+        for _, state in states:
+            evaluation.metrics.merge(state)
+        evaluation.headline = all(headline for headline, _ in states)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -618,6 +680,9 @@ class FederatedStrategy(SingleDeviceStrategy):
                 state["engine"] = self._engine.settings()
                 if self.federation.round_open:
                     state["round"]["engine"] = self._engine.state_dict()
+            if self.collective.distributed:  # each process's open round and RNG (the rest is the same on all)
+                own = {"round": state["round"], "torch_rng": state["torch_rng"]}
+                state["ranks"] = self.collective.all_gather_object(to_cpu(own))
             checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -648,6 +713,7 @@ class FederatedStrategy(SingleDeviceStrategy):
         state, self._pending = self._pending, None
         if state is None:
             return
+        state = self._this_rank_state(state)
         self.federation.restore_round(state)
         if self._engine is not None and self.engine == "auto" and "engine" not in state:
             self._engine = None  # the run that saved it ran sequentially: so does its continuation
@@ -667,10 +733,77 @@ class FederatedStrategy(SingleDeviceStrategy):
         if self._engine is not None:
             self._engine.load_state_dict(state["round"]["engine"])
 
+    def _this_rank_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The saved state with this process's open round and RNG (a checkpoint written by several
+        processes holds one per rank); a round-end checkpoint resumes on any number of processes."""
+        ranks = state.get("ranks")
+        saved, running = len(ranks) if ranks else 1, self.collective.world_size
+        if state["round"]["open"] and saved != running:
+            raise ValueError(
+                f"The checkpoint was saved inside round {state['round']['index']} by {saved} process(es), but this "
+                f"run has {running}. Resume it on {saved}, or resume from a checkpoint written at the end of a "
+                "round (those resume on any number of processes)."
+            )
+        if ranks:
+            return {**state, **ranks[min(self.collective.rank, len(ranks) - 1)]}
+        return state
+
 
 def _check_positive_or_none(name: str, value: Any, what: str, default: str) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be {what} >= 1 or None ({default}), got {value!r}.")
+
+
+class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
+    """Personalized federated learning (FedRep and its family) on one device: a whole federated training
+    inside one ``Trainer.fit``, one Lightning epoch per communication round.
+
+    Takes every federated setting of :class:`FederatedStrategyMixin` (``head``, ``algorithm``,
+    ``clients_per_round``, ``head_epochs``, ``body_epochs``, ``local_epochs``, ``phases``, ``weighting``,
+    ``client_optimizer_state``, ``buffers``, ``allow_frozen``, ``seed``, ``headline_metrics``, ``engine``,
+    ``engine_width``, ``engine_memory``), and:
+
+    Args:
+        device: the device to train on; by default the one the Trainer's accelerator picks.
+
+    For several processes (GPUs, nodes) use :class:`~lightning_fedrep.distributed.FederatedDDPStrategy`
+    (``strategy="fedrep_ddp"``, ...).
+    """
+
+    strategy_name = "federated"
+
+    def __init__(self, *args: Any, device: str | torch.device | None = None, **kwargs: Any):
+        super().__init__(*args, device=device or "cpu", **kwargs)
+        # Lightning fills ``parallel_devices`` from ``Trainer(accelerator=..., devices=...)``; the
+        # device then comes from there (SingleDeviceStrategy alone would stay on the CPU).
+        self.parallel_devices = [torch.device(device)] if device is not None else None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register one strategy name per registered algorithm (``"fedrep"``, ``"fedavg"``, ...)."""
+        for name, algorithm in ALGORITHMS.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=algorithm.description, algorithm=name)
+
+    @override
+    def setup_environment(self) -> None:
+        """Called first in a run: refuse several devices (this strategy runs one process)."""
+        devices = self.parallel_devices or []
+        if len(devices) > 1:
+            name = self.algorithm.name if self.algorithm.name in ALGORITHMS else "fedrep"
+            raise ValueError(
+                f"{type(self).__name__} runs on one device, but the Trainer was given {len(devices)} devices. "
+                f"For several processes use strategy='{name}_ddp' (lightning_fedrep.FederatedDDPStrategy), or pass "
+                "devices=1."
+            )
+        super().setup_environment()
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """The training device: the Trainer's accelerator device (P15: not SingleDeviceStrategy's CPU)."""
+        return self.parallel_devices[0] if self.parallel_devices else self._root_device
 
 
 FedRepStrategy = FederatedStrategy

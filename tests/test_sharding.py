@@ -79,3 +79,108 @@ def test_sharded_averages_summed_as_one_vector_equal_the_single_process_average(
     assert combined.weight == single.weight
     for a, b in zip(combined.mean(like), single.mean(like)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+
+
+# ---------------------------------------------------------------------- rank schedules and idle steps
+from lightning_fedrep.clients import ClientStore  # noqa: E402
+from lightning_fedrep.data.loaders import ClientData, EvalLoader, RoundLoader  # noqa: E402
+from lightning_fedrep.evaluation import ClientMetrics  # noqa: E402
+from lightning_fedrep.sharding import IDLE_STEP, evaluation_shards, rank_schedule  # noqa: E402
+
+
+def round_loader(sizes=SIZES, batch_size=5):
+    data = torch.utils.data.TensorDataset(torch.arange(sum(sizes)).float()[:, None], torch.zeros(sum(sizes)))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    clients = [ClientData(data, torch.arange(s, s + n)) for s, n in zip(starts, sizes)]
+    return RoundLoader(clients, batch_size, seed=1)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_rank_runs_the_longest_ranks_steps_and_its_own_clients_batches(world_size):
+    p = plan(clients=[0, 1, 3, 4, 6, 9])
+    loader = round_loader()
+    schedules = [rank_schedule(p, r, world_size, lambda local, own: local) for r in range(world_size)]
+    shares = shard_round(p, world_size)
+    longest = max(s.steps for s in shares)
+    for rank, schedule in enumerate(schedules):
+        assert schedule.length == longest  # the same on every rank: no collective needed
+        assert schedule.local.clients == list(shares[rank].clients)
+        batches = list(schedule.batches(loader))
+        assert len(batches) == longest
+        own = shares[rank].steps
+        assert all(b is IDLE_STEP for b in batches[own:]) and not any(b is IDLE_STEP for b in batches[:own])
+        assert [schedule.idle(i) for i in range(longest)] == [i >= own for i in range(longest)]
+        # the rank's batches are exactly what one process draws for those clients
+        single = [b for b in loader.plan_batches(p, 0)]
+        expected = [
+            b
+            for b, c in zip(single, (p.locate(i).client for i in range(p.length)))
+            if c in shares[rank].clients
+        ]
+        for got, want in zip(batches[:own], expected):
+            assert torch.equal(got[0], want[0])
+        # resuming mid-round from any step continues the same sequence
+        assert [b if b is IDLE_STEP else b[0].sum() for b in schedule.batches(loader, 3)] == [
+            b if b is IDLE_STEP else b[0].sum() for b in batches[3:]
+        ]
+
+
+def test_evaluation_is_dealt_by_samples_and_padded_to_the_longest_rank():
+    sizes = [12, 0, 3, 25, 7, 7]
+    shards = evaluation_shards(sizes, 2)
+    assert sorted(c for s in shards for c in s) == [0, 2, 3, 4, 5]  # the client without data goes nowhere
+    # longest first to the lighter rank: 25 | 12, 7, 7 | then 3 to the lighter (25 < 26)
+    assert shards == [[2, 3], [0, 4, 5]]
+    data = torch.utils.data.TensorDataset(
+        torch.arange(54).float()[:, None], torch.zeros(54, dtype=torch.long)
+    )
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    clients = [ClientData(data, torch.arange(s, s + n)) for s, n in zip(starts, sizes)]
+    for chunk in (None, 10):
+        loaders = []
+        for rank in range(2):
+            loader = EvalLoader(clients, batch_size=4, stage="val")
+            loader.chunk(chunk)
+            loader.shard(rank, 2)
+            loaders.append(loader)
+        assert len(loaders[0]) == len(loaders[1])
+        seen = []
+        for loader in loaders:
+            items = list(loader)
+            assert len(items) == len(loader)
+            real = [i for i in items if i is not IDLE_STEP]
+            assert all(i is IDLE_STEP for i in items[len(real) :])
+            if chunk is None:
+                seen += [loader.client_of(b) for b in range(len(real))]
+                assert sum(len(x) for x, _ in real) == sum(sizes[c] for c in loader.evaluated_clients)
+            else:
+                seen += [int(c) for item in real for c in item.clients]
+        assert sorted(set(seen)) == [0, 2, 3, 4, 5]
+
+
+def test_per_client_sums_merged_across_processes_equal_one_pass():
+    """Exact reduction: sums and counts per client, not a mean of the ranks' means."""
+    single, ranks = ClientMetrics(), [ClientMetrics(), ClientMetrics()]
+    for client, (total, count) in enumerate([(3.0, 4), (1.0, 10), (7.0, 7)]):
+        for metrics in (single, ranks[client % 2]):
+            metrics.add("val/acc", client, total, count)
+            metrics.samples[client] += count
+    merged = ClientMetrics()
+    for metrics in ranks:
+        merged.merge(metrics.state())
+    assert merged.per_client("val/acc") == single.per_client("val/acc")
+    assert merged.summary("val/acc") == single.summary("val/acc")
+
+
+def test_a_client_record_moves_its_whole_state_to_another_store():
+    template = [torch.zeros(2)]
+    source, target = ClientStore(template), ClientStore(template)
+    source.put(3, [torch.tensor([1.0, 2.0])])
+    source.optimizer_states[3] = {0: {0: {"momentum_buffer": torch.ones(2)}}}
+    source.finetuned[3] = {"body.w": torch.full((2,), 5.0)}
+    target.finetuned[3] = {"stale": torch.zeros(1)}
+    target.load_record(3, source.record(3))
+    assert torch.equal(target.get(3)[0], torch.tensor([1.0, 2.0]))
+    assert torch.equal(target.optimizer_states[3][0][0]["momentum_buffer"], torch.ones(2))
+    assert list(target.finetuned[3]) == ["body.w"]
+    assert torch.equal(target.get(4)[0], torch.zeros(2))  # untouched clients still read the template

@@ -392,7 +392,9 @@ class NeuralCollapse(FederatedCallback):
         ]
         self.record(trainer, **values)
         for key, value in values.items():
-            pl_module.log(key, value, on_step=False, on_epoch=True, batch_size=1)
+            pl_module.log(
+                key, value, on_step=False, on_epoch=True, batch_size=1, sync_dist=trainer.world_size > 1
+            )
 
     def _samples(self, datamodule: Any, client: int) -> tuple[Any, Tensor]:
         """A fixed, seeded subset of at most ``metrics_samples`` of the client's ``metrics_split`` samples."""

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_fedrep.plan import RoundPlan, round_generator, steps_per_epoch
+from lightning_fedrep.sharding import IDLE_STEP, evaluation_shards
 
 
 @dataclass(frozen=True)
@@ -163,13 +164,13 @@ class RoundLoader:
         self._round = plan.round
         self._position = start
         batches = (
-            plan.batches(self, start) if not isinstance(plan, RoundPlan) else self._plan_batches(plan, start)
+            plan.batches(self, start) if not isinstance(plan, RoundPlan) else self.plan_batches(plan, start)
         )
         for batch in batches:  # a round plan, or the vectorized engine's lockstep schedule
             self._position += 1
             yield batch
 
-    def _plan_batches(self, plan: RoundPlan, start: int) -> Iterator[Any]:
+    def plan_batches(self, plan: RoundPlan, start: int) -> Iterator[Any]:
         """A round's batches from its ``start``-th step: client after client."""
         if start >= plan.length:
             return
@@ -205,7 +206,11 @@ class ClientChunk:
 
 class EvalLoader:
     """Every listed client's evaluation batches, client after client, in a fixed order; or, once
-    :meth:`chunk` was called, :class:`ClientChunk` items of many clients each (batched evaluation)."""
+    :meth:`chunk` was called, :class:`ClientChunk` items of many clients each (batched evaluation).
+
+    On several processes (:meth:`shard`) each rank yields only its share of the clients, then idle items
+    (:data:`~lightning_fedrep.sharding.IDLE_STEP`) up to the longest rank's length, so every rank ends
+    the pass at the same batch."""
 
     def __init__(
         self,
@@ -218,14 +223,22 @@ class EvalLoader:
         self.batch_size = batch_size
         self.stage = stage
         self.fetcher = fetcher or _BatchFetcher()
+        self._max_samples: int | None = None
+        self._shards = [list(range(len(self.clients)))]
+        self._rank = 0
         self._owner: list[int] = []
-        for cid, data in enumerate(self.clients):
-            self._owner.extend([cid] * steps_per_epoch(len(data), batch_size))
         self._chunks: list[list[int]] | None = None
+        self._length = 0
+        self._layout()
 
     @property
     def num_clients(self) -> int:
         return len(self.clients)
+
+    @property
+    def evaluated_clients(self) -> list[int]:
+        """The clients this process evaluates (all of them on one process)."""
+        return self._shards[self._rank]
 
     def client_of(self, batch_idx: int) -> int:
         """The client whose data the ``batch_idx``-th batch is (per-batch mode)."""
@@ -233,36 +246,65 @@ class EvalLoader:
 
     def first_batch(self) -> Any:
         """The first evaluation batch (a probe), or ``None`` without evaluation data."""
-        return next(self._batches(), None)
+        return next(self._batches(range(len(self.clients))), None)
 
     def chunk(self, max_samples: int | None) -> None:
         """Yield :class:`ClientChunk` items of consecutive clients holding at most ``max_samples``
         samples (a larger client alone); ``None`` goes back to one batch per step."""
-        if max_samples is None:
-            self._chunks = None
-            return
-        chunks: list[list[int]] = [[]]
-        held = 0
-        for cid, data in enumerate(self.clients):
-            if not len(data):
-                continue
-            if chunks[-1] and held + len(data) > max_samples:
-                chunks.append([])
-                held = 0
-            chunks[-1].append(cid)
-            held += len(data)
-        self._chunks = [c for c in chunks if c]
+        self._max_samples = max_samples
+        self._layout()
+
+    def shard(self, rank: int, world_size: int) -> None:
+        """Evaluate only ``rank``'s share of the clients (balanced by samples) out of ``world_size``."""
+        self._rank = rank
+        self._shards = evaluation_shards([len(c) for c in self.clients], world_size)
+        self._layout()
 
     @property
     def chunked(self) -> bool:
         return self._chunks is not None
 
     def __len__(self) -> int:
-        return len(self._chunks) if self._chunks is not None else len(self._owner)
+        return self._length
 
     def __iter__(self) -> Iterator[Any]:
+        yielded = 0
+        for item in self._items():
+            yielded += 1
+            yield item
+        for _ in range(yielded, self._length):
+            yield IDLE_STEP
+
+    def _layout(self) -> None:
+        def owners(clients: list[int]) -> list[int]:
+            return [c for c in clients for _ in range(steps_per_epoch(len(self.clients[c]), self.batch_size))]
+
+        mine = self._shards[self._rank]
+        self._owner = owners(mine)
+        if self._max_samples is None:
+            self._chunks = None
+            self._length = max(len(owners(s)) for s in self._shards)
+            return
+        self._chunks = self._chunked(mine)
+        self._length = max(len(self._chunked(s)) for s in self._shards)
+
+    def _chunked(self, clients: list[int]) -> list[list[int]]:
+        chunks: list[list[int]] = [[]]
+        held = 0
+        for cid in clients:
+            data = self.clients[cid]
+            if not len(data):
+                continue
+            if chunks[-1] and held + len(data) > self._max_samples:
+                chunks.append([])
+                held = 0
+            chunks[-1].append(cid)
+            held += len(data)
+        return [c for c in chunks if c]
+
+    def _items(self) -> Iterator[Any]:
         if self._chunks is None:
-            yield from self._batches()
+            yield from self._batches(self._shards[self._rank])
             return
         for clients in self._chunks:
             datas = [self.clients[c] for c in clients]
@@ -279,8 +321,9 @@ class EvalLoader:
             xs, ys = zip(*((x, y) for x, y in parts))
             yield ClientChunk(torch.tensor(clients), sizes, torch.cat(xs), torch.cat(ys))
 
-    def _batches(self) -> Iterator[Any]:
-        for data in self.clients:
+    def _batches(self, clients: Sequence[int]) -> Iterator[Any]:
+        for cid in clients:
+            data = self.clients[cid]
             if len(data):
                 yield from self.fetcher.batches(data.dataset, list(data.indices.split(self.batch_size)))
 

@@ -290,11 +290,21 @@ class LockstepEngine:
         """The round's lockstep schedule (computed once per round plan)."""
         schedule = self._schedules.get(plan.round)
         if schedule is None or schedule.plan is not plan:
-            width = min(self.group_width or len(plan.work), max(1, len(plan.work)))
-            schedule = lockstep_plan(plan, width, self.caching, self.lane_width)
+            schedule = self.build_schedule(plan)
             self._schedules = {r: s for r, s in self._schedules.items() if r >= plan.round - 1}
             self._schedules[plan.round] = schedule
         return schedule
+
+    def build_schedule(self, plan: RoundPlan) -> LockstepPlan:
+        """``plan`` as lockstep segments with this run's widths (not cached: another rank's part)."""
+        width = min(self.group_width or len(plan.work), max(1, len(plan.work)))
+        return lockstep_plan(plan, width, self.caching, self.lane_width)
+
+    def use_widths(self, settings: dict[str, int]) -> None:
+        """Take the widths another process decided (:meth:`settings`), so every rank schedules alike."""
+        self.group_width = settings["group_width"] or None
+        self.lane_width = settings["lane_width"] or None
+        self._schedules = {}
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, schedule: LockstepPlan, batch_idx: int) -> list[int]:

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_fedrep.algorithms import Algorithm
+from lightning_fedrep.collective import Collective
 from lightning_fedrep.engine.contract import declared_loss
 from lightning_fedrep.engine.runner import LockstepEngine
 from lightning_fedrep.engine.validity import federation_reasons, module_reasons, trainer_reasons
@@ -85,9 +86,11 @@ def start_engine(
     device: torch.device,
     memory: int | None,
     smoke: bool,
+    collective: Collective | None = None,
 ) -> LockstepEngine | None:
     """On the fit's first training loader: decide the feature cache and the widths and say so in one
-    line; ``None`` where ``mode="auto"`` keeps the sequential path. Later loaders change nothing."""
+    line; ``None`` where ``mode="auto"`` keeps the sequential path. Later loaders change nothing.
+    On several processes every rank takes rank 0's widths (its timing decides for all)."""
     cache = engine.bind_loader(loader, device)
     if cache is None:
         return engine
@@ -102,6 +105,8 @@ def start_engine(
         rank_zero_info(f"lightning_fedrep: sequential engine ({reason}).")
         return None
     widths = engine.prepare(plan, device, measure=mode == "auto" and not smoke, memory=memory, smoke=smoke)
+    if collective is not None and collective.distributed:
+        engine.use_widths(collective.broadcast_object(engine.settings()))
     if mode == "auto" and not engine.gains(plan):
         rank_zero_info(
             f"lightning_fedrep: sequential engine (no cached features and no gain in lockstep: {widths})."

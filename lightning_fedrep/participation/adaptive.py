@@ -39,7 +39,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_fedrep.hooks import ClientResult, FederatedCallback, RoundResult
+from lightning_fedrep.hooks import FederatedCallback, RoundResult
 from lightning_fedrep.participation.latency import LatencyModel
 from lightning_fedrep.plan import RoundPlan, sample_clients
 
@@ -239,18 +239,18 @@ class AdaptiveParticipation(FederatedCallback):
         chosen = self._select(plan.round, list(plan.spec.clients), steps, plan.num_clients)
         return plan.replace(clients=chosen)
 
-    def on_client_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: ClientResult) -> None:
-        """Add the client's measured seconds and timed steps to the open round's sums."""
-        if self.measure and result.timed_steps:
-            sums = self._round_sums.setdefault(result.client, [0.0, 0])
-            sums[0] += result.seconds
-            sums[1] += result.timed_steps
-
     def on_round_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: RoundResult) -> None:
-        """Account a federated round once (also one cut short: it costs its plan), advance the clock."""
+        """Take the round's measured seconds and timed steps of every client (on several processes the
+        result holds every rank's clients, so all ranks decide alike); account a federated round once
+        (also one cut short: it costs its plan), advance the clock."""
         if not result.plan.federated:  # a fine-tuning round is not timed
             self._round_sums = {}
             return
+        for client in result.clients:
+            if self.measure and client.timed_steps:
+                sums = self._round_sums.setdefault(client.client, [0.0, 0])
+                sums[0] += client.seconds
+                sums[1] += client.timed_steps
         if self.rounds and self.rounds[-1]["round"] >= result.round:
             return
         self._account(result.round, {w.client: w.steps for w in result.plan.work}, result.plan.num_clients)
@@ -259,18 +259,33 @@ class AdaptiveParticipation(FederatedCallback):
     # ------------------------------------------------------------------ Lightning hooks
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.log_metrics and self.rounds and self.rounds[-1]["round"] == trainer.current_epoch:
-            pl_module.log("sim/time", self.time, on_step=False, on_epoch=True, batch_size=1)
+            pl_module.log(
+                "sim/time",
+                self.time,
+                on_step=False,
+                on_epoch=True,
+                batch_size=1,
+                sync_dist=trainer.world_size > 1,
+            )
             pl_module.log(
                 "sim/participants",
                 float(self.rounds[-1]["participants"]),
                 on_step=False,
                 on_epoch=True,
                 batch_size=1,
+                sync_dist=trainer.world_size > 1,
             )
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.log_metrics and trainer.state.fn == "fit" and not trainer.sanity_checking:
-            pl_module.log("sim/time", self.time, on_step=False, on_epoch=True, batch_size=1)
+            pl_module.log(
+                "sim/time",
+                self.time,
+                on_step=False,
+                on_epoch=True,
+                batch_size=1,
+                sync_dist=trainer.world_size > 1,
+            )
 
     # ------------------------------------------------------------------ checkpoints
     def _config(self) -> dict[str, Any]:

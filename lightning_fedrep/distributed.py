@@ -1,0 +1,108 @@
+"""``FederatedDDPStrategy``: the federated strategy on several processes (GPUs, nodes).
+
+Lightning's DDP machinery launches the processes (``Trainer(devices=N, num_nodes=M)``, ``torchrun``,
+SLURM) and creates the process group; the model is *not* wrapped in ``DistributedDataParallel``:
+clients are independent, so nothing is reduced per step. Each round's clients are dealt to the ranks
+(balanced by steps), every rank runs the same number of Lightning steps (idle steps pad the shorter
+ranks), and the round ends with one all-reduce of the weighted sums and one all-gather of what each
+rank's clients did. Every rank then holds every client's state (the client store is replicated), so
+callbacks, evaluation and checkpoints see the whole federation on every rank.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
+
+from lightning_fedrep.algorithms import ALGORITHMS
+from lightning_fedrep.collective import ProcessGroupCollective
+from lightning_fedrep.strategy import FederatedStrategyMixin
+
+_LOST_PEER = re.compile(
+    r"Connection (closed|reset) by peer|timed out|Timeout|NCCL|DistBackendError|Broken pipe", re.I
+)
+"""How torch.distributed reports that a peer process is gone or did not answer (gloo and NCCL)."""
+
+
+class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
+    """Personalized federated learning on several processes: one round's clients sharded over ranks.
+
+    Takes every federated setting of :class:`~lightning_fedrep.strategy.FederatedStrategyMixin`
+    (``head``, ``algorithm``, ``clients_per_round``, ``head_epochs``, ``body_epochs``, ``phases``,
+    ``engine``, ...) and Lightning's DDP process settings:
+
+    Args:
+        timeout: seconds (or a ``timedelta``) a collective waits for the other processes before failing:
+            a process that died makes the others fail with an error after at most this long.
+        process_group_backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs); by default Lightning's choice for
+            the device.
+        start_method: how Lightning starts the processes when it launches them itself (``"popen"``
+            re-runs the script; ``"spawn"``/``"fork"``/``"forkserver"`` for notebooks and the like).
+
+    Registered as ``"fedrep_ddp"``, ``"fedper_ddp"``, ``"lg_fedavg_ddp"``, ``"fedavg_ddp"``, ``"local_ddp"``.
+    """
+
+    strategy_name = "federated_ddp"
+
+    def __init__(
+        self,
+        *args: Any,
+        timeout: float | timedelta = 1800.0,
+        process_group_backend: str | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ):
+        if not isinstance(timeout, timedelta):
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+                raise ValueError(f"timeout must be a number of seconds > 0 or a timedelta, got {timeout!r}.")
+            timeout = timedelta(seconds=timeout)
+        super().__init__(
+            *args,
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+            **kwargs,
+        )
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"<algorithm>_ddp"`` for every registered algorithm (``"fedrep_ddp"``, ...)."""
+        for name, algorithm in ALGORITHMS.items():
+            if f"{name}_ddp" not in strategy_registry:
+                strategy_registry.register(
+                    f"{name}_ddp",
+                    cls,
+                    description=f"{algorithm.description} (several processes)",
+                    algorithm=name,
+                )
+
+    @override
+    def setup_environment(self) -> None:
+        """Called before the data and the module are set up: create the process group (Lightning), then
+        the federation's collectives on it."""
+        super().setup_environment()
+        self.collective = ProcessGroupCollective()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Called when training fails: say so when the cause is another process (it died, or did not
+        answer within ``timeout``), whose own log holds the reason."""
+        super().on_exception(exception)
+        text = str(exception)
+        if exception.args and isinstance(exception.args[0], str) and _LOST_PEER.search(text):
+            exception.args = (
+                f"{exception.args[0]}\nlightning_fedrep: another process of this federated run stopped, or did not "
+                f"answer within timeout={self._timeout}; its own output says why. A checkpoint written at the end "
+                "of a round resumes on any number of processes.",
+                *exception.args[1:],
+            )
+
+    @override
+    def configure_ddp(self) -> None:
+        """Called in ``setup`` (fit): no ``DistributedDataParallel`` wrapper. Clients are independent; what
+        they share is aggregated once per round, not reduced at every backward."""

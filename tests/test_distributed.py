@@ -1,0 +1,176 @@
+"""The federated strategy on 2 CPU processes (gloo) against the same federation on 1 process.
+
+Every run is ``tests/scripts/federated_run.py`` started as a subprocess with a timeout (Lightning's
+launcher re-runs the script for rank 1; it must never re-run pytest), in its own session so that a
+run that hangs is killed — it and its rank-1 child, nothing else — by its process-group id. Each rank
+writes what it holds after the fit; the tests compare the global body and every client's head of the
+2-process runs with the 1-process run of the same plan (uneven client sizes, so ranks idle), resume
+across world sizes, and show that a dead rank or disagreeing ranks end the run with an error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+SCRIPT = REPOSITORY / "tests" / "scripts" / "federated_run.py"
+TIMEOUT = 240  # seconds per run; one run takes ~10 s on 2 idle cores
+
+
+def run(out: Path, *args: str, timeout: float = TIMEOUT) -> tuple[int, str]:
+    """Run the script (1 or 2 processes); its return code and its output (both ranks')."""
+    env = {**os.environ, "PYTHONPATH": str(REPOSITORY), "WANDB_MODE": "disabled"}
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--out", str(out), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=out.parent,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(args)} did not finish within {timeout} s:\n{output[-4000:]}")
+    return process.returncode, output
+
+
+def fit(out: Path, *args: str) -> list[dict]:
+    """A run that must succeed: what each rank held after it."""
+    code, output = run(out, *args)
+    assert code == 0, output[-6000:]
+    world = int(args[args.index("--devices") + 1]) if "--devices" in args else 1
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def assert_same_federation(expected: dict, actual: dict, atol: float = 1e-6) -> None:
+    assert actual["global"].keys() == expected["global"].keys()
+    for name, tensor in expected["global"].items():
+        torch.testing.assert_close(actual["global"][name], tensor, atol=atol, rtol=1e-5)
+    assert actual["clients"].keys() == expected["clients"].keys()
+    for client, tensors in expected["clients"].items():
+        for name, tensor in tensors.items():
+            torch.testing.assert_close(actual["clients"][client][name], tensor, atol=atol, rtol=1e-5)
+    assert [row["round"] for row in actual["history"]] == [row["round"] for row in expected["history"]]
+    for got, want in zip(actual["history"], expected["history"]):
+        assert got["val/acc"] == pytest.approx(want["val/acc"], abs=1e-9)
+        assert got["val/loss"] == pytest.approx(want["val/loss"], abs=1e-5)
+    assert actual["val_acc"] == pytest.approx(expected["val_acc"], abs=1e-9)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("distributed")
+
+
+@pytest.fixture(scope="module")
+def fedrep_reference(runs) -> dict:
+    """FedRep, 4 rounds, on one process (the plain strategy)."""
+    (single,) = fit(runs / "fedrep_one", "--devices", "1", "--rounds", "4")
+    return single
+
+
+def test_two_processes_on_the_engine_equal_one_process(runs, fedrep_reference):
+    """FedRep on the vectorized engine, clients dealt to 2 ranks (lockstep schedules of unequal length,
+    so one rank idles): the body, every head and the personalized accuracy equal one process's."""
+    ranks = fit(runs / "fedrep_two", "--devices", "2", "--rounds", "4", "--engine", "vectorized")
+    for held in ranks:  # every rank holds the whole federation
+        assert held["world_size"] == 2
+        assert_same_federation(fedrep_reference, held)
+    assert ranks[0]["global_step"] < fedrep_reference["global_step"]  # each rank ran only its share
+
+
+def test_fedavg_with_partial_participation_on_two_processes_equals_one(runs):
+    """FedAvg sampling half of the clients each round, sequential path: the same on 1 and 2 processes."""
+    args = ("--algorithm", "fedavg", "--clients-per-round", "0.5", "--rounds", "3")
+    (single,) = fit(runs / "fedavg_one", "--devices", "1", *args)
+    for held in fit(runs / "fedavg_two", "--devices", "2", *args):
+        assert_same_federation(single, held)
+
+
+def test_a_two_process_checkpoint_resumes_on_one_process(runs, fedrep_reference):
+    fit(runs / "two_first", "--devices", "2", "--rounds", "2", "--save", str(runs / "two.ckpt"))
+    (resumed,) = fit(
+        runs / "one_after_two", "--devices", "1", "--rounds", "4", "--resume", str(runs / "two.ckpt")
+    )
+    assert_same_federation(fedrep_reference, resumed)
+
+
+def test_a_one_process_checkpoint_resumes_on_two_processes(runs, fedrep_reference):
+    fit(runs / "one_first", "--devices", "1", "--rounds", "2", "--save", str(runs / "one.ckpt"))
+    for held in fit(
+        runs / "two_after_one", "--devices", "2", "--rounds", "4", "--resume", str(runs / "one.ckpt")
+    ):
+        assert_same_federation(fedrep_reference, held)
+
+
+def test_a_mid_round_checkpoint_resumes_on_as_many_processes_and_is_refused_on_others(runs, fedrep_reference):
+    """Each rank's open round is saved: resumed on 2 processes it continues exactly; on 1 process it is
+    refused with the reason (a round-end checkpoint resumes anywhere)."""
+    out = runs / "mid"
+    fit(out, "--devices", "2", "--rounds", "2", "--engine", "vectorized", "--save-every", "15")
+    checkpoint = Path(f"{out}_ckpt") / "step=15.ckpt"  # round 0 has 21 lockstep steps: mid-round
+    assert torch.load(checkpoint, weights_only=False)["lightning_fedrep"]["round"]["open"]
+    ranks = fit(
+        runs / "mid_resumed",
+        "--devices",
+        "2",
+        "--rounds",
+        "4",
+        "--engine",
+        "vectorized",
+        "--resume",
+        str(checkpoint),
+    )
+    for held in ranks:
+        assert_same_federation(fedrep_reference, held)
+    code, output = run(
+        runs / "mid_on_one",
+        "--devices",
+        "1",
+        "--rounds",
+        "4",
+        "--engine",
+        "vectorized",
+        "--resume",
+        str(checkpoint),
+    )
+    assert code != 0
+    assert "saved inside round 0 by 2 process(es), but this run has 1" in output
+
+
+def test_a_killed_rank_makes_the_other_fail_with_a_message(runs):
+    """Rank 1 is killed (SIGKILL) as round 1 starts: rank 0 fails within the timeout, saying why."""
+    code, output = run(
+        runs / "killed", "--devices", "2", "--rounds", "3", "--kill-rank", "1", "--timeout", "30", timeout=120
+    )
+    assert code != 0
+    assert "another process of this federated run stopped" in output
+    assert not Path(f"{runs / 'killed'}.rank0.pt").exists()
+
+
+def test_ranks_that_disagree_on_the_plan_fail_together(runs):
+    """A callback that plans differently on rank 1: both ranks stop at the round's first step with an
+    error naming the disagreement (never a hang)."""
+    code, output = run(runs / "disagree", "--devices", "2", "--rounds", "2", "--disagree", timeout=120)
+    assert code != 0
+    assert "The 2 processes disagree on the plan of round 0" in output
+
+
+def test_latency_based_participation_agrees_across_ranks(runs):
+    """SRPFL participation measures each client's step time on the rank that trains it; the round's
+    results hold every rank's clients, so both ranks choose the same clients every round (a
+    disagreement would stop the run) and end holding the same federation."""
+    first, second = fit(runs / "adaptive", "--devices", "2", "--rounds", "4", "--adaptive")
+    assert first["participants"] == second["participants"] == [2, 4, 8, 8]
+    assert_same_federation(first, second, atol=0.0)
