@@ -44,6 +44,8 @@ class RankSchedule:
     """How this rank runs them: one client step per Lightning step, or in lockstep."""
     length: int
     """Lightning steps of the round on every rank (the longest rank's)."""
+    lengths: tuple[int, ...] = ()
+    """Each rank's Lightning steps before it idles, by rank."""
 
     @property
     def round(self) -> int:
@@ -78,8 +80,8 @@ def rank_schedule(
         for share in shard_round(plan, world_size)
     ]
     own = schedule(locals_[rank], True)
-    longest = max([own.length, *(schedule(p, False).length for r, p in enumerate(locals_) if r != rank)])
-    return RankSchedule(plan, locals_[rank], own, longest)
+    lengths = tuple(own.length if r == rank else schedule(p, False).length for r, p in enumerate(locals_))
+    return RankSchedule(plan, locals_[rank], own, max(lengths), lengths)
 
 
 def evaluation_shards(sizes: Sequence[int], world_size: int) -> list[list[int]]:

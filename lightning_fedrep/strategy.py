@@ -205,6 +205,13 @@ class FederatedStrategyMixin:
         r = self.lightning_module.trainer.current_epoch if round_index is None else round_index
         return shard_round(self.round_plan(r), self.collective.world_size)
 
+    def rank_steps(self, round_index: int | None = None) -> tuple[int, ...]:
+        """The Lightning steps each process trains in a round (the current one by default) before it
+        idles, by rank: every rank runs the largest count, the others pad with idle steps."""
+        r = self.lightning_module.trainer.current_epoch if round_index is None else round_index
+        schedule = self._training_schedule(r)
+        return schedule.lengths if isinstance(schedule, RankSchedule) else (schedule.length,)
+
     def client_for(self, batch_idx: int, round_index: int | None = None) -> int:
         """The client that trains on the ``batch_idx``-th batch of a round (the current one by default).
 

@@ -174,3 +174,19 @@ def test_latency_based_participation_agrees_across_ranks(runs):
     first, second = fit(runs / "adaptive", "--devices", "2", "--rounds", "4", "--adaptive")
     assert first["participants"] == second["participants"] == [2, 4, 8, 8]
     assert_same_federation(first, second, atol=0.0)
+
+
+def test_the_throughput_benchmark_runs_end_to_end():
+    """``benchmarks/distributed/throughput.py --small``: both process counts train and report their balance."""
+    script = REPOSITORY / "benchmarks" / "distributed" / "throughput.py"
+    process = subprocess.run(
+        [sys.executable, str(script), "--small", "--timeout", "200"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+    )
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    rows = [line.split() for line in process.stdout.splitlines() if line.strip()[:1] in ("1", "2")]
+    assert [row[0] for row in rows] == ["1", "2"]
+    assert rows[1][1] == "vectorized" and rows[1][4].endswith("x")

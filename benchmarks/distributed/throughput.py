@@ -47,7 +47,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--max-samples", type=int, default=160)
     parser.add_argument("--head-epochs", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engine", default="auto", choices=["auto", "vectorized", "sequential"])
+    parser.add_argument(
+        "--engine",
+        default="vectorized",
+        choices=["auto", "vectorized", "sequential"],
+        help="vectorized (default): the same lockstep schedule on every process count; auto times its choice per run",
+    )
     parser.add_argument("--small", action="store_true", help="4 clients of 10-30 samples, 2 rounds")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per process count")
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
@@ -92,7 +97,7 @@ def worker(args: argparse.Namespace, devices: int) -> None:
             trainer.strategy.barrier()
             self.seconds.append(time.perf_counter() - self._started)
             self.shares.append([share.steps for share in trainer.strategy.round_shares()])
-            self.steps.append(trainer.num_training_batches)
+            self.steps.append(list(trainer.strategy.rank_steps()))
 
     generator = torch.Generator().manual_seed(0)
     train = []
@@ -157,7 +162,7 @@ def run_process_count(args: argparse.Namespace, devices: int, folder: Path) -> d
         output, _ = process.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, 9)
-        raise SystemExit(f"{devices} process(es) did not finish within {args.timeout} s")
+        raise SystemExit(f"{devices} process(es) did not finish within {args.timeout} s") from None
     if process.returncode != 0 or not result.exists():
         raise SystemExit(f"{devices} process(es) failed:\n{output[-4000:]}")
     return json.loads(result.read_text())
@@ -177,22 +182,24 @@ def main() -> None:
         reports = {n: run_process_count(args, n, Path(folder)) for n in args.devices}
     baseline = None
     print(
-        f"\n{'processes':>9}  {'engine':>10}  {'s/round':>8}  {'rounds/s':>8}  {'speed-up':>8}  {'steps/round':>11}  balance"
+        f"\n{'processes':>9}  {'engine':>10}  {'s/round':>8}  {'rounds/s':>8}  {'speed-up':>8}  {'steps per rank':>14}  "
+        f"{'balance':>7}  client steps per rank"
     )
     for devices, report in reports.items():
         timed = report["seconds"][1:] or report["seconds"]
         per_round = statistics.median(timed)
         baseline = baseline or (per_round if devices == args.devices[0] else None)
-        shares = report["shares"][-1]
-        balance = statistics.mean(shares) / max(shares) if max(shares) else 1.0
+        shares, steps = report["shares"][-1], report["steps"][-1]
+        balance = statistics.mean(steps) / max(steps) if max(steps) else 1.0
         speedup = f"{baseline / per_round:.2f}x" if baseline else "-"
         print(
             f"{devices:>9}  {report['engine']:>10}  {per_round:>8.3f}  {1 / per_round:>8.3f}  {speedup:>8}  "
-            f"{report['steps'][-1]:>11}  {balance:.3f} (client steps per rank: {shares})"
+            f"{str(steps):>14}  {balance:>7.3f}  {shares}"
         )
     print(
-        "\nsteps/round: Lightning steps of a round on each rank (padded to the busiest rank). balance: mean over "
-        "ranks of its client steps / the busiest rank's (1.0 = no rank idles)."
+        "\nsteps per rank: the Lightning steps each rank trains in a round (every rank runs the largest, the others "
+        "idle). balance: their mean / their largest (1.0 = no rank idles). client steps: each rank's clients' "
+        "local steps (what the sharding balances)."
     )
 
 
