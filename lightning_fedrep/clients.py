@@ -17,6 +17,13 @@ OptimizerState = dict[int, dict[int, dict[str, Any]]]
 """Optimizer index -> parameter index (position in the optimizer's param groups) -> state entries."""
 
 
+class ClientNotHeld(KeyError):
+    """A client's state was read on a process that does not hold it (``client_store="sharded"``)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class ClientStore:
     """The local tensors of every client that trained, plus their kept optimizer state."""
 
@@ -26,10 +33,52 @@ class ClientStore:
         self.optimizer_states: dict[int, OptimizerState] = {}
         self.finetuned: dict[int, dict[str, Tensor]] = {}
         """Per client, shared tensors it trained in a round that did not aggregate (fine-tuning)."""
+        self.world_size: int | None = None
+        """Sharded over this many processes (client ``c`` held by rank ``c % world_size``); ``None``: this
+        store holds every client."""
+        self.rank = 0
+        self.borrowed: set[int] = set()
+        """Clients held here for the open round only (their owner is another rank)."""
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size is not None
+
+    def owner(self, client: int) -> int | None:
+        """The rank holding ``client`` (``None``: every rank)."""
+        return None if self.world_size is None else client % self.world_size
+
+    def holds(self, client: int) -> bool:
+        """Whether this store can answer for ``client`` (always, unless sharded over processes)."""
+        return client < 0 or self.owner(client) in (None, self.rank) or client in self.borrowed
 
     def get(self, client: int) -> list[Tensor]:
         """The client's local tensors (the template for a client that never trained). Do not modify."""
+        if not self.holds(client):
+            raise ClientNotHeld(
+                f"Client {client}'s state is held by rank {self.owner(client)}, not by rank {self.rank} "
+                "(client_store='sharded'). Read it on that rank, call strategy.gather_clients() on every rank "
+                "first, or use client_store='replicated'."
+            )
         return self.local.get(client, self.template)
+
+    def shard(self, world_size: int, rank: int) -> None:
+        """Hold only the clients of ``rank`` out of ``world_size`` (``c % world_size == rank``) and the
+        borrowed ones; drop the others."""
+        self.world_size, self.rank = world_size, rank
+        for mapping in (self.local, self.optimizer_states, self.finetuned):
+            for client in [c for c in mapping if not self.holds(c)]:
+                del mapping[client]
+
+    def unshard(self) -> None:
+        """Answer for every client again (after every rank's clients were loaded here)."""
+        self.world_size, self.borrowed = None, set()
+
+    def drop(self, client: int) -> None:
+        """Forget ``client`` (its owner holds it)."""
+        for mapping in (self.local, self.optimizer_states, self.finetuned):
+            mapping.pop(client, None)
+        self.borrowed.discard(client)
 
     def personal(self, client: int, local_names: Sequence[str]) -> dict[str, Tensor]:
         """What makes ``client``'s model its own, by name: its local part (the template if it never

@@ -45,6 +45,10 @@ class Collective:
         """Rank ``src``'s ``obj`` on every process."""
         return obj
 
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every process's ``obj``, by rank, on rank ``dst`` (``None`` on the others)."""
+        return [obj]
+
     def agree(self, value: Any, what: str) -> list[Any]:
         """Every rank's ``value``; raises on every rank (together, so none waits) if they differ."""
         values = self.all_gather_object(value)
@@ -82,6 +86,11 @@ class ProcessGroupCollective(Collective):
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(gathered, obj)
+        return gathered
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        torch.distributed.gather_object(obj, gathered, dst=dst)
         return gathered
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

@@ -5,8 +5,10 @@ SLURM) and creates the process group; the model is *not* wrapped in ``Distribute
 clients are independent, so nothing is reduced per step. Each round's clients are dealt to the ranks
 (balanced by steps), every rank runs the same number of Lightning steps (idle steps pad the shorter
 ranks), and the round ends with one all-reduce of the weighted sums and one all-gather of what each
-rank's clients did. Every rank then holds every client's state (the client store is replicated), so
-callbacks, evaluation and checkpoints see the whole federation on every rank.
+rank's clients did. By default every rank then holds every client's state (``client_store=
+"replicated"``), so callbacks and evaluation see the whole federation on every rank; with
+``client_store="sharded"`` each rank holds only its own clients (client ``c`` on rank ``c % N``), lends
+the ones another rank trains for the round, and rank 0 gathers them all for a checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning as L
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
@@ -36,6 +39,11 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
     ``engine``, ...) and Lightning's DDP process settings:
 
     Args:
+        client_store: ``"replicated"``: every rank holds every client's state (memory: the whole store per
+            rank; every callback works as on one process). ``"sharded"``: each rank holds its own clients
+            (client ``c`` on rank ``c % N``; memory: 1/N of the store); callbacks that read every client
+            (``needs_every_client``, e.g. ``NeuralCollapse``) are refused, and after ``fit`` a client is
+            read on the rank holding it, or everywhere after :meth:`gather_clients`.
         timeout: seconds (or a ``timedelta``) a collective waits for the other processes before failing:
             a process that died makes the others fail with an error after at most this long.
         process_group_backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs); by default Lightning's choice for
@@ -51,6 +59,7 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
     def __init__(
         self,
         *args: Any,
+        client_store: Literal["replicated", "sharded"] = "replicated",
         timeout: float | timedelta = 1800.0,
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -60,6 +69,9 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
             if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
                 raise ValueError(f"timeout must be a number of seconds > 0 or a timedelta, got {timeout!r}.")
             timeout = timedelta(seconds=timeout)
+        if client_store not in ("replicated", "sharded"):
+            raise ValueError(f"client_store must be 'replicated' or 'sharded', got {client_store!r}.")
+        self.client_store = client_store
         super().__init__(
             *args,
             timeout=timeout,
@@ -87,6 +99,21 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
         the federation's collectives on it."""
         super().setup_environment()
         self.collective = ProcessGroupCollective()
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        """Called after the module's and the data's ``setup``: as on one process, then, with a sharded
+        client store, keep only this rank's clients (refusing callbacks that read every client)."""
+        super().setup(trainer)
+        if self.client_store != "sharded":
+            return
+        needy = [type(c).__name__ for c in self._callbacks if c.needs_every_client]
+        if needy:
+            raise ValueError(
+                f"{', '.join(needy)} read(s) every client's state on every process, but client_store='sharded' "
+                "keeps each client on one rank. Use client_store='replicated' (the default)."
+            )
+        self.federation.shard_clients()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

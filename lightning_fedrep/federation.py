@@ -26,7 +26,7 @@ from lightning_fedrep.algorithms import PART_GROUPS, Algorithm, Part, Phase
 from lightning_fedrep.clients import ClientStore, OptimizerState
 from lightning_fedrep.collective import Collective, to_cpu
 from lightning_fedrep.history import History
-from lightning_fedrep.plan import RoundPlan, StepLocation, plan_round, sample_clients
+from lightning_fedrep.plan import RoundPlan, StepLocation, plan_round, sample_clients, shard_round
 from lightning_fedrep.server import WeightedAverage
 from lightning_fedrep.split import ParameterSplit, TensorLayout
 
@@ -259,6 +259,8 @@ class Federation:
         self.round_open = True
         if plan.aggregate:
             self.store.finetuned.clear()  # a new federated round makes earlier fine-tuning stale
+        if self.store.sharded:
+            self._lend_clients(plan)
         self._average = WeightedAverage(self.global_state) if self.shared_names and plan.aggregate else None
         self._finished = []
 
@@ -373,14 +375,85 @@ class Federation:
         what the others' clients did and now hold (one all-gather), so each holds every client."""
         if self._average is not None:
             self._average.load_flat(self.collective.all_reduce_sum(self._average.flat()))
-        mine = [(asdict(r), to_cpu(self.store.record(r.client))) for r in self._finished]
+        store, me = self.store, self.collective.rank
+        mine = [(asdict(r), to_cpu(store.record(r.client))) for r in self._finished]
         finished: dict[int, ClientResult] = {}
         for rank, records in enumerate(self.collective.all_gather_object(mine)):
             for result, record in records:
-                if rank != self.collective.rank:
-                    self.store.load_record(result["client"], record, self._device)
-                finished[result["client"]] = ClientResult(**result)
+                client = result["client"]
+                if rank != me and store.owner(client) in (None, me):
+                    store.load_record(client, record, self._device)
+                finished[client] = ClientResult(**result)
+        for client in list(store.borrowed):  # back with their owners now
+            store.drop(client)
         self._finished = [finished[c] for c in self.plan(self.round_index).clients if c in finished]
+
+    def _lend_clients(self, plan: RoundPlan) -> None:
+        """Sharded store: before a round, each rank sends the clients it holds that another rank trains
+        (one all-gather); the trainer holds them until the round closes."""
+        store, me = self.store, self.collective.rank
+        trainer = {
+            c: r
+            for r, share in enumerate(shard_round(plan, self.collective.world_size))
+            for c in share.clients
+        }
+        store.borrowed.update(c for c, r in trainer.items() if r == me and store.owner(c) != me)
+        lent = [
+            (c, to_cpu(store.record(c)))
+            for c, r in trainer.items()
+            if r != me and store.owner(c) == me and c in store.local
+        ]
+        for records in self.collective.all_gather_object(lent):
+            for client, record in records:
+                if trainer[client] == me:
+                    store.load_record(client, record, self._device)
+
+    def shard_clients(self) -> None:
+        """Hold only this process's clients (client ``c`` on rank ``c % world_size``)."""
+        self.store.shard(self.collective.world_size, self.collective.rank)
+
+    def gather_clients(self) -> None:
+        """Every process holds every client again (one all-gather; call it on every rank)."""
+        if not self.store.sharded:
+            return
+        held = [(c, to_cpu(self.store.record(c))) for c in self._owned()]
+        for rank, records in enumerate(self.collective.all_gather_object(held)):
+            if rank != self.collective.rank:
+                for client, record in records:
+                    self.store.load_record(client, record, self._device)
+        self.store.unshard()
+
+    def gathered_store_state(self) -> dict[str, Any] | None:
+        """The whole client store's state on rank 0 (``None`` elsewhere): each rank sends the clients
+        it owns (one gather, for a checkpoint); the borrowed ones travel with each rank's open round."""
+        store = self.store
+        state = store.state_dict()
+        owned = set(self._owned())
+        records = [(c, to_cpu(store.record(c))) for c in owned]
+        gathered = self.collective.gather_object(records)
+        if gathered is None:
+            return None
+        merged = ClientStore([])
+        merged.load_state_dict({**state, "local": {}, "optimizer_states": {}, "finetuned": {}})
+        for records in gathered:
+            for client, record in records:
+                merged.load_record(client, record)
+        return merged.state_dict()
+
+    def borrowed_records(self) -> list[tuple[int, dict[str, Any]]]:
+        """The clients this process holds for the open round only (saved with its open round)."""
+        return [(c, to_cpu(self.store.record(c))) for c in sorted(self.store.borrowed)]
+
+    def restore_borrowed(self, records: Sequence[tuple[int, dict[str, Any]]]) -> None:
+        """Hold again the clients :meth:`borrowed_records` listed (a mid-round resume)."""
+        for client, record in records:
+            self.store.load_record(client, record, self._device)
+            self.store.borrowed.add(client)
+
+    def _owned(self) -> list[int]:
+        store = self.store
+        clients = set(store.local) | set(store.optimizer_states) | set(store.finetuned)
+        return sorted(c for c in clients if store.owner(c) in (None, self.collective.rank))
 
     def weight_of(self, client: int) -> float:
         """A client's aggregation weight: its training samples, or 1 under uniform weighting."""

@@ -144,9 +144,13 @@ class FederatedCallback(Callback):
 
     Set ``needs_client_timing = True`` on a callback that reads ``ClientResult.seconds``: the strategy
     then times every client's steps (synchronising the device on GPU), which it skips otherwise.
+    Set ``needs_every_client = True`` on one that reads or updates clients' state beyond what
+    ``on_client_*`` hands it (a server step over all heads, metrics over every client): on several
+    processes it needs every client on every rank, which ``client_store="sharded"`` refuses at setup.
     """
 
     needs_client_timing: bool = False
+    needs_every_client: bool = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse a Trainer whose strategy is not federated (subclasses call ``super().setup``)."""

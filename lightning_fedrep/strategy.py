@@ -252,6 +252,12 @@ class FederatedStrategyMixin:
         initial local part (for FedAvg, the global model). The starting point of new clients."""
         return self.client_model(-1)
 
+    def gather_clients(self) -> None:
+        """Give this process every client's state. A collective: call it on every process. Needed only
+        after a fit with ``client_store="sharded"`` (each rank then holds its own clients), before reading
+        any client (``client_model(i)``, ``client_tensors(i)``) on any rank; a no-op otherwise."""
+        self.require_federation().gather_clients()
+
     def require_federation(self) -> Federation:
         """The federation, with an error that says how to get one."""
         if self.federation is None or not self.federation.has_state:
@@ -351,7 +357,12 @@ class FederatedStrategyMixin:
         if isinstance(dataloader, EvalLoader):
             self._eval_loader = dataloader
             if self.collective.distributed:
-                dataloader.shard(self.collective.rank, self.collective.world_size)
+                sharded = (
+                    self.federation is not None
+                    and self.federation.has_state
+                    and self.federation.store.sharded
+                )
+                dataloader.shard(self.collective.rank, self.collective.world_size, by_owner=sharded)
             self._batched_evaluation = None
             if self.engine != "sequential" and self.headline_metrics and self.federation is not None:
                 self._batched_evaluation = batched_evaluation(
@@ -689,6 +700,9 @@ class FederatedStrategyMixin:
                     state["round"]["engine"] = self._engine.state_dict()
             if self.collective.distributed:  # each process's open round and RNG (the rest is the same on all)
                 own = {"round": state["round"], "torch_rng": state["torch_rng"]}
+                if self.federation.store.sharded:  # every rank's clients to rank 0, which writes
+                    own["borrowed"] = self.federation.borrowed_records()
+                    state["clients"] = self.federation.gathered_store_state()
                 state["ranks"] = self.collective.all_gather_object(to_cpu(own))
             checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -722,6 +736,7 @@ class FederatedStrategyMixin:
             return
         state = self._this_rank_state(state)
         self.federation.restore_round(state)
+        self.federation.restore_borrowed(state.get("borrowed", []))
         if self._engine is not None and self.engine == "auto" and "engine" not in state:
             self._engine = None  # the run that saved it ran sequentially: so does its continuation
         if self._engine is not None:

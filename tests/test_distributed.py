@@ -90,12 +90,36 @@ def test_two_processes_on_the_engine_equal_one_process(runs, fedrep_reference):
     assert ranks[0]["global_step"] < fedrep_reference["global_step"]  # each rank ran only its share
 
 
-def test_fedavg_with_partial_participation_on_two_processes_equals_one(runs):
-    """FedAvg sampling half of the clients each round, sequential path: the same on 1 and 2 processes."""
-    args = ("--algorithm", "fedavg", "--clients-per-round", "0.5", "--rounds", "3")
-    (single,) = fit(runs / "fedavg_one", "--devices", "1", *args)
-    for held in fit(runs / "fedavg_two", "--devices", "2", *args):
+FEDAVG_FT = ("--algorithm", "fedavg", "--clients-per-round", "0.5", "--rounds", "3", "--finetune", "full")
+
+
+@pytest.fixture(scope="module")
+def fedavg_reference(runs) -> dict:
+    """FedAvg with half the clients per round, then full fine-tuning, on one process."""
+    (single,) = fit(runs / "fedavg_one", "--devices", "1", *FEDAVG_FT)
+    assert "finetune" in single["results"]
+    return single
+
+
+@pytest.mark.parametrize("client_store", ["replicated", "sharded"])
+def test_fedavg_with_partial_participation_and_fine_tuning_on_two_processes_equals_one(
+    runs, fedavg_reference, client_store
+):
+    """FedAvg sampling half of the clients each round, then a full fine-tuning round of every client
+    (sharded like a training round, nothing aggregated), sequential path: the same on 1 and 2 processes,
+    whether every rank holds every client or each holds its own (and lends them to the rank training them)."""
+    single = fedavg_reference
+    ranks = fit(
+        runs / f"fedavg_two_{client_store}", "--devices", "2", "--client-store", client_store, *FEDAVG_FT
+    )
+    if client_store == "sharded":
+        assert [held["held"] for held in ranks] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for held in ranks:
         assert_same_federation(single, held)
+        assert held["results"]["finetune"] == pytest.approx(single["results"]["finetune"], abs=1e-6)
+        # fine-tuned bodies differ per client: each rank received the others' fine-tuned tensors
+        bodies = [held["clients"][c]["body.0.weight"] for c in held["clients"]]
+        assert not torch.equal(bodies[0], bodies[1])
 
 
 def test_a_two_process_checkpoint_resumes_on_one_process(runs, fedrep_reference):
@@ -190,3 +214,38 @@ def test_the_throughput_benchmark_runs_end_to_end():
     rows = [line.split() for line in process.stdout.splitlines() if line.strip()[:1] in ("1", "2")]
     assert [row[0] for row in rows] == ["1", "2"]
     assert rows[1][1] == "vectorized" and rows[1][4].endswith("x")
+
+
+def test_a_sharded_store_trains_resumes_and_checkpoints_the_whole_federation(runs, fedrep_reference):
+    """client_store='sharded': each rank holds only its clients (c % 2) and lends them for the round to
+    the rank training them; a mid-round checkpoint (each rank's borrowed clients in its open round)
+    resumes exactly on 2 processes, and the round-end checkpoint rank 0 wrote holds every client and
+    resumes on 1 process."""
+    out = runs / "sharded"
+    sharded = ("--devices", "2", "--engine", "vectorized", "--client-store", "sharded")
+    first = fit(out, *sharded, "--rounds", "2", "--save-every", "15", "--save", str(runs / "sharded.ckpt"))
+    assert [held["held"] for held in first] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    saved = torch.load(runs / "sharded.ckpt", weights_only=False)["lightning_fedrep"]["clients"]
+    assert sorted(saved["local"]) == list(range(8))
+    middle = Path(f"{out}_ckpt") / "step=15.ckpt"
+    for held in fit(runs / "sharded_mid", *sharded, "--rounds", "4", "--resume", str(middle)):
+        assert held["held"] in ([0, 2, 4, 6], [1, 3, 5, 7])
+        assert_same_federation(fedrep_reference, held)
+    (one,) = fit(
+        runs / "sharded_on_one", "--devices", "1", "--rounds", "4", "--resume", str(runs / "sharded.ckpt")
+    )
+    assert_same_federation(fedrep_reference, one)
+
+
+def test_a_sharded_store_refuses_callbacks_that_read_every_client(runs):
+    code, output = run(
+        runs / "sharded_needy",
+        "--devices",
+        "2",
+        "--client-store",
+        "sharded",
+        "--reads-every-client",
+        timeout=120,
+    )
+    assert code != 0
+    assert "ReadsEveryClient read(s) every client's state on every process" in output

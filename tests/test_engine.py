@@ -1,11 +1,13 @@
-"""The vectorized engine against the sequential path, run on the same data and seeds.
+"""The vectorized engine against the sequential path: more optimizers and head shapes, and where it
+does not run.
 
 Every equivalence test fits the same module twice — ``engine="sequential"`` (the user's
 ``training_step``, one client step per Lightning step) and ``engine="vectorized"`` (a round's clients in
 lockstep) — and compares the global tensors and every client's tensors. The engine is asserted to have
-run (else the comparison would be vacuous). Then: a bit-exact mid-round resume on the engine, the
-fallbacks and refusals, chunked groups, and Lightning's ``max_steps`` / validation / ``EarlyStopping`` /
-``global_step`` on the engine.
+run (else the comparison would be vacuous). Here: AdamW, SGD parameter groups, multi-layer heads, epoch
+LR schedulers, explicit step phases, a round-end checkpoint moving between engines, every fallback and
+refusal with its reason, groups of two, ``global_step`` and mid-round validation on the engine (the
+algorithm matrix, mid-round resume and ``max_steps``/``EarlyStopping``: ``tests/test_engine_equivalence.py``).
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from lightning_fedrep import CHECKPOINT_KEY, FederatedDataModule, FederatedStrategy, Phase
+from lightning_fedrep import FederatedDataModule, FederatedStrategy, Phase
 from lightning_fedrep.engine import module_reasons, trainer_reasons
 from tests.fixtures import quiet_trainer
 
@@ -260,39 +262,6 @@ RESUME = dict(
 )
 
 
-def test_mid_round_resume_on_the_engine_is_bit_exact(tmp_path):
-    uninterrupted, full_trainer = fit("vectorized", **RESUME)
-    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
-    first, _ = fit("vectorized", trainer=dict(enable_checkpointing=True, callbacks=[saver]), **RESUME)
-
-    engine = first._engine
-    schedules = [engine.schedule(first.round_plan(r)) for r in range(3)]
-    ends = torch.tensor([s.length for s in schedules]).cumsum(0).tolist()
-    picked: dict[tuple[bool, bool], int] = {}  # (cached head segment, first group) -> a checkpoint step
-    for path in tmp_path.glob("step=*.ckpt"):
-        step = int(path.stem.split("=")[1])
-        if step in ends or step >= ends[-1]:
-            continue  # a round boundary
-        round_index = next(r for r, end in enumerate(ends) if step < end)
-        segment, _ = schedules[round_index].locate(step - ([0, *ends][round_index]))
-        picked.setdefault((segment.cached, segment.group == 0), step)
-    assert len(picked) == 4, f"checkpoints do not cover every kind of segment: {picked}"
-
-    for step in sorted(picked.values()):
-        path = tmp_path / f"step={step}.ckpt"
-        state = torch.load(path, weights_only=True)[CHECKPOINT_KEY]
-        assert state["round"]["open"] and state["round"]["engine"] is not None
-        resumed, trainer = fit("vectorized", ckpt_path=path, **RESUME)
-        assert trainer.global_step == full_trainer.global_step
-        assert_same(uninterrupted, resumed, exact=True)
-        assert_kept_states_equal(uninterrupted, resumed)
-
-    # a mid-round checkpoint of the engine cannot continue on the sequential path
-    path = tmp_path / f"step={min(picked.values())}.ckpt"
-    with pytest.raises(ValueError, match="by the vectorized engine, but this run uses the sequential one"):
-        fit("sequential", ckpt_path=path, **RESUME)
-
-
 def test_round_boundary_checkpoint_moves_between_engines(tmp_path):
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
     fit("vectorized", trainer=dict(enable_checkpointing=True, callbacks=[saver]), rounds=1, **RESUME)
@@ -475,47 +444,6 @@ def test_global_step_counts_lockstep_steps():
         longest = [max(w.phases[p][1] for w in plan.work) for p in range(len(plan.phases))]
         assert engine.schedule(plan).length == sum(longest)
     assert "train/loss" in vec_trainer.callback_metrics
-
-
-def test_max_steps_inside_the_body_phase_averages_the_clients_that_trained():
-    """Stopping two lockstep steps into round 0's body phase is round 0 with a two-step body phase."""
-    one_round = fit("vectorized", sizes=EQUAL, rounds=1)[0]
-    plan = one_round.round_plan(0)
-    body = next(s for s in one_round._engine.schedule(plan).segments if s.part == "body")
-    assert body.start == 6 and body.steps == (3,) * 4  # 2 head epochs, then 1 body epoch, of 3 batches
-    with pytest.warns(UserWarning, match="Training stopped inside round 0"):
-        stopped, trainer = fit("vectorized", sizes=EQUAL, rounds=3, trainer=dict(max_steps=body.start + 2))
-    assert trainer.global_step == body.start + 2
-    assert not stopped.federation.round_open
-    assert sorted(stopped.federation.store.local) == sorted(plan.clients)
-
-    truncated, _ = fit(
-        "sequential", sizes=EQUAL, rounds=1, phases=[Phase("head", epochs=2), Phase("body", steps=2)]
-    )
-    assert_same(truncated, stopped)
-    start = initial_tensors()
-    assert any(not torch.equal(v, start[n]) for n, v in stopped.global_tensors().items()), "body unchanged"
-
-
-def test_validation_and_early_stopping_each_round_on_the_engine():
-    validated = dict(limit_val_batches=None)
-    sequential, _ = fit("sequential", trainer=validated)
-    patient = EarlyStopping(monitor="val/acc", mode="max", patience=100)
-    vectorized, trainer = fit("vectorized", trainer={**validated, "callbacks": [patient]})
-    assert vectorized._engine is not None
-    assert [row["round"] for row in vectorized.history] == [0, 1, 2]
-    for seq_row, vec_row in zip(sequential.history, vectorized.history, strict=True):
-        for key in ("val/acc", "val/loss", "val/acc_weighted", "val_ce"):
-            assert vec_row[key] == pytest.approx(seq_row[key], abs=1e-5), key
-    assert {"val/acc", "val/acc_last10", "train/loss"} <= set(trainer.callback_metrics)
-
-    # EarlyStopping stops the fit after a round: the state is that of a one-round run
-    stopping = EarlyStopping(monitor="val/acc", mode="max", stopping_threshold=-1.0)
-    stopped, trainer = fit("vectorized", trainer={**validated, "callbacks": [stopping]}, rounds=3)
-    assert trainer.current_epoch == 1 and [row["round"] for row in stopped.history] == [0]
-    assert trainer.global_step == stopped._engine.schedule(stopped.round_plan(0)).length
-    one_round, _ = fit("vectorized", rounds=1)
-    assert_same(one_round, stopped, exact=True)
 
 
 def test_mid_round_validation_leaves_the_engines_training_untouched():

@@ -1,15 +1,11 @@
 """The vectorized engine computes what the sequential path computes: every algorithm, SGD with momentum
 and weight decay and Adam, kept and reset optimizer state, equal and unequal client sizes, chunked
-groups, LR schedulers, a bit-exact mid-round resume; and it falls back (or refuses) where it is not
-exact."""
-
-import logging
+groups, LR schedulers, a bit-exact mid-round resume, fine-tuning rounds. The fallbacks and refusals,
+more optimizers and head shapes are in ``tests/test_engine.py``."""
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
@@ -201,82 +197,6 @@ def test_validation_and_early_stopping_run_each_round():
     )
     assert [row["round"] for row in strategy.history] == [0, 1, 2]
     assert "val/acc" in trainer.callback_metrics
-
-
-# ----------------------------------------------------------------------------- fallback and refusal
-
-
-class DropoutNet(LossNet):
-    def __init__(self, **kwargs):
-        super().__init__(dropout=0.3, **kwargs)
-
-
-class BatchNormNet(LossNet):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.norm = nn.BatchNorm1d(8)
-
-    def forward(self, x):
-        features = self.body(x)
-        return self.classifier(self.norm(features) if len(features) > 1 else features)
-
-
-class ManualNet(LossNet):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        x, y = batch
-        self.manual_backward(F.cross_entropy(self(x), y))
-        optimizer.step()
-
-
-class LBFGSNet(LossNet):
-    def configure_optimizers(self):
-        return torch.optim.LBFGS(self.parameters(), lr=0.1)
-
-
-class NoLossNet(TinyNet):
-    pass
-
-
-FALLBACKS = [
-    (DropoutNet, {}, "random layer"),
-    (BatchNormNet, {}, "batch norm in train mode"),
-    (ManualNet, {}, "manual optimization"),
-    (LBFGSNet, {}, "LBFGS is not an optimizer the engine knows to be per-parameter"),
-    (LossNet, {"gradient_clip_val": 1.0}, "gradient clipping"),
-    (NoLossNet, {}, "declares no pure loss"),
-]
-
-
-@pytest.mark.parametrize(
-    "model_cls,trainer_kwargs,reason", FALLBACKS, ids=[f[0].__name__ + str(bool(f[1])) for f in FALLBACKS]
-)
-def test_auto_falls_back_with_its_reason_and_vectorized_refuses(model_cls, trainer_kwargs, reason, caplog):
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        strategy, _ = fit("auto", model_cls=model_cls, rounds=1, trainer=trainer_kwargs)
-    assert strategy._engine is None
-    assert "lightning_fedrep: sequential engine" in caplog.text and reason in caplog.text
-    with pytest.raises(ValueError, match="engine='vectorized' would not compute") as error:
-        fit("vectorized", model_cls=model_cls, rounds=1, trainer=trainer_kwargs)
-    assert reason in str(error.value)
-
-
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        ({"engine": "fast"}, "engine must be"),
-        ({"engine_width": 0}, "engine_width"),
-        ({"engine_width": 2.0}, "engine_width"),
-    ],
-)
-def test_bad_engine_arguments_are_refused_at_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        FederatedStrategy(head="classifier", **kwargs)
 
 
 @pytest.mark.parametrize("mode", ["head", "full"])

@@ -184,3 +184,23 @@ def test_a_client_record_moves_its_whole_state_to_another_store():
     assert torch.equal(target.optimizer_states[3][0][0]["momentum_buffer"], torch.ones(2))
     assert list(target.finetuned[3]) == ["body.w"]
     assert torch.equal(target.get(4)[0], torch.zeros(2))  # untouched clients still read the template
+
+
+def test_a_sharded_store_holds_its_own_and_borrowed_clients_and_names_the_owner_of_the_others():
+    from lightning_fedrep.clients import ClientNotHeld
+
+    store = ClientStore([torch.zeros(2)])
+    for client in range(5):
+        store.put(client, [torch.full((2,), float(client))])
+    store.borrowed.add(3)
+    store.shard(world_size=2, rank=0)
+    assert sorted(store.local) == [0, 2, 3, 4]  # its own (c % 2 == 0) and the borrowed 3
+    assert torch.equal(store.get(3)[0], torch.full((2,), 3.0))
+    assert torch.equal(store.get(-1)[0], torch.zeros(2))  # the template: a new client, on any rank
+    with pytest.raises(ClientNotHeld, match="Client 1's state is held by rank 1, not by rank 0"):
+        store.get(1)
+    store.drop(3)
+    with pytest.raises(ClientNotHeld, match="Client 3's state is held by rank 1"):
+        store.personal(3, ["w"])
+    store.unshard()
+    assert torch.equal(store.get(1)[0], torch.zeros(2))  # answers for everyone again (after a gather)

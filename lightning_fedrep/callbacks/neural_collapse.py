@@ -136,6 +136,7 @@ class NeuralCollapse(FederatedCallback):
             raise ValueError(f"metrics_split must be 'train', 'val' or 'test', got {metrics_split!r}.")
         self.lam, self.mu, self.nu = float(lam), float(mu), float(nu)
         self.server_step = server_step
+        self.needs_every_client = server_step or log_metrics  # every head, on every process
         self.server_lr = float(server_lr)
         self.server_weighting = server_weighting
         self.classifier = classifier

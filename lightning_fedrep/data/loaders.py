@@ -254,10 +254,17 @@ class EvalLoader:
         self._max_samples = max_samples
         self._layout()
 
-    def shard(self, rank: int, world_size: int) -> None:
-        """Evaluate only ``rank``'s share of the clients (balanced by samples) out of ``world_size``."""
+    def shard(self, rank: int, world_size: int, by_owner: bool = False) -> None:
+        """Evaluate only ``rank``'s share of the clients out of ``world_size``: balanced by samples, or
+        ``by_owner``, the clients a sharded client store holds there (``c % world_size == rank``)."""
         self._rank = rank
-        self._shards = evaluation_shards([len(c) for c in self.clients], world_size)
+        if by_owner:
+            self._shards = [
+                [c for c in range(r, len(self.clients), world_size) if len(self.clients[c])]
+                for r in range(world_size)
+            ]
+        else:
+            self._shards = evaluation_shards([len(c) for c in self.clients], world_size)
         self._layout()
 
     @property

@@ -259,33 +259,12 @@ class AdaptiveParticipation(FederatedCallback):
     # ------------------------------------------------------------------ Lightning hooks
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.log_metrics and self.rounds and self.rounds[-1]["round"] == trainer.current_epoch:
-            pl_module.log(
-                "sim/time",
-                self.time,
-                on_step=False,
-                on_epoch=True,
-                batch_size=1,
-                sync_dist=trainer.world_size > 1,
-            )
-            pl_module.log(
-                "sim/participants",
-                float(self.rounds[-1]["participants"]),
-                on_step=False,
-                on_epoch=True,
-                batch_size=1,
-                sync_dist=trainer.world_size > 1,
-            )
+            _log_round_value(trainer, pl_module, "sim/time", self.time)
+            _log_round_value(trainer, pl_module, "sim/participants", float(self.rounds[-1]["participants"]))
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.log_metrics and trainer.state.fn == "fit" and not trainer.sanity_checking:
-            pl_module.log(
-                "sim/time",
-                self.time,
-                on_step=False,
-                on_epoch=True,
-                batch_size=1,
-                sync_dist=trainer.world_size > 1,
-            )
+            _log_round_value(trainer, pl_module, "sim/time", self.time)
 
     # ------------------------------------------------------------------ checkpoints
     def _config(self) -> dict[str, Any]:
@@ -321,3 +300,8 @@ class AdaptiveParticipation(FederatedCallback):
         self.decisions = {int(r): [int(c) for c in cs] for r, cs in state_dict["decisions"].items()}
         self.estimates = {int(c): float(v) for c, v in state_dict["estimates"].items()}
         self._round_sums = {int(c): [float(s[0]), int(s[1])] for c, s in state_dict["round_sums"].items()}
+
+
+def _log_round_value(trainer: L.Trainer, pl_module: L.LightningModule, name: str, value: float) -> None:
+    """Log a per-round value (the same on every process: synced only to spare Lightning's warning)."""
+    pl_module.log(name, value, on_step=False, on_epoch=True, batch_size=1, sync_dist=trainer.world_size > 1)

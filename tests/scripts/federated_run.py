@@ -31,6 +31,7 @@ from lightning_fedrep import (  # noqa: E402
     FederatedDataModule,
     FederatedDDPStrategy,
     FederatedStrategy,
+    HeadFineTuning,
 )
 
 SIZES = (7, 41, 13, 22, 30, 9, 55, 18)  # uneven: 1 to 7 batches of 8 per epoch
@@ -95,6 +96,12 @@ class DisagreeingPlan(FederatedCallback):
         return plan
 
 
+class ReadsEveryClient(FederatedCallback):
+    """A callback declaring that it reads every client's state (refused with a sharded store)."""
+
+    needs_every_client = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=1)
@@ -110,7 +117,12 @@ def main() -> None:
     parser.add_argument("--kill-round", type=int, default=1)
     parser.add_argument("--disagree", action="store_true")
     parser.add_argument("--adaptive", action="store_true", help="SRPFL participation by measured latency")
+    parser.add_argument(
+        "--finetune", choices=["head", "full"], default=None, help="one fine-tuning round after"
+    )
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--client-store", default="replicated", choices=["replicated", "sharded"])
+    parser.add_argument("--reads-every-client", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -124,7 +136,7 @@ def main() -> None:
         seed=3,
     )
     if args.devices > 1:
-        strategy = FederatedDDPStrategy(timeout=args.timeout, **settings)
+        strategy = FederatedDDPStrategy(timeout=args.timeout, client_store=args.client_store, **settings)
     else:
         strategy = FederatedStrategy(**settings)
     callbacks = []
@@ -132,6 +144,10 @@ def main() -> None:
         callbacks.append(KillRank(args.kill_rank, args.kill_round))
     if args.disagree:
         callbacks.append(DisagreeingPlan())
+    if args.reads_every_client:
+        callbacks.append(ReadsEveryClient())
+    if args.finetune:
+        callbacks.append(HeadFineTuning(epochs=1, mode=args.finetune))
     if args.adaptive:
         callbacks.append(AdaptiveParticipation(initial_clients=2, rounds_per_stage=1))
     if args.save_every:
@@ -161,7 +177,11 @@ def main() -> None:
     if args.save:
         trainer.save_checkpoint(args.save)
     federation = strategy.federation
+    store = federation.store
+    held = sorted(set(store.local) | set(store.finetuned))  # before gathering: what this rank holds
+    strategy.gather_clients()
     result = {
+        "held": held,
         "world_size": trainer.world_size,
         "global": strategy.global_tensors(),
         "clients": {c: strategy.client_tensors(c) for c in range(federation.num_clients)},
@@ -169,6 +189,7 @@ def main() -> None:
         "val_acc": strategy.client_metrics["val"].per_client("val/acc"),
         "global_step": trainer.global_step,
         "participants": [len(strategy.round_plan(r).clients) for r in range(args.rounds)],
+        "results": strategy.results(),
     }
     torch.save(result, f"{args.out}.rank{trainer.global_rank}.pt")
 
