@@ -10,6 +10,7 @@ across world sizes, and show that a dead rank or disagreeing ranks end the run w
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -249,3 +250,43 @@ def test_a_sharded_store_refuses_callbacks_that_read_every_client(runs):
     )
     assert code != 0
     assert "ReadsEveryClient read(s) every client's state on every process" in output
+
+
+def test_a_recipe_on_two_processes_through_the_command_writes_its_outputs_once(tmp_path):
+    """The README's command: a recipe run on 2 processes by naming the DDP class, W&B offline. One
+    ``summary.json`` and one W&B run (rank 0's), every client in the per-client table."""
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_fedrep.cli",
+        "fit",
+        "--config",
+        str(REPOSITORY / "recipes" / "digits" / "fedrep.yaml"),
+        "--trainer.strategy.class_path=lightning_fedrep.FederatedDDPStrategy",
+        "--trainer.devices=2",
+        "--trainer.max_epochs=3",
+        "--trainer.enable_progress_bar=false",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPOSITORY), "WANDB_MODE": "offline"}
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(process.communicate()[0][-4000:])
+    assert process.returncode == 0, output[-6000:]
+    summaries = list(tmp_path.rglob("summary.json"))
+    assert len(summaries) == 1
+    summary = json.loads(summaries[0].read_text())
+    assert summary["rounds_completed"] == 3
+    assert len(summary["per_client"]["val"]["val/acc"]) == 20
+    assert len(list((tmp_path / "runs" / "digits" / "wandb").glob("offline-run-*"))) == 1
+    assert output.count("Per-client val/acc (20 clients)") == 1
