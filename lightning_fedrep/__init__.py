@@ -27,7 +27,14 @@ from lightning_fedrep.data.partition import (
 )
 from lightning_fedrep.distributed import FederatedDDPStrategy
 from lightning_fedrep.export import personalized_state_dict
-from lightning_fedrep.federation import ClientResult, Federation, RoundResult
+from lightning_fedrep.federation import (
+    ClientFault,
+    ClientFaultError,
+    ClientFaultWarning,
+    ClientResult,
+    Federation,
+    RoundResult,
+)
 from lightning_fedrep.hooks import FederatedCallback, LiveStep, VectorizedLossTerm
 from lightning_fedrep.participation import (
     DynamicExponential,
@@ -44,6 +51,9 @@ __all__ = [
     "AdaptiveParticipation",
     "Algorithm",
     "CHECKPOINT_KEY",
+    "ClientFault",
+    "ClientFaultError",
+    "ClientFaultWarning",
     "ClientResult",
     "ClientSplit",
     "ClientWork",

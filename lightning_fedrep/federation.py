@@ -15,6 +15,7 @@ other runtimes can drive a federation directly.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -42,8 +43,13 @@ class FederationConfig:
     weighting: Literal["samples", "uniform"] = "samples"
     client_optimizer_state: Literal["reset", "keep"] = "reset"
     seed: int = 0
+    on_nonfinite: Literal["skip", "raise"] = "skip"
+    on_client_error: Literal["raise", "skip"] = "raise"
 
     def __post_init__(self) -> None:
+        for name, value in (("on_nonfinite", self.on_nonfinite), ("on_client_error", self.on_client_error)):
+            if value not in ("skip", "raise"):
+                raise ValueError(f"{name} must be 'skip' or 'raise', got {value!r}.")
         if self.weighting not in ("samples", "uniform"):
             raise ValueError(f"weighting must be 'samples' or 'uniform', got {self.weighting!r}.")
         if self.client_optimizer_state not in ("reset", "keep"):
@@ -67,6 +73,28 @@ class ClientResult:
     steps: int
     timed_steps: int
     seconds: float
+    fault: str = ""
+    """Why the client was left out of the round (non-finite values, an error); ``""`` if it was not."""
+
+
+@dataclass(frozen=True)
+class ClientFault:
+    """A client left out of a round: nothing it computed in the round is kept (its stored state is
+    what it was before the round) and the round aggregates without it."""
+
+    round: int
+    client: int
+    step: int
+    """Its local steps in the round when the fault was found (an error: the step that raised)."""
+    reason: str
+
+
+class ClientFaultError(RuntimeError):
+    """A client failed under the ``"raise"`` policy (``on_nonfinite`` / ``on_client_error``)."""
+
+
+class ClientFaultWarning(UserWarning):
+    """A client was left out of a round under the ``"skip"`` policy."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +108,8 @@ class RoundResult:
     aggregated: bool
     weight: float = 0.0
     """The total aggregation weight of the participants (samples, or their count when uniform)."""
+    faults: tuple[ClientFault, ...] = ()
+    """The clients left out of the round, and why."""
 
 
 @dataclass
@@ -90,6 +120,7 @@ class _LiveClient:
     seconds: float = 0.0
     fresh: bool = True
     step_started: float | None = field(default=None, repr=False)
+    fault: str = ""
 
 
 class Federation:
@@ -108,6 +139,8 @@ class Federation:
         self.global_state: list[Tensor] | None = None
         self.store: ClientStore | None = None
         self.history = History()
+        self.faults: list[ClientFault] = []
+        """Every client left out of a round so far (checkpointed)."""
         self.client_sizes: tuple[int, ...] | None = None
         self.batch_size = 1
         self.round_index = -1
@@ -304,14 +337,17 @@ class Federation:
             return None
         names = self.shared_names + self.local_names
         keep = self.config.client_optimizer_state == "keep"
-        result = self.store_client(
-            live.client,
-            dict(zip(names, self._tensors(names))),
-            self._optimizer_snapshot() if keep else None,
-            live.steps,
-            live.timed_steps,
-            live.seconds,
-        )
+        if live.fault:
+            result = self._leave_out(live.client, live.steps, live.fault)
+        else:
+            result = self.store_client(
+                live.client,
+                dict(zip(names, self._tensors(names))),
+                self._optimizer_snapshot() if keep else None,
+                live.steps,
+                live.timed_steps,
+                live.seconds,
+            )
         self._live = None
         self.live_phase = None
         return result
@@ -332,7 +368,23 @@ class Federation:
     ) -> ClientResult:
         """A client finished its round's work with ``tensors`` (by name): keep its local part (and, in a
         round that does not aggregate, what it trained of the shared part), its optimizer state if kept,
-        and add its shared part to the round's average."""
+        and add its shared part to the round's average. A client whose tensors are not all finite is
+        left out of the round (``on_nonfinite="skip"``) or stops the run (``"raise"``)."""
+        floats = {n: t for n, t in tensors.items() if t.is_floating_point()}
+        finite = [torch.isfinite(t).all() for t in floats.values()]
+        bad = (
+            []
+            if not finite or bool(torch.stack(finite).all())
+            else [n for n, f in zip(floats, finite) if not f]
+        )
+        if bad:
+            reason = f"non-finite values in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}"
+            if self.config.on_nonfinite == "raise":
+                raise ClientFaultError(
+                    f"Client {client} in round {self.round_index}: {reason} after {steps} local steps "
+                    "(on_nonfinite='raise'; 'skip' leaves such a client out of the round)."
+                )
+            return self._leave_out(client, steps, reason)
         if self._average is not None:
             self._average.add([tensors[n] for n in self.shared_names], self.weight_of(client))
         plan = self.plan(self.round_index)
@@ -347,6 +399,29 @@ class Federation:
         self._finished.append(result)
         return result
 
+    def fail_live_client(self, step: int, error: BaseException) -> None:
+        """The live client's step raised (``on_client_error="skip"``): it trains no further this round
+        and is left out of it when it finishes."""
+        if self._live is not None and not self._live.fault:
+            self._live.fault = f"{type(error).__name__} at local step {step}: {error}"
+            self._live.steps = step
+
+    @property
+    def live_failed(self) -> bool:
+        """Whether the live client failed this round (its remaining steps train nothing)."""
+        return self._live is not None and bool(self._live.fault)
+
+    def _leave_out(self, client: int, steps: int, reason: str) -> ClientResult:
+        warnings.warn(
+            f"Client {client} is left out of round {self.round_index}: {reason} (after {steps} local steps); its "
+            "state stays as it was before the round.",
+            ClientFaultWarning,
+            stacklevel=3,
+        )
+        result = ClientResult(self.round_index, client, steps, 0, 0.0, fault=reason)
+        self._finished.append(result)
+        return result
+
     @torch.no_grad()
     def close_round(self) -> RoundResult | None:
         """Aggregate the round: the algorithm turns the participants' shared parts into the new global
@@ -357,15 +432,26 @@ class Federation:
         if self.collective.distributed:
             self._gather_round()
         aggregated, weight = False, 0.0
+        faults = tuple(ClientFault(r.round, r.client, r.steps, r.fault) for r in self._finished if r.fault)
         if self._average is not None and not self._average.empty:
             weight = self._average.weight
             self.global_state = self.algorithm.aggregate(self.global_state, self._average)
             aggregated = True
+        elif self._average is not None and faults:
+            warnings.warn(
+                f"Every client of round {self.round_index} was left out ({len(faults)} faults): the global state "
+                "is unchanged.",
+                ClientFaultWarning,
+                stacklevel=2,
+            )
+        if faults:
+            self.faults.extend(faults)
+            self.history.record(self.round_index, {"faults": float(len(faults))})
         self._write(self.shared_names, self.global_state)
         self.round_open = False
         self._average = None
         result = RoundResult(
-            self.round_index, self.plan(self.round_index), tuple(self._finished), aggregated, weight
+            self.round_index, self.plan(self.round_index), tuple(self._finished), aggregated, weight, faults
         )
         self._finished = []
         return result
@@ -521,6 +607,7 @@ class Federation:
             "global": [t.detach().clone() for t in self.global_state],
             "clients": self.store.state_dict(),
             "history": self.history.state_dict(),
+            "faults": [asdict(f) for f in self.faults],
             "round": {"open": self.round_open, "index": self.round_index},
             "torch_rng": torch.get_rng_state(),
         }
@@ -537,6 +624,7 @@ class Federation:
                 average=self._average.state_dict() if self._average is not None else None,
                 finished=[asdict(r) for r in self._finished],
                 live_counts=[live.steps, live.timed_steps, live.seconds] if live is not None else [],
+                live_fault=live.fault if live is not None else "",
             )
         return state
 
@@ -557,6 +645,7 @@ class Federation:
         self.store.load_state_dict(state["clients"], device)
         self.history = History()
         self.history.load_state_dict(state.get("history", []))
+        self.faults = [ClientFault(**f) for f in state.get("faults", [])]
         self.algorithm.load_state_dict(state.get("algorithm_state", {}))
 
     def restore_round(self, state: dict[str, Any]) -> None:
@@ -585,6 +674,8 @@ class Federation:
                 int(counts[1]),
                 float(counts[2]),
             )
+        if self._live is not None:
+            self._live.fault = round_state.get("live_fault", "")
         self.live_phase = None
         if self._live is not None and round_state["live_part"]:
             self.set_phase(round_state["live_part"])

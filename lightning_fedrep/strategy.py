@@ -29,7 +29,7 @@ from lightning_fedrep.engine import LockstepEngine, LockstepPlan
 from lightning_fedrep.engine.evaluation import EVALUATION_CHUNK_SAMPLES, BatchedEvaluation, batched_evaluation
 from lightning_fedrep.engine.selection import build_engine, start_engine
 from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass
-from lightning_fedrep.federation import Federation, FederationConfig
+from lightning_fedrep.federation import ClientFault, Federation, FederationConfig
 from lightning_fedrep.hooks import FederatedCallback, LiveStep
 from lightning_fedrep.plan import RankShare, RoundPlan, plan_fingerprint, shard_round
 from lightning_fedrep.sharding import IdleStep, RankSchedule, rank_schedule
@@ -67,6 +67,12 @@ class FederatedStrategyMixin:
         seed: seeds client sampling (data order is seeded by the data module).
         headline_metrics: compute ``val/acc`` and ``val/loss`` (``test/``...) from ``model(x)`` on
             ``(x, y)`` batches, in addition to what the module logs.
+        on_nonfinite: a client whose tensors are not all finite after its round's work (a NaN loss, NaN
+            data, a diverging step): ``"skip"`` leaves it out of the round (nothing it computed is kept,
+            the round aggregates without it, a warning and the history say so); ``"raise"`` stops.
+        on_client_error: a client whose step raises: ``"raise"`` stops the run (the open round is rolled
+            back, so a checkpoint written on the exception restarts the round); ``"skip"`` leaves the
+            client out of the round like a non-finite one (sequential path only: one client's steps).
         engine: how a round's local work runs. ``"vectorized"``: a round's clients train together in
             lockstep (one Lightning step = one local step of every client; ``torch.func``), head phases
             on cached body features; exact, but only for a module that declares its loss
@@ -99,6 +105,8 @@ class FederatedStrategyMixin:
         allow_frozen: bool = False,
         seed: int = 0,
         headline_metrics: bool = True,
+        on_nonfinite: Literal["skip", "raise"] = "skip",
+        on_client_error: Literal["raise", "skip"] = "raise",
         engine: Literal["auto", "vectorized", "sequential"] = "auto",
         engine_width: int | None = None,
         engine_memory: int | None = None,
@@ -134,6 +142,8 @@ class FederatedStrategyMixin:
             weighting=weighting,
             client_optimizer_state=client_optimizer_state,
             seed=seed,
+            on_nonfinite=on_nonfinite,
+            on_client_error=on_client_error,
         )
         self.federation: Federation | None = None
         """The federated state and round state machine (created when the module's split is known)."""
@@ -150,6 +160,7 @@ class FederatedStrategyMixin:
         """The processes a round's clients are sharded over (one here; several on the DDP strategy)."""
         self._rank_schedules: dict[int, RankSchedule] = {}
         self._idle = False
+        self._client_step = 0
 
     # ------------------------------------------------------------------ public accessors
     @property
@@ -188,6 +199,11 @@ class FederatedStrategyMixin:
     def history(self) -> list[dict[str, Any]]:
         """Every validated federated round: ``{"round": r, "val/acc": ..., <recorded columns>}``."""
         return self.federation.history.rows if self.federation is not None else []
+
+    @property
+    def faults(self) -> list[ClientFault]:
+        """Every client left out of a round so far: ``ClientFault(round, client, step, reason)``."""
+        return list(self.federation.faults) if self.federation is not None else []
 
     def results(self) -> dict[str, dict[str, float]]:
         """The papers' figures: the last validated round (``final``), the mean over the last 10
@@ -434,7 +450,11 @@ class FederatedStrategyMixin:
             self._finish_client()
             federation.load_client(location.client)
             self._dispatch("on_client_start", location.client)
+        if federation.live_failed:  # its step raised earlier in the round (on_client_error="skip")
+            self._idle = True
+            return
         federation.begin_step(location)
+        self._client_step = location.client_step
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -455,7 +475,16 @@ class FederatedStrategyMixin:
             if internals.step_metrics_reach_loggers(trainer) or internals.round_ends_now(trainer):
                 self.lightning_module.log("train/loss", self._engine.mean_loss(), on_step=True, batch_size=1)
             return loss
-        output = super().training_step(*args, **kwargs)
+        try:
+            output = super().training_step(*args, **kwargs)
+        except Exception as error:
+            if self.config.on_client_error != "skip":
+                raise
+            self.federation.fail_live_client(self._client_step, error)
+            if not self.lightning_module.automatic_optimization:
+                self._after_step()
+                return None
+            return torch.zeros((), device=self.root_device, requires_grad=True)
         if self._has_loss_terms():
             output = self._add_loss_terms(output, args, kwargs)
         if not self.lightning_module.automatic_optimization:

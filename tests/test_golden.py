@@ -12,14 +12,19 @@ from lightning_fedrep.plan import sample_clients
 from tests.fixtures import HEAD, TinyNet, client_batches, quiet_trainer, tiny_datamodule
 
 
-def plain_fedrep(init, dm, rounds, per_round, head_epochs, body_epochs, seed, joint=False, keep_opt=False):
-    """Algorithm 1 written out: fresh SGD per client per round, frozen parts get no update."""
+def plain_fedrep(
+    init, dm, rounds, per_round, head_epochs, body_epochs, seed, joint=False, keep_opt=False, excluded=()
+):
+    """Algorithm 1 written out: fresh SGD per client per round, frozen parts get no update. The
+    ``(round, client)`` pairs in ``excluded`` do not take part in that round."""
     global_body = {k: v.clone() for k, v in init.state_dict().items() if k not in HEAD}
     heads = {}
     opt_states = {}
     for r in range(rounds):
         total, weight = None, 0.0
         for cid in sample_clients(dm.num_clients, per_round, seed, r):
+            if (r, cid) in excluded:
+                continue
             model = copy.deepcopy(init)
             state = dict(global_body)
             state.update(heads.get(cid, {k: init.state_dict()[k] for k in HEAD}))

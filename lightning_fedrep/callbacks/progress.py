@@ -38,4 +38,6 @@ class FederatedProgressBar(TQDMProgressBar, FederatedCallback):
             else:
                 items["clients"] = f"{first}-{first + len(training) - 1}/{len(clients)}"
             items["phase"] = strategy.current_phase
+        if strategy.faults:
+            items["faults"] = len(strategy.faults)
         return items

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class RunSummary(FederatedCallback):
             "test": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")},
             "per_client": per_client,
             "history": strategy.history,
+            "faults": [dataclasses.asdict(f) for f in strategy.faults],
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1},
             "config": self.config,
         }

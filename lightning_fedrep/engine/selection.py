@@ -50,6 +50,10 @@ def build_engine(
         + trainer_reasons(trainer, optimizers, lr_scheduler_configs)
         + federation_reasons(algorithm, callbacks, {i for i, term in terms.items() if term is not None})
     )
+    if federation.config.on_client_error == "skip":
+        reasons.append(
+            "on_client_error='skip' leaves out the one client whose step raised, which needs its own steps"
+        )
     if reasons:
         if mode == "vectorized":
             raise ValueError(

@@ -1,0 +1,174 @@
+"""Faulty clients never poison the federation: a client whose step raises or whose tensors turn
+non-finite is left out of its round (or stops the run, by policy), and the run equals a plain loop
+that never had that client in that round."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from lightning_fedrep import FederatedDataModule, FedRepStrategy, RunSummary
+from lightning_fedrep.federation import ClientFaultError, ClientFaultWarning
+from tests.fixtures import HEAD, TinyNet, quiet_trainer, tiny_datamodule
+from tests.test_golden import plain_fedrep
+
+
+class FaultyNet(TinyNet):
+    """TinyNet whose ``training_step`` misbehaves for chosen (round, client) pairs: ``"raise"`` raises
+    at the client's second step, ``"nan"`` returns a NaN loss there."""
+
+    fedrep_loss = "cross_entropy"
+
+    def __init__(self, faults: dict[tuple[int, int], str] | None = None):
+        super().__init__()
+        self.faults = faults or {}
+        self._steps: dict[tuple[int, int], int] = {}
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        key = (self.trainer.current_epoch, self.trainer.strategy.current_client)
+        self._steps[key] = self._steps.get(key, 0) + 1
+        kind = self.faults.get(key)
+        if kind is not None and self._steps[key] == 2:
+            if kind == "raise":
+                raise RuntimeError("injected failure")
+            return loss * float("nan")
+        return loss
+
+
+def strategy(**kwargs):
+    settings = dict(head="classifier", clients_per_round=1.0, head_epochs=2, body_epochs=1, seed=0)
+    return FedRepStrategy(**{**settings, **kwargs})
+
+
+def assert_federation_equals(strategy_, model, ref_body, ref_heads, init, clients):
+    for name, value in ref_body.items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for cid in range(clients):
+        got = strategy_.client_state_dict(cid)
+        expected = ref_heads.get(cid, {k: init.state_dict()[k] for k in HEAD})
+        for name in HEAD:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=f"client {cid}")
+
+
+def test_a_raising_and_a_nan_client_are_left_out_of_their_rounds_and_the_run_equals_a_plain_loop(tmp_path):
+    """5 clients: client 3 raises in round 1, client 2 turns NaN in round 2 (on_client_error='skip'):
+    the run completes, equals the plain loop without those clients in those rounds, and says so."""
+    torch.manual_seed(0)
+    init = FaultyNet()
+    dm = tiny_datamodule(num_clients=5, seed=3)
+    dm.setup()
+    model = copy.deepcopy(init)
+    model.faults = {(1, 3): "raise", (2, 2): "nan"}
+    s = strategy(on_client_error="skip")
+    with pytest.warns(ClientFaultWarning) as caught:
+        summary = RunSummary(dirpath=str(tmp_path), print_table=False)
+        quiet_trainer(strategy=s, max_epochs=4, limit_val_batches=0, callbacks=[summary]).fit(
+            model, datamodule=dm
+        )
+    assert s._engine is None  # one client's error needs its own steps: the sequential path
+    ref_body, ref_heads = plain_fedrep(init, dm, 4, 1.0, 2, 1, 0, excluded={(1, 3), (2, 2)})
+    assert_federation_equals(s, model, ref_body, ref_heads, init, 5)
+    faults = [(f.round, f.client, f.step) for f in s.federation.faults]
+    # the error at its 2nd step (1 done); the NaN found when the client finished, after all its steps
+    assert faults == [(1, 3, 1), (2, 2, s.round_plan(2).steps_of(2))]
+    assert "RuntimeError at local step 1: injected failure" in s.federation.faults[0].reason
+    assert "non-finite values in" in s.federation.faults[1].reason
+    messages = [str(w.message) for w in caught]
+    assert any("Client 3 is left out of round 1" in m for m in messages)
+    assert any("Client 2 is left out of round 2" in m for m in messages)
+    assert s.federation.history.recorded(1) == {"faults": 1.0}
+    assert s.federation.history.recorded(2) == {"faults": 1.0}
+    assert s.federation.history.recorded(3) == {}
+    listed = json.loads((tmp_path / "summary.json").read_text())["faults"]
+    assert [(f["round"], f["client"]) for f in listed] == [(1, 3), (2, 2)]
+
+
+def nan_client_data(nan_client: int):
+    """Like ``tiny_datamodule(5 clients)``, client ``nan_client``'s first sample holding a NaN."""
+    dm = tiny_datamodule(num_clients=5, seed=3)
+    dm.setup()
+    train = []
+    for cid in range(5):
+        data = dm.client_data(cid)
+        x, y = (t[data.indices].clone() for t in data.dataset.tensors)
+        if cid == nan_client:
+            x[0, 0] = float("nan")
+        train.append(TensorDataset(x, y))
+    return FederatedDataModule.from_client_datasets(train, batch_size=dm.batch_size, seed=dm.seed), dm
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_a_client_with_nan_data_never_reaches_the_body(engine):
+    """NaN in one client's data: on both engines that client is left out of every round (the others'
+    lanes in lockstep stay finite) and the body equals the plain loop without it."""
+    torch.manual_seed(0)
+    init = FaultyNet()
+    data, reference_dm = nan_client_data(nan_client=1)
+    model = copy.deepcopy(init)
+    s = strategy(engine=engine)
+    with pytest.warns(ClientFaultWarning):
+        quiet_trainer(strategy=s, max_epochs=3, limit_val_batches=0).fit(model, datamodule=data)
+    assert (s._engine is not None) == (engine == "vectorized")
+    excluded = {(r, 1) for r in range(3)}
+    ref_body, ref_heads = plain_fedrep(init, reference_dm, 3, 1.0, 2, 1, 0, excluded=excluded)
+    assert_federation_equals(s, model, ref_body, ref_heads, init, 5)
+    assert [(f.round, f.client) for f in s.federation.faults] == sorted(excluded)
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+
+
+def test_a_round_in_which_every_client_fails_leaves_the_body_unchanged_and_says_so():
+    torch.manual_seed(0)
+    model = FaultyNet({(1, c): "nan" for c in range(5)})
+    dm = tiny_datamodule(num_clients=5, seed=3)
+    s = strategy(engine="sequential")  # the faults are injected in training_step
+    bodies = []
+
+    class Snapshot(__import__("lightning").Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            bodies.append({k: v.clone() for k, v in pl_module.state_dict().items() if k not in HEAD})
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(strategy=s, max_epochs=3, limit_val_batches=0, callbacks=[Snapshot()]).fit(
+            model, datamodule=dm
+        )
+    assert any(
+        "Every client of round 1 was left out (5 faults): the global state is unchanged" in str(w.message)
+        for w in caught
+    )
+    for name, value in bodies[0].items():
+        assert torch.equal(bodies[1][name], value)
+        assert not torch.equal(bodies[2][name], value)  # round 2 trains again
+    assert s.federation.history.recorded(1) == {"faults": 5.0}
+
+
+def test_the_raise_policies_stop_the_run_naming_the_client():
+    dm = tiny_datamodule(num_clients=5, seed=3)
+    with pytest.raises(
+        ClientFaultError, match=r"Client 2 in round 0: non-finite values in .* \(on_nonfinite='raise'"
+    ):
+        quiet_trainer(
+            strategy=strategy(on_nonfinite="raise", engine="sequential"), max_epochs=1, limit_val_batches=0
+        ).fit(FaultyNet({(0, 2): "nan"}), datamodule=dm)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        quiet_trainer(strategy=strategy(engine="sequential"), max_epochs=1, limit_val_batches=0).fit(
+            FaultyNet({(0, 2): "raise"}), datamodule=dm
+        )
+
+
+def test_skipping_errors_keeps_the_engine_off_and_forcing_it_is_refused():
+    dm = tiny_datamodule(num_clients=5, seed=3)
+    with pytest.raises(
+        ValueError, match="on_client_error='skip' leaves out the one client whose step raised"
+    ):
+        quiet_trainer(strategy=strategy(on_client_error="skip", engine="vectorized"), max_epochs=1).fit(
+            FaultyNet(), datamodule=dm
+        )
+    with pytest.raises(ValueError, match="on_nonfinite must be 'skip' or 'raise'"):
+        strategy(on_nonfinite="ignore")
