@@ -113,6 +113,17 @@ class RoundResult:
 
 
 @dataclass
+class _RoundStart:
+    """What the open round may change, as it was when the round opened (for :meth:`Federation.rollback_round`)."""
+
+    round_index: int
+    rng: Tensor
+    finetuned: dict[int, dict[str, Tensor]]
+    clients: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Each client stored in the round so far: its record before the round."""
+
+
+@dataclass
 class _LiveClient:
     client: int
     steps: int = 0
@@ -160,6 +171,7 @@ class Federation:
         self._live: _LiveClient | None = None
         self._eval_stash: list[Tensor] | None = None
         self._eval_client: int | None = None
+        self._before_round: _RoundStart | None = None
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -288,6 +300,7 @@ class Federation:
     def open_round(self, plan: RoundPlan) -> None:
         """Start training round ``plan.round``."""
         self._require_state()
+        self._before_round = _RoundStart(self.round_index, torch.get_rng_state(), dict(self.store.finetuned))
         self.round_index = plan.round
         self.round_open = True
         if plan.aggregate:
@@ -387,6 +400,13 @@ class Federation:
             return self._leave_out(client, steps, reason)
         if self._average is not None:
             self._average.add([tensors[n] for n in self.shared_names], self.weight_of(client))
+        if self._before_round is not None and client not in self._before_round.clients:
+            record = self.store.record(client)
+            self._before_round.clients[client] = {
+                "local": None if record["local"] is None else [t.detach().clone() for t in record["local"]],
+                "optimizer": record["optimizer"],  # replaced, never modified in place
+                "finetuned": record["finetuned"],
+            }
         plan = self.plan(self.round_index)
         if not plan.aggregate:
             trained = {g for phase in plan.phases for g in PART_GROUPS[phase.train]}
@@ -398,6 +418,27 @@ class Federation:
         result = ClientResult(self.round_index, client, steps, timed_steps, seconds)
         self._finished.append(result)
         return result
+
+    def rollback_round(self) -> bool:
+        """Undo the open round (the run stopped inside it): every client stored in it gets back what it
+        held before, nothing is aggregated, the RNG and the module are as at the round's start, and the
+        federation is again after the previous round. Returns whether there was a round to undo."""
+        before = self._before_round
+        if not self.round_open or before is None:
+            return False
+        for client, record in before.clients.items():
+            self.store.load_record(client, record, self._device)
+        self.store.finetuned.clear()
+        self.store.finetuned.update(before.finetuned)
+        for client in list(self.store.borrowed):
+            self.store.drop(client)
+        torch.set_rng_state(before.rng)
+        self.round_index, self.round_open = before.round_index, False
+        self._average, self._finished, self._live, self.live_phase = None, [], None, None
+        self._before_round = None
+        self._write(self.shared_names, self.global_state)
+        self._write(self.local_names, self.store.template)
+        return True
 
     def fail_live_client(self, step: int, error: BaseException) -> None:
         """The live client's step raised (``on_client_error="skip"``): it trains no further this round
@@ -450,6 +491,7 @@ class Federation:
         self._write(self.shared_names, self.global_state)
         self.round_open = False
         self._average = None
+        self._before_round = None
         result = RoundResult(
             self.round_index, self.plan(self.round_index), tuple(self._finished), aggregated, weight, faults
         )

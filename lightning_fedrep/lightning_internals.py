@@ -6,6 +6,9 @@ with a named test, so a Lightning upgrade that changes one fails that test rathe
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
@@ -81,3 +84,27 @@ def step_metrics_reach_loggers(trainer: L.Trainer) -> bool:
     vectorized engine logs its per-step loss only then (``self.log`` costs a millisecond a call).
     """
     return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
+
+
+def loops_state_at_round_start(trainer: L.Trainer, round_index: int) -> dict[str, Any]:
+    """The loops' checkpoint state as it is before the round's first batch, taken while that batch starts:
+    a checkpoint holding it resumes at the round's first batch (used for a round rolled back on an
+    exception).
+
+    Relies on: ``_CheckpointConnector._get_loops_state_dict()`` is what ``dump_checkpoint`` saves under
+    ``"loops"``; the fit loop's ``epoch_loop.batch_progress`` has ``ready/started/processed/completed``
+    counters (``total`` and ``current``; only ``ready`` has moved when the first batch starts) and
+    ``is_last_batch``; the training iterable's state is the list ``state_dict["combined_loader"]`` (the
+    ``RoundLoader``'s ``{"round", "position"}``).
+    """
+    state = copy.deepcopy(trainer._checkpoint_connector._get_loops_state_dict())
+    fit = state["fit_loop"]
+    progress = fit["epoch_loop.batch_progress"]
+    for counters in (progress["total"], progress["current"]):
+        done = counters["completed"]
+        counters.update(ready=done, started=done, processed=done)
+    progress["is_last_batch"] = False
+    loaders = fit.get("state_dict", {}).get("combined_loader")
+    if loaders:
+        fit["state_dict"]["combined_loader"] = [{"round": round_index, "position": 0} for _ in loaders]
+    return state

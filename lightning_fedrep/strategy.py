@@ -16,6 +16,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
@@ -161,6 +162,7 @@ class FederatedStrategyMixin:
         self._rank_schedules: dict[int, RankSchedule] = {}
         self._idle = False
         self._client_step = 0
+        self._round_start_loops: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ public accessors
     @property
@@ -432,6 +434,9 @@ class FederatedStrategyMixin:
         if not federation.round_open:
             if self.collective.distributed:
                 self.collective.agree(plan_fingerprint(plan), f"the plan of round {round_index}")
+            self._round_start_loops = internals.loops_state_at_round_start(
+                self.lightning_module.trainer, round_index
+            )
             federation.open_round(plan)
             self._dispatch("on_round_start", plan)
         self._idle = False
@@ -519,6 +524,26 @@ class FederatedStrategyMixin:
         self.federation.end_step()
         if internals.round_ends_now(self.lightning_module.trainer):
             self._close_round()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Called when the run stops on an exception: roll the open round back, so the federation holds
+        what it held before the round (no client half-updated over an unaggregated body)."""
+        self._roll_back_round()
+        super().on_exception(exception)
+
+    def _roll_back_round(self) -> bool:
+        federation = self.federation
+        stopped_in = federation.round_index if federation is not None else -1
+        if federation is None or not federation.rollback_round():
+            return False
+        if self._engine is not None:
+            self._engine.abandon()
+        rank_zero_warn(
+            f"The run stopped inside round {stopped_in}: the round is rolled back (a checkpoint written now "
+            "resumes at its first step)."
+        )
+        return True
 
     @override
     def on_train_end(self) -> None:
@@ -720,7 +745,14 @@ class FederatedStrategyMixin:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Called to write a checkpoint: add the federation's state under ``checkpoint["lightning_fedrep"]``."""
+        """Called to write a checkpoint: add the federation's state under ``checkpoint["lightning_fedrep"]``.
+        Written because the run stopped inside a round (``OnExceptionCheckpoint``), it holds the state
+        before that round, and resumes at the round's first step."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+            loops = self._round_start_loops
+            if loops is not None and self._roll_back_round():
+                checkpoint["loops"] = loops
         if self.federation is not None and self.federation.has_state:
             state = self.federation.state_dict()
             if self._engine is not None:

@@ -172,3 +172,55 @@ def test_skipping_errors_keeps_the_engine_off_and_forcing_it_is_refused():
         )
     with pytest.raises(ValueError, match="on_nonfinite must be 'skip' or 'raise'"):
         strategy(on_nonfinite="ignore")
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_a_run_stopped_by_an_error_rolls_the_round_back_and_its_exception_checkpoint_resumes_exactly(
+    tmp_path, engine
+):
+    """The 6th step of round 1 raises (on_client_error='raise'; several clients have trained in the round
+    by then): the run stops with the round rolled back in memory (every client holds what round 0
+    left, the body is round 0's), Lightning's OnExceptionCheckpoint holds that state, and resuming it
+    (the fault gone) gives the parameters and the history of a run that never had the fault."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    class RaisingNet(FaultyNet):  # raises before the step, so that both engines meet it
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.faults and self.trainer.current_epoch == 1 and batch_idx == 5:
+                raise RuntimeError("injected failure")
+
+    torch.manual_seed(0)
+    init = RaisingNet()
+    dm = tiny_datamodule(num_clients=5, seed=3)
+
+    def trainer(rounds, **kwargs):
+        return quiet_trainer(max_epochs=rounds, limit_val_batches=None, **kwargs)
+
+    after_round_0 = strategy(engine=engine)
+    trainer(1, strategy=after_round_0).fit(copy.deepcopy(init), datamodule=dm)
+
+    faulty = copy.deepcopy(init)
+    faulty.faults = {(-1, -1): "on_train_batch_start"}
+    s = strategy(engine=engine)
+    saver = OnExceptionCheckpoint(dirpath=str(tmp_path))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        trainer(4, strategy=s, callbacks=[saver], enable_checkpointing=True).fit(faulty, datamodule=dm)
+    assert not s.federation.round_open and s.federation.round_index == 0
+    for cid in range(5):  # rolled back: what round 0 left, for the clients stored in round 1 too
+        for name, value in after_round_0.client_tensors(cid).items():
+            assert torch.equal(s.client_tensors(cid)[name], value), (cid, name)
+    for name, value in after_round_0.global_tensors().items():
+        assert torch.equal(s.global_tensors()[name], value)
+
+    resumed_model, resumed = copy.deepcopy(init), strategy(engine=engine)
+    trainer(4, strategy=resumed).fit(
+        resumed_model, datamodule=dm, ckpt_path=str(tmp_path / "on_exception.ckpt")
+    )
+    clean_model, clean = copy.deepcopy(init), strategy(engine=engine)
+    trainer(4, strategy=clean).fit(clean_model, datamodule=dm)
+    for name, value in clean_model.state_dict().items():
+        assert torch.equal(resumed_model.state_dict()[name], value), name
+    for cid in range(5):
+        for name, value in clean.client_tensors(cid).items():
+            assert torch.equal(resumed.client_tensors(cid)[name], value), (cid, name)
+    assert resumed.history == clean.history and [r["round"] for r in clean.history] == [0, 1, 2, 3]

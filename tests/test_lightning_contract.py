@@ -340,3 +340,38 @@ def test_step_metrics_reach_loggers_on_exactly_the_steps_written():
     trainer = quiet_trainer(max_epochs=1, limit_val_batches=0, logger=recorder, log_every_n_steps=3)
     trainer.fit(model)
     assert [i for i, reach in enumerate(model.reach) if reach] == recorder.steps == [2, 5]
+
+
+class RoundStartSnapshot(Callback):
+    """Takes the loops' state as epoch 1's first batch starts; at epoch 1's third batch writes a checkpoint
+    holding that state instead of the current one."""
+
+    def __init__(self, path):
+        self.path, self.loops = path, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == 1 and batch_idx == 0:
+            self.loops = internals.loops_state_at_round_start(trainer, 1)
+        if trainer.current_epoch == 1 and batch_idx == 2:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+            assert checkpoint["loops"].keys() == self.loops.keys()
+            checkpoint["loops"] = self.loops
+            trainer.strategy.save_checkpoint(checkpoint, self.path)
+
+
+def test_loops_state_at_round_start_resumes_at_the_epochs_first_batch(tmp_path):
+    """``loops_state_at_round_start``: a checkpoint holding the loops' state taken as an epoch's first
+    batch starts resumes that epoch from its first batch (the batch counters as before it)."""
+    snapshot = RoundStartSnapshot(tmp_path / "start.ckpt")
+    first = quiet_trainer(max_epochs=2, limit_val_batches=0, callbacks=[snapshot])
+    internals.reload_data_every_round(first)
+    first.fit(Net([3, 4]))
+    progress = snapshot.loops["fit_loop"]["epoch_loop.batch_progress"]
+    assert progress["current"]["ready"] == progress["current"]["completed"] == 0
+    assert progress["total"]["ready"] == progress["total"]["completed"] == 3
+    lengths = EpochLengths()
+    trainer = quiet_trainer(max_epochs=2, limit_val_batches=0, callbacks=[lengths])
+    internals.reload_data_every_round(trainer)
+    trainer.fit(Net([3, 4]), ckpt_path=tmp_path / "start.ckpt")
+    assert lengths.batches == {1: [0, 1, 2, 3]}
+    assert trainer.global_step == 7

@@ -399,6 +399,11 @@ class LockstepEngine:
         self._group_index = -1
         return results
 
+    def abandon(self) -> None:
+        """Drop the open group without handing its clients to the federation (the round was rolled back)."""
+        self.group, self.segment, self._features, self._labels = None, None, None, None
+        self._group_index = -1
+
     # ------------------------------------------------------------------ groups and phases
     def _open_group(self, segment: Segment) -> bool:
         """Stack the group's starting tensors (or restore a checkpointed group: returns ``True``)."""
