@@ -62,7 +62,9 @@ class Collective:
 
 
 class ProcessGroupCollective(Collective):
-    """``torch.distributed``'s default process group (created by Lightning's launcher)."""
+    """``torch.distributed``'s default process group (created by Lightning's launcher). Tensors are
+    reduced on it; pickled objects (client states, metric tables) travel on a gloo group through host
+    memory, so that on NCCL they never take GPU memory. Create it on every rank (it creates a group)."""
 
     def __init__(self) -> None:
         if not torch.distributed.is_available() or not torch.distributed.is_initialized():
@@ -70,6 +72,8 @@ class ProcessGroupCollective(Collective):
                 "ProcessGroupCollective needs an initialized torch.distributed process group; the "
                 "FederatedDDPStrategy creates one when Lightning launches the processes."
             )
+        gloo = torch.distributed.get_backend() == "gloo"
+        self._objects = None if gloo else torch.distributed.new_group(backend="gloo")
 
     @property
     def rank(self) -> int:
@@ -85,17 +89,17 @@ class ProcessGroupCollective(Collective):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, obj)
+        torch.distributed.all_gather_object(gathered, obj, group=self._objects)
         return gathered
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         gathered: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        torch.distributed.gather_object(obj, gathered, dst=dst)
+        torch.distributed.gather_object(obj, gathered, dst=dst, group=self._objects)
         return gathered
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src=src)
+        torch.distributed.broadcast_object_list(holder, src=src, group=self._objects)
         return holder[0]
 
 

@@ -21,13 +21,12 @@ import lightning as L
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightning_fedrep import lightning_internals as internals
 from lightning_fedrep.algorithms import ALGORITHMS
 from lightning_fedrep.collective import ProcessGroupCollective
 from lightning_fedrep.strategy import FederatedStrategyMixin
 
-_LOST_PEER = re.compile(
-    r"Connection (closed|reset) by peer|timed out|Timeout|NCCL|DistBackendError|Broken pipe", re.I
-)
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|timed out|Timeout|Broken pipe|watchdog", re.I)
 """How torch.distributed reports that a peer process is gone or did not answer (gloo and NCCL)."""
 
 
@@ -102,8 +101,11 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
-        """Called after the module's and the data's ``setup``: as on one process, then, with a sharded
-        client store, keep only this rank's clients (refusing callbacks that read every client)."""
+        """Called after the module's and the data's ``setup``: refuse what needs every rank to step
+        together (manual optimization, synchronized batch norm, model averaging), set up as on one
+        process, then, with a sharded client store, keep only this rank's clients (refusing callbacks
+        that read every client)."""
+        self._refuse_lockstep_settings(trainer)
         super().setup(trainer)
         if self.client_store != "sharded":
             return
@@ -114,6 +116,25 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
                 "keeps each client on one rank. Use client_store='replicated' (the default)."
             )
         self.federation.shard_clients()
+
+    def _refuse_lockstep_settings(self, trainer: L.Trainer) -> None:
+        problems = []
+        if trainer.state.fn == "fit" and not self.lightning_module.automatic_optimization:
+            problems.append(
+                "manual optimization (a rank with nothing to train in a step would not step its optimizer, and "
+                "the ranks' step counts, on which Lightning synchronizes, would drift apart)"
+            )
+        if self._layer_sync is not None:
+            problems.append(
+                "sync_batchnorm=True (a collective in every forward pass, and clients' statistics mixed)"
+            )
+        if self._ddp_comm_state is not None or self._model_averaging_period is not None:
+            problems.append("DDP model averaging (it would average different clients' models every step)")
+        if problems:
+            raise ValueError(
+                f"{type(self).__name__} cannot run with {'; '.join(problems)}. Remove it, or train on one process "
+                "(FederatedStrategy)."
+            )
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -132,4 +153,7 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         """Called in ``setup`` (fit): no ``DistributedDataParallel`` wrapper. Clients are independent; what
-        they share is aggregated once per round, not reduced at every backward."""
+        they share is aggregated once per round, not reduced at every backward. What the wrapper would
+        have done at its start is done here: every rank starts from rank 0's module (else an unseeded
+        run would average bodies of different initializations and hand out rank-dependent heads)."""
+        internals.broadcast_module_from_rank_zero(self.model)

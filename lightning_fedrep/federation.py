@@ -568,15 +568,23 @@ class Federation:
                 merged.load_record(client, record)
         return merged.state_dict()
 
-    def borrowed_records(self) -> list[tuple[int, dict[str, Any]]]:
-        """The clients this process holds for the open round only (saved with its open round)."""
-        return [(c, to_cpu(self.store.record(c))) for c in sorted(self.store.borrowed)]
+    def round_records(self) -> dict[str, Any]:
+        """What only this process holds in the open round (saved with its open round): the clients it
+        finished in the round (the others receive them when it closes) and those it borrowed."""
+        finished = {r.client for r in self._finished if not r.fault}
+        clients = sorted(finished | self.store.borrowed)
+        return {
+            "records": [(c, to_cpu(self.store.record(c))) for c in clients],
+            "borrowed": sorted(self.store.borrowed),
+        }
 
-    def restore_borrowed(self, records: Sequence[tuple[int, dict[str, Any]]]) -> None:
-        """Hold again the clients :meth:`borrowed_records` listed (a mid-round resume)."""
-        for client, record in records:
+    def restore_round_records(self, saved: dict[str, Any] | None) -> None:
+        """Hold again what :meth:`round_records` listed (a mid-round resume on as many processes)."""
+        if not saved:
+            return
+        for client, record in saved["records"]:
             self.store.load_record(client, record, self._device)
-            self.store.borrowed.add(client)
+        self.store.borrowed.update(saved["borrowed"])
 
     def _owned(self) -> list[int]:
         store = self.store

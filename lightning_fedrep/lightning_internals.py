@@ -10,6 +10,7 @@ import copy
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 _UNREACHABLE_BATCH_COUNT = 2**62
@@ -108,3 +109,15 @@ def loops_state_at_round_start(trainer: L.Trainer, round_index: int) -> dict[str
     if loaders:
         fit["state_dict"]["combined_loader"] = [{"round": round_index, "position": 0} for _ in loaders]
     return state
+
+
+def broadcast_module_from_rank_zero(module: torch.nn.Module) -> None:
+    """Give every process rank 0's parameters and buffers (what ``DistributedDataParallel`` does when it
+    wraps a module; the federated DDP strategy does not wrap it).
+
+    Relies on: ``lightning.pytorch.overrides.distributed._sync_module_states`` broadcasting a module's
+    state from rank 0 over the default process group.
+    """
+    from lightning.pytorch.overrides.distributed import _sync_module_states
+
+    _sync_module_states(module)

@@ -749,7 +749,8 @@ class FederatedStrategyMixin:
         Written because the run stopped inside a round (``OnExceptionCheckpoint``), it holds the state
         before that round, and resumes at the round's first step."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        if interrupted:
             loops = self._round_start_loops
             if loops is not None and self._roll_back_round():
                 checkpoint["loops"] = loops
@@ -759,10 +760,18 @@ class FederatedStrategyMixin:
                 state["engine"] = self._engine.settings()
                 if self.federation.round_open:
                     state["round"]["engine"] = self._engine.state_dict()
-            if self.collective.distributed:  # each process's open round and RNG (the rest is the same on all)
-                own = {"round": state["round"], "torch_rng": state["torch_rng"]}
+            if self.collective.distributed and interrupted:  # the other processes may be gone: no collective
+                state["interrupted_on_rank"] = self.collective.rank
+            elif self.collective.distributed:  # each process's open round, RNG, optimizer state, clients
+                own = {
+                    "round": state["round"],
+                    "torch_rng": state["torch_rng"],
+                    "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+                    **self.federation.round_records(),
+                }
+                if "cuda_rng" in state:
+                    own["cuda_rng"] = state["cuda_rng"]
                 if self.federation.store.sharded:  # every rank's clients to rank 0, which writes
-                    own["borrowed"] = self.federation.borrowed_records()
                     state["clients"] = self.federation.gathered_store_state()
                 state["ranks"] = self.collective.all_gather_object(to_cpu(own))
             checkpoint[CHECKPOINT_KEY] = state
@@ -773,6 +782,12 @@ class FederatedStrategyMixin:
         """Called first when restoring from ``ckpt_path``: keep the federation's state for the loads below."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._pending = checkpoint.get(CHECKPOINT_KEY)
+        if self._pending is not None and "interrupted_on_rank" in self._pending:
+            raise ValueError(
+                f"{checkpoint_path} was written by rank {self._pending['interrupted_on_rank']} alone when a run on "
+                "several processes stopped on an exception: it does not hold the other processes' clients. Resume "
+                "from a checkpoint written at the end of a round (or mid-round by ModelCheckpoint)."
+            )
         if self._pending is None:
             rank_zero_info(
                 "The checkpoint has no federated state; every client starts from the module's head."
@@ -797,7 +812,12 @@ class FederatedStrategyMixin:
             return
         state = self._this_rank_state(state)
         self.federation.restore_round(state)
-        self.federation.restore_borrowed(state.get("borrowed", []))
+        self.federation.restore_round_records(
+            {"records": state.get("records", []), "borrowed": state.get("borrowed", [])}
+        )
+        if "optimizers" in state and state["round"]["open"]:  # Lightning restored rank 0's: take this rank's
+            for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+                optimizer.load_state_dict(saved)
         if self._engine is not None and self.engine == "auto" and "engine" not in state:
             self._engine = None  # the run that saved it ran sequentially: so does its continuation
         if self._engine is not None:

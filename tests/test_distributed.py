@@ -139,26 +139,36 @@ def test_a_one_process_checkpoint_resumes_on_two_processes(runs, fedrep_referenc
         assert_same_federation(fedrep_reference, held)
 
 
-def test_a_mid_round_checkpoint_resumes_on_as_many_processes_and_is_refused_on_others(runs, fedrep_reference):
-    """Each rank's open round is saved: resumed on 2 processes it continues exactly; on 1 process it is
-    refused with the reason (a round-end checkpoint resumes anywhere)."""
-    out = runs / "mid"
-    fit(out, "--devices", "2", "--rounds", "2", "--engine", "vectorized", "--save-every", "15")
-    checkpoint = Path(f"{out}_ckpt") / "step=15.ckpt"  # round 0 has 21 lockstep steps: mid-round
-    assert torch.load(checkpoint, weights_only=False)["lightning_fedrep"]["round"]["open"]
+@pytest.mark.parametrize("engine,step", [("vectorized", 15), ("sequential", 20)])
+def test_a_mid_round_checkpoint_resumes_on_as_many_processes_and_is_refused_on_others(
+    runs, fedrep_reference, engine, step
+):
+    """Each rank's open round is saved (its clients finished in the round, its optimizer state, its
+    RNG): resumed on 2 processes it continues exactly; on 1 process it is refused with the reason (a
+    round-end checkpoint resumes anywhere). Sequential, step 20 of 42: each rank has finished clients
+    that only it holds until the round closes."""
+    out = runs / f"mid_{engine}"
+    fit(out, "--devices", "2", "--rounds", "2", "--engine", engine, "--save-every", str(step))
+    checkpoint = Path(f"{out}_ckpt") / f"step={step}.ckpt"  # rounds of 21 lockstep / 42 client steps
+    saved = torch.load(checkpoint, weights_only=False)["lightning_fedrep"]
+    assert saved["round"]["open"]
+    if engine == "sequential":
+        assert all(rank["records"] for rank in saved["ranks"])
     ranks = fit(
-        runs / "mid_resumed",
+        runs / f"mid_resumed_{engine}",
         "--devices",
         "2",
         "--rounds",
         "4",
         "--engine",
-        "vectorized",
+        engine,
         "--resume",
         str(checkpoint),
     )
     for held in ranks:
         assert_same_federation(fedrep_reference, held)
+    if engine == "sequential":
+        return
     code, output = run(
         runs / "mid_on_one",
         "--devices",
@@ -290,3 +300,17 @@ def test_a_recipe_on_two_processes_through_the_command_writes_its_outputs_once(t
     assert len(summary["per_client"]["val"]["val/acc"]) == 20
     assert len(list((tmp_path / "runs" / "digits" / "wandb").glob("offline-run-*"))) == 1
     assert output.count("Per-client val/acc (20 clients)") == 1
+
+
+def test_every_rank_starts_from_rank_0s_module(runs, fedrep_reference):
+    """Each rank initializes its module with another seed (no seed_everything shared): the strategy
+    gives every rank rank 0's module before the federation takes its snapshot, so the run is the
+    one-process run from rank 0's initialization."""
+    for held in fit(runs / "unseeded", "--devices", "2", "--rounds", "4", "--seed-by-rank"):
+        assert_same_federation(fedrep_reference, held)
+
+
+def test_manual_optimization_on_several_processes_is_refused(runs):
+    code, output = run(runs / "manual", "--devices", "2", "--manual", timeout=120)
+    assert code != 0
+    assert "FederatedDDPStrategy cannot run with manual optimization" in output

@@ -94,7 +94,8 @@ def start_engine(
 ) -> LockstepEngine | None:
     """On the fit's first training loader: decide the feature cache and the widths and say so in one
     line; ``None`` where ``mode="auto"`` keeps the sequential path. Later loaders change nothing.
-    On several processes every rank takes rank 0's widths (its timing decides for all)."""
+    On several processes every rank takes rank 0's lane choice (its timing decides for all) and
+    the smallest group width any rank's memory allows."""
     cache = engine.bind_loader(loader, device)
     if cache is None:
         return engine
@@ -109,8 +110,12 @@ def start_engine(
         rank_zero_info(f"lightning_fedrep: sequential engine ({reason}).")
         return None
     widths = engine.prepare(plan, device, measure=mode == "auto" and not smoke, memory=memory, smoke=smoke)
-    if collective is not None and collective.distributed:
-        engine.use_widths(collective.broadcast_object(engine.settings()))
+    if collective is not None and collective.distributed:  # rank 0's timing, the smallest memory bound
+        every = collective.all_gather_object(engine.settings())
+        bounded = [s["group_width"] for s in every if s["group_width"]]
+        engine.use_widths(
+            {"group_width": min(bounded) if bounded else 0, "lane_width": every[0]["lane_width"]}
+        )
     if mode == "auto" and not engine.gains(plan):
         rank_zero_info(
             f"lightning_fedrep: sequential engine (no cached features and no gain in lockstep: {widths})."

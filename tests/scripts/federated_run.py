@@ -63,6 +63,20 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.5, weight_decay=1e-3)
 
 
+class ManualNet(Net):
+    """Net with manual optimization (refused on several processes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
 def client_data(seed: int = 0) -> FederatedDataModule:
     """Clients of uneven sizes, each with its own label skew (labels depend on the client)."""
     generator = torch.Generator().manual_seed(seed)
@@ -123,6 +137,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--client-store", default="replicated", choices=["replicated", "sharded"])
     parser.add_argument("--reads-every-client", action="store_true")
+    parser.add_argument(
+        "--seed-by-rank", action="store_true", help="each rank initializes its module differently"
+    )
+    parser.add_argument("--manual", action="store_true", help="a module with manual optimization")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -159,8 +177,8 @@ def main() -> None:
                 filename="{step}",
             )
         )
-    L.seed_everything(0, verbose=False)
-    model = Net()
+    L.seed_everything(int(os.environ.get("LOCAL_RANK", 0)) if args.seed_by_rank else 0, verbose=False)
+    model = ManualNet() if args.manual else Net()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
