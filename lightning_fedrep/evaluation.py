@@ -51,15 +51,29 @@ def headline_sums_per_client(outputs: Tensor, targets: Tensor, mask: Tensor) -> 
     clients, samples = targets.shape[:2]
     if not targets.is_floating_point() and targets.dim() == 2 and outputs.dim() == 3:
         per_sample = F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), reduction="none")
+        # a sample with non-finite logits has no class: its accuracy is NaN, not argmax's class 0
+        correct = (outputs.argmax(dim=2) == targets).double()
+        correct[~torch.isfinite(outputs).all(dim=2)] = float("nan")
         return {
-            "acc": ((outputs.argmax(dim=2) == targets).double() * weights).sum(1),
-            "loss": (per_sample.view(clients, samples).double() * weights).sum(1),
+            "acc": (correct * weights).nansum(1) + _nan_where_any(correct, weights),
+            "loss": (per_sample.view(clients, samples).double() * weights).nansum(1)
+            + _nan_where_any(per_sample.view(clients, samples).double(), weights),
         }
     if targets.is_floating_point() and outputs.numel() == targets.numel():
         difference = outputs.reshape(targets.shape) - targets.float()
         per_sample = difference.pow(2).reshape(clients, samples, -1).mean(dim=2)
         return {"loss": (per_sample.double() * weights).sum(1)}
     return None
+
+
+def _nan_where_any(values: Tensor, weights: Tensor) -> Tensor:
+    """Per client: NaN if any of its (unmasked) values is NaN, else 0 (padding rows never count)."""
+    bad = (torch.isnan(values) & (weights > 0)).any(dim=1)
+    return torch.where(
+        bad,
+        torch.full_like(bad, float("nan"), dtype=torch.float64),
+        torch.zeros_like(bad, dtype=torch.float64),
+    )
 
 
 class ClientMetrics:

@@ -29,6 +29,17 @@ def personalized_state_dict(checkpoint: str | Path | dict[str, Any], client: int
             "(FederatedStrategy), so it holds no per-client state."
         )
     state = checkpoint[CHECKPOINT_KEY]
+    clients = (state.get("federation") or {}).get("num_clients")
+    if (
+        isinstance(client, bool)
+        or not isinstance(client, int)
+        or client < -1
+        or (clients is not None and client >= clients)
+    ):
+        raise IndexError(
+            f"client must be a client id in 0..{'' if clients is None else clients - 1} (or -1 for a client that never "
+            f"trained), got {client!r}."
+        )
     store = ClientStore([])
     store.load_state_dict(state["clients"])
     return {**checkpoint["state_dict"], **store.personal(client, state["local_names"])}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -152,6 +153,9 @@ class Federation:
         self.history = History()
         self.faults: list[ClientFault] = []
         """Every client left out of a round so far (checkpointed)."""
+        self.saved_federation: dict[str, Any] | None = None
+        """The fingerprint of the federation the loaded checkpoint was saved with."""
+        self.partition = 0
         self.client_sizes: tuple[int, ...] | None = None
         self.batch_size = 1
         self.round_index = -1
@@ -218,7 +222,24 @@ class Federation:
         """What makes ``client``'s model its own, by name (copies): its local part (the initial one if it
         never trained) and any shared tensors it fine-tuned in a round that did not aggregate."""
         self._require_state()
+        self.check_client(client)
         return {n: t.detach().clone() for n, t in self.store.personal(client, self.local_names).items()}
+
+    def check_client(self, client: int) -> None:
+        """Refuse a client id outside the federation (``-1``, a client that never trained, is allowed)."""
+        known = len(self.client_sizes) if self.client_sizes is not None else None
+        if known is None and self.saved_federation is not None:
+            known = self.saved_federation.get("num_clients")
+        if (
+            isinstance(client, bool)
+            or not isinstance(client, int)
+            or client < -1
+            or (known is not None and client >= known)
+        ):
+            raise IndexError(
+                f"client must be a client id in 0..{'' if known is None else known - 1} (or -1 for a client that never "
+                f"trained), got {client!r}."
+            )
 
     def personalized_state(self, base_state: Mapping[str, Tensor], client: int) -> dict[str, Tensor]:
         """``base_state`` (a module ``state_dict`` holding the global shared part) made ``client``'s own."""
@@ -275,11 +296,51 @@ class Federation:
             self.global_state = [t.to(device) for t in self.global_state]
             self.store.to(device)
 
-    def bind_data(self, client_sizes: Sequence[int], batch_size: int) -> None:
-        """The clients' training-set sizes (aggregation weights, epoch budgets) and the batch size."""
+    def bind_data(self, client_sizes: Sequence[int], batch_size: int, partition: int = 0) -> None:
+        """The clients' training-set sizes (aggregation weights, epoch budgets), the batch size, and a
+        checksum of which samples each client holds (part of the federation's fingerprint)."""
         self.client_sizes = tuple(int(n) for n in client_sizes)
         self.batch_size = int(batch_size)
+        self.partition = int(partition)
         self._plans = {}
+
+    def adopt_new_federation(self) -> None:
+        """Keep the loaded global state and forget the loaded clients (another federation's)."""
+        self.store.local.clear()
+        self.store.optimizer_states.clear()
+        self.store.finetuned.clear()
+        self.saved_federation = None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What makes a checkpoint this federation's: its clients (count, sizes, which samples), the
+        batch size, the algorithm and how rounds are planned (seed, clients per round, phases)."""
+        sizes = self._require_data()
+        return {
+            "num_clients": len(sizes),
+            "client_sizes": zlib.crc32(str(sizes).encode()),
+            "partition": self.partition,
+            "batch_size": self.batch_size,
+            "algorithm": self.algorithm.name,
+            "seed": self.config.seed,
+            "clients_per_round": repr(self.config.clients_per_round),
+            "phases": repr(self.config.phases),
+        }
+
+    def federation_changes(self, num_clients: int | None = None) -> list[str]:
+        """How this run's federation differs from the one the loaded checkpoint was saved with (in
+        evaluation only the number of clients is known: ``num_clients``)."""
+        saved = self.saved_federation
+        if not saved:
+            return []
+        if num_clients is not None:
+            current = {"num_clients": num_clients}
+        else:
+            current = self.fingerprint()
+        return [
+            f"{key} {saved[key]!r} -> {value!r}"
+            for key, value in current.items()
+            if key in saved and saved[key] != value
+        ]
 
     # ------------------------------------------------------------------ planning
     def plan(self, round_index: int, configure: Callable[[RoundPlan], RoundPlan] | None = None) -> RoundPlan:
@@ -658,6 +719,7 @@ class Federation:
             "clients": self.store.state_dict(),
             "history": self.history.state_dict(),
             "faults": [asdict(f) for f in self.faults],
+            "federation": self.fingerprint() if self.client_sizes is not None else self.saved_federation,
             "round": {"open": self.round_open, "index": self.round_index},
             "torch_rng": torch.get_rng_state(),
         }
@@ -696,6 +758,7 @@ class Federation:
         self.history = History()
         self.history.load_state_dict(state.get("history", []))
         self.faults = [ClientFault(**f) for f in state.get("faults", [])]
+        self.saved_federation = state.get("federation")
         self.algorithm.load_state_dict(state.get("algorithm_state", {}))
 
     def restore_round(self, state: dict[str, Any]) -> None:

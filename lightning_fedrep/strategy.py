@@ -71,6 +71,8 @@ class FederatedStrategyMixin:
         on_nonfinite: a client whose tensors are not all finite after its round's work (a NaN loss, NaN
             data, a diverging step): ``"skip"`` leaves it out of the round (nothing it computed is kept,
             the round aggregates without it, a warning and the history say so); ``"raise"`` stops.
+        allow_new_federation: resume or evaluate a checkpoint with other clients or settings than it was
+            saved with (e.g. fine-tune its global model on new clients); by default that is refused.
         on_client_error: a client whose step raises: ``"raise"`` stops the run (the open round is rolled
             back, so a checkpoint written on the exception restarts the round); ``"skip"`` leaves the
             client out of the round like a non-finite one (sequential path only: one client's steps).
@@ -108,6 +110,7 @@ class FederatedStrategyMixin:
         headline_metrics: bool = True,
         on_nonfinite: Literal["skip", "raise"] = "skip",
         on_client_error: Literal["raise", "skip"] = "raise",
+        allow_new_federation: bool = False,
         engine: Literal["auto", "vectorized", "sequential"] = "auto",
         engine_width: int | None = None,
         engine_memory: int | None = None,
@@ -135,6 +138,7 @@ class FederatedStrategyMixin:
         self.buffers = buffers
         self.allow_frozen = allow_frozen
         self.headline_metrics = headline_metrics
+        self.allow_new_federation = allow_new_federation
         self.config = FederationConfig(
             phases=parse_phases(phases)
             if phases is not None
@@ -353,7 +357,10 @@ class FederatedStrategyMixin:
         plans; remember the evaluation loader."""
         if isinstance(dataloader, RoundLoader):
             federation = self.require_federation()
-            federation.bind_data(dataloader.client_sizes(), dataloader.batch_size)
+            federation.bind_data(
+                dataloader.client_sizes(), dataloader.batch_size, dataloader.partition_checksum()
+            )
+            self._check_same_federation(federation.federation_changes())
             trainer = self.lightning_module.trainer
             if self._engine is not None:
                 self._engine = start_engine(
@@ -374,6 +381,10 @@ class FederatedStrategyMixin:
             return dataloader
         if isinstance(dataloader, EvalLoader):
             self._eval_loader = dataloader
+            if self.federation is not None and self.federation.client_sizes is None:  # validate/test alone
+                self._check_same_federation(
+                    self.federation.federation_changes(num_clients=dataloader.num_clients)
+                )
             if self.collective.distributed:
                 sharded = (
                     self.federation is not None
@@ -397,6 +408,24 @@ class FederatedStrategyMixin:
             f"EvalLoader for evaluation), got {type(dataloader).__name__}. Build the data with "
             "lightning_fedrep.FederatedDataModule(train_set, test_set, partitioner=...) and pass it as datamodule=."
         )
+
+    def _check_same_federation(self, changes: list[str]) -> None:
+        """Refuse data or settings other than the checkpoint's (another federation's heads would be handed
+        to these clients), unless ``allow_new_federation``: then these clients start from the global state."""
+        if not changes:
+            return
+        if not self.allow_new_federation:
+            raise ValueError(
+                f"The checkpoint was saved by another federation than this run's ({'; '.join(changes)}). Resume or "
+                "evaluate it with the same data module (clients, partition, batch size) and strategy settings "
+                "(algorithm, seed, clients_per_round, phases), or pass allow_new_federation=True to start these "
+                "clients from the checkpoint's global state (their own parts from the initial ones)."
+            )
+        rank_zero_warn(
+            f"allow_new_federation=True: a new federation ({'; '.join(changes)}); every client starts from the "
+            "checkpoint's global state and the initial local part."
+        )
+        self.federation.adopt_new_federation()
 
     def _training_schedule(self, round_index: int) -> RoundPlan | LockstepPlan | RankSchedule:
         plan = self.round_plan(round_index)
@@ -698,6 +727,19 @@ class FederatedStrategyMixin:
         trainer = module.trainer
         if self.collective.distributed:
             self._gather_evaluation(evaluation)
+        broken = sorted(
+            {
+                c
+                for name in evaluation.metrics.names
+                for c, v in evaluation.metrics.per_client(name).items()
+                if v != v
+            }
+        )
+        if broken:
+            rank_zero_warn(
+                f"{evaluation.stage}: the model's outputs are not finite for clients {broken[:20]}"
+                f"{' ...' if len(broken) > 20 else ''}; their metrics (and the summaries over clients) are NaN."
+            )
         in_fit = evaluation.stage == "val" and trainer.state.fn == "fit" and not trainer.sanity_checking
         prefix = ""
         if evaluation.stage == "val" and federation.round_index >= 0 and federation.client_sizes is not None:

@@ -224,3 +224,28 @@ def test_a_run_stopped_by_an_error_rolls_the_round_back_and_its_exception_checkp
         for name, value in clean.client_tensors(cid).items():
             assert torch.equal(resumed.client_tensors(cid)[name], value), (cid, name)
     assert resumed.history == clean.history and [r["round"] for r in clean.history] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_non_finite_outputs_in_evaluation_are_reported_as_nan_for_their_clients(engine):
+    """Client 1's test inputs hold a NaN: its accuracy is NaN (not argmax's class 0 counted as a guess),
+    the other clients' are numbers, the summary over clients is NaN, and a warning names the client."""
+    dm = tiny_datamodule(num_clients=5, seed=3)
+    dm.setup()
+    train, test = [], []
+    for cid in range(5):
+        for split, out in (("train", train), ("test", test)):
+            data = dm.client_data(cid, split)
+            x, y = (t[data.indices].clone() for t in data.dataset.tensors)
+            if split == "test" and cid == 1:
+                x[0, 0] = float("nan")
+            out.append(TensorDataset(x, y))
+    data = FederatedDataModule.from_client_datasets(train, test, batch_size=8)
+    s = strategy(engine=engine)
+    trainer = quiet_trainer(strategy=s, max_epochs=1)
+    with pytest.warns(UserWarning, match=r"val: the model's outputs are not finite for clients \[1\]"):
+        trainer.fit(FaultyNet(), datamodule=data)
+    accuracy = s.client_metrics["val"].per_client("val/acc")
+    assert accuracy[1] != accuracy[1]
+    assert all(accuracy[c] == accuracy[c] for c in (0, 2, 3, 4))
+    assert s.history[-1]["val/acc"] != s.history[-1]["val/acc"]

@@ -10,6 +10,7 @@ client each batch belongs to.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,7 @@ class RoundLoader:
         self.seed = seed
         self.fetcher = fetcher or _BatchFetcher()
         self._plan_provider: Callable[[], RoundPlan] | None = None
+        self._checksum: int | None = None
         self._resume_position = 0
         self._position = 0
         self._round: int | None = None
@@ -95,6 +97,15 @@ class RoundLoader:
     def client_sizes(self) -> list[int]:
         """Training samples per client (the aggregation weights and the epoch budgets)."""
         return [len(c) for c in self.clients]
+
+    def partition_checksum(self) -> int:
+        """A checksum of which samples each client holds (another partition gives another number)."""
+        if self._checksum is None:
+            value = 0
+            for client in self.clients:
+                value = zlib.crc32(client.indices.cpu().numpy().tobytes(), zlib.crc32(b"|", value))
+            self._checksum = value
+        return self._checksum
 
     def bind(self, plan_provider: Callable[[], RoundPlan]) -> None:
         """Called by the strategy: where to get the current round's plan."""
