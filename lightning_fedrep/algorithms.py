@@ -64,7 +64,24 @@ class Phase:
 
 def parse_phases(phases: Sequence[Phase | dict]) -> tuple[Phase, ...]:
     """Accept phases as ``Phase`` objects or as dicts (the form YAML recipes give)."""
-    parsed = tuple(p if isinstance(p, Phase) else Phase(**p) for p in phases)
+    if isinstance(phases, str | dict) or not isinstance(phases, Sequence):
+        raise TypeError(
+            f"phases must be a list of Phase objects or dicts, got {type(phases).__name__} ({phases!r})."
+        )
+    parsed = []
+    for index, phase in enumerate(phases):
+        if isinstance(phase, Phase):
+            parsed.append(phase)
+            continue
+        if not isinstance(phase, dict):
+            raise TypeError(
+                f"phases[{index}] must be a Phase or a dict such as {{'train': 'head', 'epochs': 10}}, got {phase!r}."
+            )
+        try:
+            parsed.append(Phase(**phase))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"phases[{index}]: {error}") from None
+    parsed = tuple(parsed)
     if not parsed:
         raise ValueError("phases must name at least one phase, e.g. [{'train': 'all', 'epochs': 1}].")
     return parsed

@@ -11,11 +11,15 @@ Models and data modules are chosen by ``class_path`` (any LightningModule and an
 
 from __future__ import annotations
 
+import difflib
 import os
+import sys
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
+from lightning.pytorch.strategies import StrategyRegistry
+from typing_extensions import override
 
 import lightning_fedrep  # noqa: F401  (registers the strategy names)
 from lightning_fedrep.callbacks.summary import RunSummary
@@ -28,6 +32,37 @@ def wandb_credentials_present() -> bool:
         return True
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def check_strategy_name(name: str) -> None:
+    """Refuse a strategy name neither Lightning nor this package registered, listing this package's."""
+    if name in StrategyRegistry or name == "auto":
+        return
+    ours = sorted(
+        n
+        for n in StrategyRegistry
+        if StrategyRegistry[n]["strategy"].__module__.startswith("lightning_fedrep")
+    )
+    close = difflib.get_close_matches(name, list(StrategyRegistry), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    sys.stderr.write(
+        f"lightning-fedrep: error: trainer.strategy={name!r} is not a registered strategy.{hint} This package's: "
+        f"{', '.join(ours)} (or class_path: lightning_fedrep.FederatedStrategy); Lightning's: "
+        f"{', '.join(sorted(n for n in StrategyRegistry if n not in ours and 'find_unused' not in n))}.\n"
+    )
+    raise SystemExit(2)
+
+
+def configuration_error(error: BaseException) -> str:
+    """The cause of a failed instantiation: jsonargparse reports a class's own error among the union's
+    alternatives ("Expected a <class 'str'>", ...); keep only the class's."""
+    lines = [line.strip()[2:] for line in str(error).splitlines() if line.strip().startswith("- ")]
+    causes = [
+        line
+        for line in lines
+        if not line.startswith(("Expected a", "Not a valid subclass", "Problem with given class_path"))
+    ]
+    return "; ".join(causes) if causes else str(error).splitlines()[0]
 
 
 class LogConfigCallback(SaveConfigCallback):
@@ -48,6 +83,25 @@ class FedRepCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         if "WANDB_MODE" not in os.environ and not wandb_credentials_present():
             os.environ["WANDB_MODE"] = "offline"  # never block on the network
+        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        strategy = config.get("trainer", {}).get("strategy") if hasattr(config, "get") else None
+        if isinstance(strategy, str):
+            check_strategy_name(strategy)
+
+    @override
+    def instantiate_classes(self) -> None:
+        """Build the configured objects; a bad value stops the command with its cause on one line (not a
+        traceback through the parser), unless ``LIGHTNING_FEDREP_TRACEBACK=1``."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            if os.environ.get("LIGHTNING_FEDREP_TRACEBACK") == "1":
+                raise
+            sys.stderr.write(
+                f"lightning-fedrep: error: the configuration is not valid: {configuration_error(error)}\n"
+                "(set LIGHTNING_FEDREP_TRACEBACK=1 for the full traceback)\n"
+            )
+            raise SystemExit(2) from None
 
     def _attach_config(self) -> None:
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config

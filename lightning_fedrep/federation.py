@@ -738,6 +738,14 @@ class Federation:
                 live_counts=[live.steps, live.timed_steps, live.seconds] if live is not None else [],
                 live_fault=live.fault if live is not None else "",
             )
+            before = self._before_round
+            if before is not None:  # a run resumed from here can still roll the whole round back
+                state["round"]["before"] = {
+                    "round_index": before.round_index,
+                    "rng": before.rng,
+                    "finetuned": before.finetuned,
+                    "clients": before.clients,
+                }
         return state
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
@@ -789,6 +797,19 @@ class Federation:
             )
         if self._live is not None:
             self._live.fault = round_state.get("live_fault", "")
+        before = round_state.get("before")
+        self._before_round = None
+        if before is not None:
+            device = self._device
+            self._before_round = _RoundStart(
+                int(before["round_index"]),
+                before["rng"],
+                {
+                    c: {n: t.to(device) for n, t in tensors.items()}
+                    for c, tensors in before["finetuned"].items()
+                },
+                dict(before["clients"]),
+            )
         self.live_phase = None
         if self._live is not None and round_state["live_part"]:
             self.set_phase(round_state["live_part"])

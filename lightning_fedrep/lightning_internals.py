@@ -111,6 +111,58 @@ def loops_state_at_round_start(trainer: L.Trainer, round_index: int) -> dict[str
     return state
 
 
+def requested_num_nodes(trainer: L.Trainer) -> int:
+    """``Trainer(num_nodes=...)`` as the user gave it (a single-device strategy does not keep it).
+
+    Relies on: the accelerator connector stores the flag as ``_num_nodes_flag``.
+    """
+    return int(trainer._accelerator_connector._num_nodes_flag)
+
+
+def round_validation_due(trainer: L.Trainer) -> bool:
+    """Whether Lightning runs validation after the training batch being run (or just run), because it is
+    the epoch's (the round's) last and validation is due at the end of this epoch.
+
+    Relies on: the training epoch loop's ``_should_check_val_epoch()`` (``check_val_every_n_epoch``) and
+    its end-of-epoch rule in ``_should_check_val_fx``: the last batch validates when ``val_check_batch``
+    divides its index + 1; validation by time interval or across epochs is not end-of-round validation.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if not trainer.enable_validation or trainer.check_val_every_n_epoch is None:
+        return False
+    if trainer._val_check_time_interval is not None or not loop.batch_progress.is_last_batch:
+        return False
+    if not loop._should_check_val_epoch():
+        return False
+    every = trainer.val_check_batch
+    return every == float("inf") or (loop.batch_idx + 1) % int(every) == 0
+
+
+def loops_state_before_round_validation(loops: dict[str, Any]) -> dict[str, Any]:
+    """The loops' checkpoint state ``loops`` rewritten as it is when the epoch's last batch has completed and
+    validation has started its first batch: a checkpoint holding it resumes by running that validation from
+    its first batch, then the next epoch. Lightning itself skips the validation when resuming from a
+    checkpoint written at the last batch's end or during validation; a round's evaluation would be lost.
+
+    Relies on: the checkpoint's ``fit_loop`` holds ``epoch_loop.batch_progress`` and
+    ``epoch_loop.val_loop.batch_progress`` with ``total``/``current`` counters; a training batch progress
+    with all counters equal and ``is_last_batch`` makes the epoch loop restart "on last", and a validation
+    progress with ``ready == started == processed + 1 == completed + 1`` makes the validation loop restart
+    "mid-evaluation", which the epoch loop finishes by running the validation (from ``completed``: 0).
+    """
+    state = copy.deepcopy(loops)
+    fit = state["fit_loop"]
+    training = fit["epoch_loop.batch_progress"]
+    for counters in (training["total"], training["current"]):
+        counters["completed"] = counters["processed"]
+    training["is_last_batch"] = True
+    validation = fit["epoch_loop.val_loop.batch_progress"]
+    for counters in (validation["total"], validation["current"]):
+        counters.update(ready=1, started=1, processed=0, completed=0)
+    validation["is_last_batch"] = False
+    return state
+
+
 def broadcast_module_from_rank_zero(module: torch.nn.Module) -> None:
     """Give every process rank 0's parameters and buffers (what ``DistributedDataParallel`` does when it
     wraps a module; the federated DDP strategy does not wrap it).

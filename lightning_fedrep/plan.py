@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lightning_fedrep.algorithms import Part, Phase, parse_phases
+from lightning_fedrep.arguments import check_clients_per_round
 
 
 def round_generator(seed: int, *keys: int) -> torch.Generator:
@@ -28,21 +29,22 @@ def round_generator(seed: int, *keys: int) -> torch.Generator:
 
 
 def num_sampled_clients(num_clients: int, clients_per_round: float | int) -> int:
-    """How many clients a round samples: a fraction in (0, 1] of ``num_clients`` or a count."""
-    if isinstance(clients_per_round, bool) or clients_per_round <= 0:
+    """How many clients a round samples: a fraction in (0, 1] of ``num_clients`` (a float, rounded to the
+    nearest count, at least one) or a count (an int); see :func:`~lightning_fedrep.arguments.check_clients_per_round`."""
+    clients_per_round = check_clients_per_round(clients_per_round)
+    if isinstance(clients_per_round, float):
+        share = clients_per_round * num_clients
+        if share < 0.5:
+            raise ValueError(
+                f"clients_per_round={clients_per_round!r} of {num_clients} clients is {share:.3g} clients: less "
+                f"than one. Give a count (clients_per_round=1) or a fraction >= {0.5 / num_clients:.3g}."
+            )
+        return max(1, int(round(share)))
+    if clients_per_round > num_clients:
         raise ValueError(
-            f"clients_per_round must be a fraction in (0, 1] or a count >= 1, got {clients_per_round!r}."
+            f"clients_per_round={clients_per_round} is more than the {num_clients} clients in the data."
         )
-    if isinstance(clients_per_round, float) and clients_per_round <= 1.0:
-        return max(1, int(round(clients_per_round * num_clients)))
-    count = int(clients_per_round)
-    if count != clients_per_round:
-        raise ValueError(
-            f"clients_per_round={clients_per_round!r} is neither a fraction in (0, 1] nor a count."
-        )
-    if count > num_clients:
-        raise ValueError(f"clients_per_round={count} is more than the {num_clients} clients in the data.")
-    return count
+    return clients_per_round
 
 
 def sample_clients(

@@ -50,7 +50,8 @@ def _spec_from_module(module: nn.Module) -> HeadSpec:
 
 
 def _module_names(module: nn.Module) -> list[str]:
-    return [name for name, _ in module.named_modules() if name]
+    """Names of the submodules that hold parameters (those a head entry can name)."""
+    return [name for name, m in module.named_modules() if name and any(True for _ in m.parameters())]
 
 
 def _matches_prefix(param_name: str, prefix: str) -> bool:
@@ -106,10 +107,16 @@ def resolve_split(module: nn.Module, head: HeadSpec = None, *, allow_frozen: boo
         for prefix in prefixes:
             matched = [n for n, _ in named if _matches_prefix(n, prefix)]
             if not matched:
-                candidates = _module_names(module) + [n for n, _ in named]
+                candidates = [n for n in _module_names(module) if n != prefix] + [n for n, _ in named]
                 close = difflib.get_close_matches(prefix, candidates, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise SplitError(f"head entry {prefix!r} matches no parameter.{hint} {_describe(module)}.")
+                modules = dict(module.named_modules())
+                what = (
+                    f"is a {type(modules[prefix]).__name__} without parameters"
+                    if prefix in modules
+                    else "matches no parameter"
+                )
+                raise SplitError(f"head entry {prefix!r} {what}.{hint} {_describe(module)}.")
             head_names.extend(n for n in matched if n not in head_names)
 
     frozen = [n for n, p in named if not p.requires_grad]

@@ -10,6 +10,7 @@ the documented hooks lives in :mod:`lightning_fedrep.lightning_internals`.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ from typing_extensions import override
 
 from lightning_fedrep import lightning_internals as internals
 from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase, get_algorithm, parse_phases
+from lightning_fedrep.arguments import check_bool, check_clients_per_round, check_int
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from lightning_fedrep.collective import Collective, to_cpu
 from lightning_fedrep.data.loaders import ClientChunk, EvalLoader, RoundLoader
@@ -97,7 +99,7 @@ class FederatedStrategyMixin:
         self,
         head: HeadSpec = None,
         algorithm: str | Algorithm = "fedrep",
-        clients_per_round: float | int = 0.1,
+        clients_per_round: int | float = 0.1,
         head_epochs: int = 10,
         body_epochs: int = 1,
         local_epochs: int = 1,
@@ -117,6 +119,21 @@ class FederatedStrategyMixin:
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
+        _check_head(head)
+        for name, epochs in (
+            ("head_epochs", head_epochs),
+            ("body_epochs", body_epochs),
+            ("local_epochs", local_epochs),
+        ):
+            check_int(name, epochs, minimum=0)
+        for name, flag in (
+            ("allow_frozen", allow_frozen),
+            ("headline_metrics", headline_metrics),
+            ("allow_new_federation", allow_new_federation),
+        ):
+            check_bool(name, flag)
+        check_int("seed", seed)
+        clients_per_round = check_clients_per_round(clients_per_round)
         resolved = get_algorithm(algorithm)
         # a registered algorithm is shared by name: each strategy gets its own copy of its server state
         self.algorithm: Algorithm = copy.deepcopy(resolved) if isinstance(algorithm, str) else resolved
@@ -167,6 +184,7 @@ class FederatedStrategyMixin:
         self._idle = False
         self._client_step = 0
         self._round_start_loops: dict[str, Any] | None = None
+        self._validated_round = -1
 
     # ------------------------------------------------------------------ public accessors
     @property
@@ -745,6 +763,8 @@ class FederatedStrategyMixin:
         if evaluation.stage == "val" and federation.round_index >= 0 and federation.client_sizes is not None:
             prefix = self.round_plan(federation.round_index).prefix
         values = evaluation.summary(prefix)
+        if in_fit:
+            self._validated_round = federation.round_index
         if in_fit and prefix:
             federation.history.finetune = dict(values)
         elif in_fit:
@@ -792,16 +812,20 @@ class FederatedStrategyMixin:
         before that round, and resumes at the round's first step."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        if interrupted:
-            loops = self._round_start_loops
-            if loops is not None and self._roll_back_round():
-                checkpoint["loops"] = loops
+        validation_owed = False
+        if interrupted and self._round_start_loops is not None and self._roll_back_round():
+            checkpoint["loops"] = self._round_start_loops
+        elif trainer is not None and "loops" in checkpoint and self._round_validation_owed(trainer):
+            checkpoint["loops"] = internals.loops_state_before_round_validation(checkpoint["loops"])
+            validation_owed = True
         if self.federation is not None and self.federation.has_state:
             state = self.federation.state_dict()
             if self._engine is not None:
                 state["engine"] = self._engine.settings()
                 if self.federation.round_open:
                     state["round"]["engine"] = self._engine.state_dict()
+            if self.federation.round_open and self._round_start_loops is not None:
+                state["round"]["start_loops"] = self._round_start_loops
             if self.collective.distributed and interrupted:  # the other processes may be gone: no collective
                 state["interrupted_on_rank"] = self.collective.rank
             elif self.collective.distributed:  # each process's open round, RNG, optimizer state, clients
@@ -816,8 +840,24 @@ class FederatedStrategyMixin:
                 if self.federation.store.sharded:  # every rank's clients to rank 0, which writes
                     state["clients"] = self.federation.gathered_store_state()
                 state["ranks"] = self.collective.all_gather_object(to_cpu(own))
+            if validation_owed:
+                state["validation_owed"] = True
             checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _round_validation_owed(self, trainer: L.Trainer) -> bool:
+        """Whether a checkpoint written now falls between the end of a round and the end of its validation
+        (written at its last step, or during validation): resuming from it must run that validation again,
+        or the round's evaluation would be missing from the history."""
+        federation = self.federation
+        if federation is None or federation.round_open or federation.round_index < 0:
+            return False
+        if trainer.state.fn != "fit" or trainer.sanity_checking:
+            return False
+        evaluated = federation.round_index == self._validated_round or any(
+            row["round"] == federation.round_index for row in federation.history.rows
+        )
+        return not evaluated and internals.round_validation_due(trainer)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -857,6 +897,8 @@ class FederatedStrategyMixin:
         self.federation.restore_round_records(
             {"records": state.get("records", []), "borrowed": state.get("borrowed", [])}
         )
+        if state["round"]["open"]:
+            self._round_start_loops = state["round"].get("start_loops")
         if "optimizers" in state and state["round"]["open"]:  # Lightning restored rank 0's: take this rank's
             for optimizer, saved in zip(self.optimizers, state["optimizers"]):
                 optimizer.load_state_dict(saved)
@@ -865,7 +907,10 @@ class FederatedStrategyMixin:
         if self._engine is not None:
             self._engine.load_settings(state.get("engine"))
         if not self.federation.round_open:
-            internals.start_next_round_after_restore(self.lightning_module.trainer)
+            if not state.get(
+                "validation_owed"
+            ):  # else Lightning runs the round's validation, then the next round
+                internals.start_next_round_after_restore(self.lightning_module.trainer)
             return
         saved = "vectorized" if "engine" in state["round"] else "sequential"
         running = "vectorized" if self._engine is not None else "sequential"
@@ -892,6 +937,17 @@ class FederatedStrategyMixin:
         if ranks:
             return {**state, **ranks[min(self.collective.rank, len(ranks) - 1)]}
         return state
+
+
+def _check_head(head: Any) -> None:
+    valid = head is None or isinstance(head, str | re.Pattern)
+    if isinstance(head, Sequence) and not isinstance(head, str):
+        valid = len(head) > 0 and all(isinstance(entry, str) and entry for entry in head)
+    if not valid:
+        raise TypeError(
+            "head must be a module name or parameter-name prefix ('classifier'), a non-empty list of them, "
+            f"a compiled regex (re.compile(...)), or None (the module's `fedrep_head`); got {head!r}."
+        )
 
 
 def _check_positive_or_none(name: str, value: Any, what: str, default: str) -> None:
@@ -933,14 +989,17 @@ class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Called first in a run: refuse several devices (this strategy runs one process)."""
-        devices = self.parallel_devices or []
-        if len(devices) > 1:
+        """Called first in a run: refuse several devices or nodes (this strategy runs one process)."""
+        devices = len(self.parallel_devices or [])
+        module = self.lightning_module
+        nodes = internals.requested_num_nodes(module.trainer) if module is not None and module._trainer else 1
+        if devices > 1 or nodes > 1:
             name = self.algorithm.name if self.algorithm.name in ALGORITHMS else "fedrep"
+            given = f"devices={devices}" if devices > 1 else f"num_nodes={nodes}"
             raise ValueError(
-                f"{type(self).__name__} runs on one device, but the Trainer was given {len(devices)} devices. "
-                f"For several processes use strategy='{name}_ddp' (lightning_fedrep.FederatedDDPStrategy), or pass "
-                "devices=1."
+                f"{type(self).__name__} runs on one device, but the Trainer was given {given}. For several "
+                f"processes use strategy='{name}_ddp' (lightning_fedrep.FederatedDDPStrategy), or pass devices=1 "
+                "and num_nodes=1."
             )
         super().setup_environment()
 

@@ -106,3 +106,49 @@ def test_console_script_exits_zero_on_help():
         [sys.executable, "-m", "lightning_fedrep.cli", "--help"], capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 0 and "fit" in run.stdout
+
+
+def write_recipe(tmp_path: Path, **strategy_args) -> Path:
+    """The digits FedRep recipe with the strategy's init_args overridden (in YAML, as a user writes them)."""
+    recipe = yaml.safe_load((RECIPES / "digits" / "fedrep.yaml").read_text())
+    recipe["trainer"]["strategy"]["init_args"].update(strategy_args)
+    recipe["trainer"]["logger"] = False
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.mark.parametrize("written, sampled", [("1", 1), ("1.0", 20), ("0.25", 5), ("3", 3)])
+def test_clients_per_round_in_yaml_an_integer_is_a_count_a_float_a_fraction(
+    tmp_path, monkeypatch, written, sampled
+):
+    monkeypatch.chdir(tmp_path)
+    path = write_recipe(tmp_path)
+    path.write_text(path.read_text().replace("clients_per_round: 0.5", f"clients_per_round: {written}"))
+    cli = run_cli("fit", "--config", str(path), "--trainer.fast_dev_run=true")
+    assert len(cli.trainer.strategy.round_plan(0).clients) == sampled
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--trainer.strategy.init_args.algorithm=fedprox", "Unknown algorithm 'fedprox'; choose one of"),
+        ("--trainer.strategy.init_args.clients_per_round=5.0", "clients_per_round=5.0 is a float above 1"),
+        ("--data.init_args.batch_size=0", "DigitsDataModule(batch_size=...) must be an integer >= 1"),
+        (
+            "--trainer.strategy=fedrepp",
+            "trainer.strategy='fedrepp' is not a registered strategy. Did you mean 'fedrep'?",
+        ),
+    ],
+)
+def test_a_refused_value_in_a_recipe_stops_the_command_with_its_cause(
+    tmp_path, monkeypatch, capsys, override, message
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LIGHTNING_FEDREP_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        run_cli("fit", "--config", str(write_recipe(tmp_path)), override)
+    assert stop.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error
+    assert "Traceback" not in error and len(error.strip().splitlines()) <= 3

@@ -64,6 +64,6 @@ def test_the_single_device_strategy_refuses_several_devices():
         max_epochs=1,
     )
     with pytest.raises(
-        ValueError, match="runs on one device, but the Trainer was given 2 devices.*fedrep_ddp"
+        ValueError, match="runs on one device, but the Trainer was given devices=2.*fedrep_ddp"
     ):
         trainer.fit(TinyNet(), datamodule=tiny_datamodule())

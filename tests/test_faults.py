@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from lightning_fedrep import FederatedDataModule, FedRepStrategy, RunSummary
+from lightning_fedrep import CHECKPOINT_KEY, FederatedDataModule, FedRepStrategy, RunSummary
 from lightning_fedrep.federation import ClientFaultError, ClientFaultWarning
 from tests.fixtures import HEAD, TinyNet, quiet_trainer, tiny_datamodule
 from tests.test_golden import plain_fedrep
@@ -218,6 +218,60 @@ def test_a_run_stopped_by_an_error_rolls_the_round_back_and_its_exception_checkp
     )
     clean_model, clean = copy.deepcopy(init), strategy(engine=engine)
     trainer(4, strategy=clean).fit(clean_model, datamodule=dm)
+    for name, value in clean_model.state_dict().items():
+        assert torch.equal(resumed_model.state_dict()[name], value), name
+    for cid in range(5):
+        for name, value in clean.client_tensors(cid).items():
+            assert torch.equal(resumed.client_tensors(cid)[name], value), (cid, name)
+    assert resumed.history == clean.history and [r["round"] for r in clean.history] == [0, 1, 2, 3]
+
+
+class RaisingInRoundOne(FaultyNet):
+    """Raises as round 1's 6th batch starts (before the step, so both engines meet it) while ``faults``."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.faults and self.trainer.current_epoch == 1 and batch_idx == 5:
+            raise RuntimeError("injected failure")
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_a_run_resumed_mid_round_that_fails_in_that_round_rolls_back_to_the_rounds_start(tmp_path, engine):
+    """A mid-round checkpoint holds what the open round may change as it was at the round's start, so a run
+    resumed from it (at round 1's 3rd step) that fails later in round 1 rolls the whole round back, and its
+    exception checkpoint resumes to the parameters and the history of a run that never failed."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+    torch.manual_seed(0)
+    init = RaisingInRoundOne()
+    dm = tiny_datamodule(num_clients=5, seed=3)
+
+    def fit(model, rounds=4, ckpt_path=None, callbacks=()):
+        s = strategy(engine=engine)
+        trainer = quiet_trainer(
+            max_epochs=rounds,
+            limit_val_batches=None,
+            strategy=s,
+            callbacks=list(callbacks),
+            enable_checkpointing=bool(callbacks),
+        )
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        s.steps = trainer.global_step
+        return s
+
+    round_0_steps = fit(copy.deepcopy(init), rounds=1).steps  # Lightning steps: lockstep steps on the engine
+    saver = ModelCheckpoint(dirpath=tmp_path / "mid", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    fit(copy.deepcopy(init), rounds=2, callbacks=[saver])
+    mid = tmp_path / "mid" / f"step={round_0_steps + 3}.ckpt"
+    assert torch.load(mid, weights_only=True)[CHECKPOINT_KEY]["round"]["open"]
+
+    faulty = copy.deepcopy(init)
+    faulty.faults = {(-1, -1): "on_train_batch_start"}
+    with pytest.raises(RuntimeError, match="injected failure"):
+        fit(faulty, ckpt_path=mid, callbacks=[OnExceptionCheckpoint(dirpath=str(tmp_path))])
+    resumed_model = copy.deepcopy(init)
+    resumed = fit(resumed_model, ckpt_path=str(tmp_path / "on_exception.ckpt"))
+    clean_model = copy.deepcopy(init)
+    clean = fit(clean_model)
     for name, value in clean_model.state_dict().items():
         assert torch.equal(resumed_model.state_dict()[name], value), name
     for cid in range(5):

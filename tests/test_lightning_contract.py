@@ -375,3 +375,71 @@ def test_loops_state_at_round_start_resumes_at_the_epochs_first_batch(tmp_path):
     trainer.fit(Net([3, 4]), ckpt_path=tmp_path / "start.ckpt")
     assert lengths.batches == {1: [0, 1, 2, 3]}
     assert trainer.global_step == 7
+
+
+class ValidationRecorder(Callback):
+    """Records each training batch's ``round_validation_due`` and the epochs whose validation ran (batches)."""
+
+    def __init__(self):
+        self.due, self.validated = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.due.append((trainer.current_epoch, batch_idx, internals.round_validation_due(trainer)))
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking:
+            self.validated.append((trainer.current_epoch, batch_idx))
+
+
+def test_round_validation_due_is_true_at_the_last_batch_of_validated_epochs_only():
+    for every, limit, validated_epochs in [(1, 1.0, {0, 1, 2}), (2, 1.0, {1}), (1, 0, set())]:
+        recorder = ValidationRecorder()
+        trainer = quiet_trainer(
+            max_epochs=3, callbacks=[recorder], check_val_every_n_epoch=every, limit_val_batches=limit
+        )
+        internals.reload_data_every_round(trainer)
+        trainer.fit(Net([3, 2, 4]))
+        due = {(epoch, batch) for epoch, batch, is_due in recorder.due if is_due}
+        assert due == {(e, [3, 2, 4][e] - 1) for e in validated_epochs}
+        assert {epoch for epoch, _ in recorder.validated} == validated_epochs
+
+
+class LastBatchCheckpoint(Callback):
+    """Writes a checkpoint at epoch 0's last batch end, its loops rewritten by ``rewrite`` (or as they are)."""
+
+    def __init__(self, path, rewrite):
+        self.path, self.rewrite = path, rewrite
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == 0 and internals.round_ends_now(trainer):
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+            if self.rewrite:
+                checkpoint["loops"] = internals.loops_state_before_round_validation(checkpoint["loops"])
+            trainer.strategy.save_checkpoint(checkpoint, self.path)
+
+
+def test_loops_state_before_round_validation_resumes_by_validating_the_epoch(tmp_path):
+    """Lightning skips epoch 0's validation when resuming from a checkpoint written at its last batch's end
+    (``start_next_round_after_restore`` then starts epoch 1 at batch 0); with ``loops_state_before_round_validation`` the resume runs all of it, then epoch 1 from its first batch."""
+    for rewrite in (False, True):
+        path = tmp_path / f"{rewrite}.ckpt"
+        first = quiet_trainer(max_epochs=1, callbacks=[LastBatchCheckpoint(path, rewrite)])
+        internals.reload_data_every_round(first)
+        first.fit(Net([3, 4]))
+        recorder, lengths = ValidationRecorder(), EpochLengths()
+        # without the rewrite the federated strategy restarts the next epoch itself (as the test above)
+        strategy = {} if rewrite else {"strategy": RestartingStrategy([])}
+        trainer = quiet_trainer(max_epochs=2, callbacks=[recorder, lengths], **strategy)
+        internals.reload_data_every_round(trainer)
+        trainer.fit(Net([3, 4]), ckpt_path=path)
+        expected = [(0, 0), (0, 1), (0, 2)] if rewrite else []
+        assert recorder.validated == expected + [(1, 0), (1, 1), (1, 2)]
+        assert lengths.batches == {1: [0, 1, 2, 3]}
+        assert trainer.global_step == 7
+
+
+def test_requested_num_nodes_is_the_trainer_flag_even_on_a_single_device_strategy():
+    for nodes in (1, 3):
+        trainer = quiet_trainer(strategy=SingleDeviceStrategy(device="cpu"), num_nodes=nodes)
+        assert internals.requested_num_nodes(trainer) == nodes
+        assert not hasattr(trainer.strategy, "num_nodes") or trainer.strategy.num_nodes in (1, nodes)

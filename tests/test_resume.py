@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 
 from lightning_fedrep import CHECKPOINT_KEY, FedRepStrategy, personalized_state_dict
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
@@ -142,3 +142,69 @@ def test_resume_requires_same_split(tmp_path):
         quiet_trainer(strategy=other).test(
             TinyNet(), datamodule=tiny_datamodule(num_clients=6, seed=1), ckpt_path=path
         )
+
+
+class SaveOrFailInValidation(Callback):
+    """At round 1's second validation batch, write a checkpoint (``save``) or raise (``raise``)."""
+
+    def __init__(self, what: str, path: Path) -> None:
+        self.what, self.path = what, path
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        if trainer.current_epoch == 1 and batch_idx == 1 and not trainer.sanity_checking:
+            if self.what == "save":
+                trainer.save_checkpoint(self.path)
+            else:
+                raise RuntimeError("injected failure in validation")
+
+
+def fit_validated(root, ckpt_path=None, callbacks=(), max_epochs=ROUNDS, every_n_epochs=1):
+    torch.manual_seed(0)
+    strategy = make_strategy()
+    trainer = quiet_trainer(
+        strategy=strategy,
+        max_epochs=max_epochs,
+        callbacks=list(callbacks),
+        enable_checkpointing=bool(callbacks),
+        default_root_dir=root,
+        check_val_every_n_epoch=every_n_epochs,
+    )
+    trainer.fit(TinyNet(dropout=0.2), datamodule=tiny_datamodule(num_clients=6, seed=1), ckpt_path=ckpt_path)
+    return strategy
+
+
+@pytest.mark.parametrize("where", ["last step", "during validation", "exception in validation"])
+def test_history_is_complete_after_resuming_between_a_round_and_its_validation(tmp_path, where):
+    """Lightning skips an epoch's validation when it resumes from a checkpoint written after the epoch's last
+    step; the federation makes it run, so round 1's evaluation is in the history (and equal)."""
+    whole = fit_validated(tmp_path / "whole")
+    ckpt = tmp_path / "ck" / "saved.ckpt"
+    if where == "last step":
+        ends = torch.tensor([whole.round_plan(r).length for r in range(2)]).cumsum(0).tolist()
+        saver = ModelCheckpoint(
+            dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}"
+        )
+        fit_validated(tmp_path / "a", callbacks=[saver], max_epochs=2)
+        ckpt = tmp_path / "ck" / f"step={ends[1]}.ckpt"
+    elif where == "during validation":
+        fit_validated(tmp_path / "a", callbacks=[SaveOrFailInValidation("save", ckpt)], max_epochs=2)
+    else:
+        saver = OnExceptionCheckpoint(dirpath=tmp_path / "ck", filename="saved")
+        with pytest.raises(RuntimeError, match="injected failure"):
+            fit_validated(tmp_path / "a", callbacks=[SaveOrFailInValidation("raise", ckpt), saver])
+    resumed = fit_validated(tmp_path / "b", ckpt_path=ckpt)
+    assert [row["round"] for row in resumed.history] == list(range(ROUNDS))
+    assert resumed.history == whole.history
+    assert_same_federation(whole, resumed)
+
+
+def test_a_round_whose_validation_is_not_due_is_not_validated_on_resume(tmp_path):
+    """With validation every 2nd round, a checkpoint at round 0's last step resumes without validating it."""
+    whole = fit_validated(tmp_path / "whole", every_n_epochs=2)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    fit_validated(tmp_path / "a", callbacks=[saver], max_epochs=1, every_n_epochs=2)
+    ckpt = tmp_path / "ck" / f"step={whole.round_plan(0).length}.ckpt"
+    resumed = fit_validated(tmp_path / "b", ckpt_path=ckpt, every_n_epochs=2)
+    assert [row["round"] for row in resumed.history] == [1, 3]
+    assert resumed.history == whole.history
+    assert_same_federation(whole, resumed)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 import lightning as L
 
 from lightning_fedrep.algorithms import Phase
+from lightning_fedrep.arguments import check_choice, check_int
 from lightning_fedrep.hooks import FederatedCallback
 from lightning_fedrep.lightning_internals import set_max_rounds
 from lightning_fedrep.plan import RoundPlan
@@ -35,10 +36,13 @@ class HeadFineTuning(FederatedCallback):
         rounds: int = 1,
         steps: int | None = None,
     ):
-        if mode not in ("head", "full"):
-            raise ValueError(f"mode must be 'head' or 'full', got {mode!r}.")
-        if rounds < 1:
-            raise ValueError(f"rounds must be >= 1, got {rounds}.")
+        owner = "HeadFineTuning"
+        check_choice("mode", mode, ("head", "full"), owner=owner)
+        check_int("rounds", rounds, minimum=1, owner=owner)
+        if steps is None:
+            check_int("epochs", epochs, minimum=1, owner=owner)
+        else:
+            check_int("steps", steps, minimum=1, owner=owner)
         self.phase = Phase(
             "head" if mode == "head" else "all", epochs=None if steps is not None else epochs, steps=steps
         )

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
+from lightning_fedrep.arguments import check_bool, check_choice, check_int, check_optional_int, check_real
 from lightning_fedrep.collapse import (
     class_masks,
     global_nc2,
@@ -125,15 +126,30 @@ class NeuralCollapse(FederatedCallback):
         metrics_batch_size: int = 256,
         seed: int = 0,
     ):
+        owner = "NeuralCollapse"
         for name, value in (("lam", lam), ("mu", mu), ("nu", nu), ("server_lr", server_lr)):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}.")
-        if server_weighting not in ("participants", "all"):
-            raise ValueError(f"server_weighting must be 'participants' or 'all', got {server_weighting!r}.")
-        if metrics_every_n_rounds < 1 or metrics_samples < 1:
-            raise ValueError("metrics_every_n_rounds and metrics_samples must be >= 1.")
-        if metrics_split not in ("train", "val", "test"):
-            raise ValueError(f"metrics_split must be 'train', 'val' or 'test', got {metrics_split!r}.")
+            check_real(name, value, low=0.0, owner=owner)
+        for name, flag in (
+            ("server_step", server_step),
+            ("log_metrics", log_metrics),
+            ("feature_metrics", feature_metrics),
+        ):
+            check_bool(name, flag, owner=owner)
+        check_choice("server_weighting", server_weighting, ("participants", "all"), owner=owner)
+        check_choice("metrics_split", metrics_split, ("train", "val", "test"), owner=owner)
+        for name, text in (("classifier", classifier), ("features_module", features_module)):
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"{owner}({name}=...) must be a module name or None, got {text!r}.")
+        check_optional_int("num_classes", num_classes, minimum=2, owner=owner)
+        check_optional_int("local_classes", local_classes, minimum=1, owner=owner)
+        if num_classes is not None and local_classes is not None and local_classes > num_classes:
+            raise ValueError(
+                f"{owner}(local_classes=...) must be at most num_classes={num_classes}, got {local_classes}."
+            )
+        check_int("metrics_every_n_rounds", metrics_every_n_rounds, minimum=1, owner=owner)
+        check_int("metrics_samples", metrics_samples, minimum=1, owner=owner)
+        check_int("metrics_batch_size", metrics_batch_size, minimum=1, owner=owner)
+        check_int("seed", seed, owner=owner)
         self.lam, self.mu, self.nu = float(lam), float(mu), float(nu)
         self.server_step = server_step
         self.needs_every_client = server_step or log_metrics  # every head, on every process
@@ -194,6 +210,18 @@ class NeuralCollapse(FederatedCallback):
             if key not in labels_cache:
                 labels_cache[key] = dataset_labels(data.dataset)
             labels.append(labels_cache[key][data.indices])
+        if self.local_classes is not None and self.local_classes > num_classes:
+            raise ValueError(
+                f"NeuralCollapse(local_classes=...) must be at most the {num_classes} classes, got {self.local_classes}."
+            )
+        if self.log_metrics and self.feature_metrics and self.metrics_split != "train":
+            try:
+                datamodule.client_data(0, self.metrics_split)
+            except ValueError as error:
+                raise ValueError(
+                    f"NeuralCollapse(metrics_split={self.metrics_split!r}) but the data has no such split ({error}) "
+                    "Use metrics_split='train', or give the data module that split (val_fraction=... for 'val')."
+                ) from None
         self.masks = class_masks(labels, num_classes)
         self._device_masks = None
         self._metric_samples = {}

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
+from lightning_fedrep.arguments import check_real
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.data.partition import Partitioner, ShardPartitioner
 
@@ -47,6 +48,15 @@ class DigitsDataModule(FederatedDataModule):
         seed: int = 0,
         **kwargs: Any,
     ):
+        check_real(
+            "test_fraction",
+            test_fraction,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            high_open=True,
+            owner="DigitsDataModule",
+        )
         train, test = load_digits_tensors(test_fraction, seed)
         super().__init__(
             train,

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
+from lightning_fedrep.arguments import check_bool, check_int, check_real
 from lightning_fedrep.data.loaders import ClientData, RoundLoader, _BatchFetcher
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.data.subspace import method_of_moments_init
@@ -208,6 +209,17 @@ class LowRankLinearDataModule(FederatedDataModule):
         seed: int = 0,
         **kwargs: Any,
     ):
+        owner = type(self).__name__
+        for name, value in (
+            ("dim", dim),
+            ("num_clients", num_clients),
+            ("samples_per_client", samples_per_client),
+            ("test_samples_per_client", test_samples_per_client),
+        ):
+            check_int(name, value, minimum=1, owner=owner)
+        check_int("rank", rank, minimum=1, maximum=dim, owner=owner)
+        check_real("noise_std", noise_std, low=0.0, owner=owner)
+        check_bool("fresh_samples", fresh_samples, owner=owner)
         super().__init__(batch_size=batch_size or samples_per_client, seed=seed, **kwargs)
         self.fresh_samples = fresh_samples
         self.samples_per_client = samples_per_client

@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from lightning_fedrep.arguments import check_bool, check_int, check_real
 from lightning_fedrep.data.loaders import ClientData, EvalLoader, RoundLoader, _BatchFetcher
 from lightning_fedrep.data.partition import Partitioner
 from lightning_fedrep.plan import round_generator
@@ -58,8 +59,18 @@ class FederatedDataModule(L.LightningDataModule):
         seed: int = 0,
     ):
         super().__init__()
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}.")
+        owner = type(self).__name__
+        check_int("batch_size", batch_size, minimum=1, owner=owner)
+        check_int("eval_batch_size", eval_batch_size, minimum=1, owner=owner)
+        check_real("val_fraction", val_fraction, low=0.0, high=1.0, high_open=True, owner=owner)
+        check_int("num_workers", num_workers, minimum=0, owner=owner)
+        check_bool("pin_memory", pin_memory, owner=owner)
+        check_int("seed", seed, owner=owner)
+        if partitioner is not None and not isinstance(partitioner, Partitioner):
+            raise TypeError(
+                f"{owner}(partitioner=...) must be a Partitioner (ShardPartitioner(...), DirichletPartitioner(...), "
+                f"IIDPartitioner(...)), got {type(partitioner).__name__}."
+            )
         self.train_set = train_set
         self.test_set = test_set
         self.partitioner = partitioner

@@ -39,6 +39,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_fedrep.arguments import check_bool, check_int, check_optional_int, check_real
 from lightning_fedrep.hooks import FederatedCallback, RoundResult
 from lightning_fedrep.participation.latency import LatencyModel
 from lightning_fedrep.plan import RoundPlan, sample_clients
@@ -84,21 +85,24 @@ class AdaptiveParticipation(FederatedCallback):
         ema: float = 0.5,
         log_metrics: bool = True,
     ):
-        if initial_clients is not None and (isinstance(initial_clients, bool) or initial_clients < 1):
-            raise ValueError(f"initial_clients must be a count >= 1 or None, got {initial_clients!r}.")
-        stages = [rounds_per_stage] if isinstance(rounds_per_stage, int) else list(rounds_per_stage)
-        if not stages or any(isinstance(s, bool) or int(s) != s or s < 1 for s in stages):
+        owner = "AdaptiveParticipation"
+        check_optional_int("initial_clients", initial_clients, minimum=1, owner=owner)
+        stages = [rounds_per_stage] if not isinstance(rounds_per_stage, Sequence) else list(rounds_per_stage)
+        if not stages:
             raise ValueError(
-                f"rounds_per_stage must be a round count >= 1 or a list of them, got {rounds_per_stage!r}."
+                f"{owner}(rounds_per_stage=...) must be a round count >= 1 or a non-empty list of them."
             )
+        for stage in stages:
+            check_int("rounds_per_stage", stage, minimum=1, owner=owner)
         if latency is not None and not isinstance(latency, LatencyModel):
             raise TypeError(
-                f"latency must be a LatencyModel (or None to measure), got {type(latency).__name__}."
+                f"{owner}(latency=...) must be a LatencyModel (or None to measure), got {type(latency).__name__}."
             )
-        if communication_cost < 0:
-            raise ValueError(f"communication_cost must be >= 0, got {communication_cost}.")
-        if not 0.0 < ema <= 1.0:
-            raise ValueError(f"ema must be in (0, 1], got {ema}.")
+        if measure is not None:
+            check_bool("measure", measure, owner=owner)
+        check_bool("log_metrics", log_metrics, owner=owner)
+        check_real("communication_cost", communication_cost, low=0.0, owner=owner)
+        check_real("ema", ema, low=0.0, high=1.0, low_open=True, owner=owner)
         self.initial_clients = initial_clients
         self.rounds_per_stage = rounds_per_stage
         self._stages = [int(s) for s in stages]

@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_fedrep.arguments import check_bool, check_choice, check_int, check_real
 from lightning_fedrep.plan import round_generator
 
 __all__ = [
@@ -71,10 +72,10 @@ class LatencyModel:
     """
 
     def __init__(self, per: Literal["round", "step"] = "round", seed: int = 0):
-        if per not in ("round", "step"):
-            raise ValueError(f"per must be 'round' or 'step', got {per!r}.")
+        owner = type(self).__name__
+        check_choice("per", per, ("round", "step"), owner=owner)
         self.per = per
-        self.seed = int(seed)
+        self.seed = check_int("seed", seed, owner=owner)
 
     def sample(self, round_index: int, num_clients: int) -> Tensor:
         """Every client's latency in round ``round_index`` (float64, shape ``(num_clients,)``, > 0)."""
@@ -98,9 +99,7 @@ class FixedExponential(LatencyModel):
 
     def __init__(self, rate: float = 1.0, per: Literal["round", "step"] = "round", seed: int = 0):
         super().__init__(per, seed)
-        if rate <= 0:
-            raise ValueError(f"rate must be > 0, got {rate}.")
-        self.rate = float(rate)
+        self.rate = check_real("rate", rate, low=0.0, low_open=True, owner=type(self).__name__)
         self._cache: dict[int, Tensor] = {}
 
     def sample(self, round_index: int, num_clients: int) -> Tensor:
@@ -131,10 +130,11 @@ class DynamicExponential(LatencyModel):
         seed: int = 0,
     ):
         super().__init__(per, seed)
-        if parameter not in ("rate", "mean"):
-            raise ValueError(f"parameter must be 'rate' or 'mean', got {parameter!r}.")
-        if (low is not None and low <= 0) or high <= 0 or (low is not None and low > high):
-            raise ValueError(f"Need 0 < low <= high, got low={low}, high={high}.")
+        owner = type(self).__name__
+        check_choice("parameter", parameter, ("rate", "mean"), owner=owner)
+        check_real("high", high, low=0.0, low_open=True, owner=owner)
+        if low is not None:
+            check_real("low", low, low=0.0, high=high, low_open=True, owner=owner)
         self.low = None if low is None else float(low)
         self.high = float(high)
         self.parameter = parameter
@@ -175,10 +175,11 @@ class TwoClassExponential(LatencyModel):
         seed: int = 0,
     ):
         super().__init__(per, seed)
-        if not 0.0 <= straggler_fraction <= 1.0:
-            raise ValueError(f"straggler_fraction must be in [0, 1], got {straggler_fraction}.")
-        if fast_mean <= 0 or slow_mean <= 0:
-            raise ValueError("fast_mean and slow_mean must be > 0.")
+        owner = type(self).__name__
+        check_real("straggler_fraction", straggler_fraction, low=0.0, high=1.0, owner=owner)
+        check_real("fast_mean", fast_mean, low=0.0, low_open=True, owner=owner)
+        check_real("slow_mean", slow_mean, low=0.0, low_open=True, owner=owner)
+        check_bool("dynamic", dynamic, owner=owner)
         self.straggler_fraction = float(straggler_fraction)
         self.fast_mean = float(fast_mean)
         self.slow_mean = float(slow_mean)

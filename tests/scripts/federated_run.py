@@ -210,6 +210,8 @@ def main() -> None:
         "results": strategy.results(),
     }
     torch.save(result, f"{args.out}.rank{trainer.global_rank}.pt")
+    if torch.distributed.is_initialized():  # gloo's threads left to interpreter exit can abort the process
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

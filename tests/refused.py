@@ -1,0 +1,180 @@
+"""Every configuration the package refuses, with the argument its message must name.
+
+``tests/test_refused.py`` runs each case (the error type and the argument in the message) and checks
+that the README's table is what this module prints:
+
+    python -m tests.refused    # the README table "Refused configurations", with the real messages
+
+A case is Python code run with the names below: ``train``/``test`` are small data sets, ``fit(...)``
+runs one round of the tiny model on an 8-client federation (``strategy=``, ``datamodule=``,
+``callbacks=``, Trainer flags), so "when" says whether it fails at construction or at the fit's set-up
+(before any training step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
+    AdaptiveParticipation,
+    DirichletPartitioner,
+    DynamicExponential,
+    FederatedDataModule,
+    FederatedDDPStrategy,
+    FedRepStrategy,
+    FixedExponential,
+    HeadFineTuning,
+    IIDPartitioner,
+    NeuralCollapse,
+    ShardPartitioner,
+    TwoClassExponential,
+)
+from lightning_fedrep.data.digits import DigitsDataModule  # noqa: F401
+from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: F401
+from lightning_fedrep.split import SplitError
+from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule, tiny_datasets
+
+
+@dataclass(frozen=True)
+class Refused:
+    code: str
+    error: type[Exception]
+    argument: str
+    when: str = "construction"
+
+
+def fit(strategy: Any = None, datamodule: Any = None, callbacks: Any = (), **flags: Any) -> None:
+    trainer = quiet_trainer(
+        strategy=strategy or FedRepStrategy(head="classifier"),
+        max_epochs=1,
+        callbacks=list(callbacks),
+        **flags,
+    )
+    trainer.fit(TinyNet(), datamodule=datamodule or tiny_datamodule())
+
+
+S = 'fit(FedRepStrategy(head="classifier", '
+
+CASES = [
+    # the strategy
+    Refused("FedRepStrategy(head=3)", TypeError, "head"),
+    Refused("FedRepStrategy(head=[])", TypeError, "head"),
+    Refused('FedRepStrategy(algorithm="fedprox")', ValueError, "algorithm"),
+    Refused('FedRepStrategy(clients_per_round="0.5")', TypeError, "clients_per_round"),
+    Refused("FedRepStrategy(clients_per_round=nan)", ValueError, "clients_per_round"),
+    Refused("FedRepStrategy(clients_per_round=inf)", ValueError, "clients_per_round"),
+    Refused("FedRepStrategy(clients_per_round=0)", ValueError, "clients_per_round"),
+    Refused("FedRepStrategy(clients_per_round=5.0)", ValueError, "clients_per_round"),
+    Refused("FedRepStrategy(clients_per_round=True)", TypeError, "clients_per_round"),
+    Refused("FedRepStrategy(head_epochs=-1)", ValueError, "head_epochs"),
+    Refused("FedRepStrategy(body_epochs=1.5)", TypeError, "body_epochs"),
+    Refused('FedRepStrategy(local_epochs="2")', TypeError, "local_epochs"),
+    Refused("FedRepStrategy(seed=0.5)", TypeError, "seed"),
+    Refused('FedRepStrategy(weighting="size")', ValueError, "weighting"),
+    Refused('FedRepStrategy(client_optimizer_state="persist")', ValueError, "client_optimizer_state"),
+    Refused('FedRepStrategy(buffers="mine")', ValueError, "buffers"),
+    Refused('FedRepStrategy(on_nonfinite="ignore")', ValueError, "on_nonfinite"),
+    Refused('FedRepStrategy(on_client_error="retry")', ValueError, "on_client_error"),
+    Refused('FedRepStrategy(allow_frozen="yes")', TypeError, "allow_frozen"),
+    Refused('FedRepStrategy(engine="fast")', ValueError, "engine"),
+    Refused("FedRepStrategy(engine_width=0)", ValueError, "engine_width"),
+    Refused("FedRepStrategy(engine_memory=-5)", ValueError, "engine_memory"),
+    Refused('FedRepStrategy(phases=[{"train": "neck", "epochs": 1}])', ValueError, "phases"),
+    Refused('FedRepStrategy(phases=[{"train": "head", "epochs": 1, "steps": 2}])', ValueError, "phases"),
+    Refused('FedRepStrategy(phases=[{"train": "head", "epoch": 1}])', TypeError, "phases"),
+    Refused("FedRepStrategy(phases=[])", ValueError, "phases"),
+    Refused('FederatedDDPStrategy(client_store="mine")', ValueError, "client_store"),
+    Refused("FederatedDDPStrategy(timeout=0)", ValueError, "timeout"),
+    Refused(S + "clients_per_round=1e-9))", ValueError, "clients_per_round", "set-up"),
+    Refused(S + "clients_per_round=9))", ValueError, "clients_per_round", "set-up"),
+    Refused('fit(FedRepStrategy(head="body.1"))', SplitError, "head", "set-up"),
+    Refused('fit(FedRepStrategy(head="classifer"))', SplitError, "head", "set-up"),
+    Refused("fit(devices=2)", ValueError, "devices", "set-up"),
+    Refused("fit(num_nodes=2)", ValueError, "num_nodes", "set-up"),
+    Refused("fit(accumulate_grad_batches=2)", ValueError, "accumulate_grad_batches", "set-up"),
+    Refused("fit(limit_train_batches=0.5)", ValueError, "limit_train_batches", "set-up"),
+    Refused("fit(overfit_batches=2)", ValueError, "overfit_batches", "set-up"),
+    # data
+    Refused(
+        "FederatedDataModule(train, test, ShardPartitioner(4, 2), batch_size=0)", ValueError, "batch_size"
+    ),
+    Refused(
+        "FederatedDataModule(train, test, ShardPartitioner(4, 2), eval_batch_size=0)",
+        ValueError,
+        "eval_batch_size",
+    ),
+    Refused(
+        "FederatedDataModule(train, test, ShardPartitioner(4, 2), val_fraction=1.0)",
+        ValueError,
+        "val_fraction",
+    ),
+    Refused(
+        "FederatedDataModule(train, test, ShardPartitioner(4, 2), val_fraction=nan)",
+        ValueError,
+        "val_fraction",
+    ),
+    Refused(
+        "FederatedDataModule(train, test, ShardPartitioner(4, 2), num_workers=-1)", ValueError, "num_workers"
+    ),
+    Refused('FederatedDataModule(train, test, partitioner="shards")', TypeError, "partitioner"),
+    Refused("ShardPartitioner(num_clients=0, classes_per_client=2)", ValueError, "num_clients"),
+    Refused("ShardPartitioner(num_clients=4, classes_per_client=0)", ValueError, "classes_per_client"),
+    Refused("DirichletPartitioner(4, alpha=0)", ValueError, "alpha"),
+    Refused("DirichletPartitioner(4, alpha=nan)", ValueError, "alpha"),
+    Refused("IIDPartitioner(num_clients=2.5)", ValueError, "num_clients"),
+    Refused("DigitsDataModule(test_fraction=1.0)", ValueError, "test_fraction"),
+    Refused("LowRankLinearDataModule(dim=20, rank=30)", ValueError, "rank"),
+    Refused("LowRankLinearDataModule(noise_std=nan)", ValueError, "noise_std"),
+    # callbacks
+    Refused("HeadFineTuning(epochs=0)", ValueError, "epochs"),
+    Refused('HeadFineTuning(mode="body")', ValueError, "mode"),
+    Refused("HeadFineTuning(rounds=0)", ValueError, "rounds"),
+    Refused("NeuralCollapse(lam=nan)", ValueError, "lam"),
+    Refused("NeuralCollapse(lam=-1)", ValueError, "lam"),
+    Refused("NeuralCollapse(metrics_batch_size=0)", ValueError, "metrics_batch_size"),
+    Refused('NeuralCollapse(metrics_split="validation")', ValueError, "metrics_split"),
+    Refused("NeuralCollapse(num_classes=3, local_classes=5)", ValueError, "local_classes"),
+    Refused('fit(callbacks=[NeuralCollapse(metrics_split="val")])', ValueError, "metrics_split", "set-up"),
+    Refused("fit(callbacks=[NeuralCollapse(local_classes=5)])", ValueError, "local_classes", "set-up"),
+    Refused("AdaptiveParticipation(communication_cost=nan)", ValueError, "communication_cost"),
+    Refused("AdaptiveParticipation(ema=0)", ValueError, "ema"),
+    Refused("AdaptiveParticipation(initial_clients=0)", ValueError, "initial_clients"),
+    Refused("AdaptiveParticipation(rounds_per_stage=[])", ValueError, "rounds_per_stage"),
+    Refused('AdaptiveParticipation(latency="fast")', TypeError, "latency"),
+    Refused("FixedExponential(rate=0)", ValueError, "rate"),
+    Refused('FixedExponential(per="epoch")', ValueError, "per"),
+    Refused("DynamicExponential(low=2.0, high=1.0)", ValueError, "low"),
+    Refused("TwoClassExponential(straggler_fraction=1.5)", ValueError, "straggler_fraction"),
+]
+
+
+def namespace() -> dict[str, Any]:
+    train, test = tiny_datasets()
+    return {**globals(), "train": train, "test": test, "nan": math.nan, "inf": math.inf}
+
+
+def message_of(case: Refused) -> str:
+    try:
+        eval(case.code, namespace())
+    except case.error as error:
+        return str(error)
+    raise AssertionError(f"{case.code} was accepted")
+
+
+def table() -> str:
+    rows = [
+        "| configuration | when | error | message (first line, abridged) |",
+        "|---|---|---|---|",
+    ]
+    for case in CASES:
+        message = message_of(case).splitlines()[0]
+        message = message if len(message) <= 150 else message[:147] + "..."
+        message = message.replace("|", "\\|")
+        rows.append(f"| `{case.code}` | {case.when} | `{case.error.__name__}` | {message} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())
