@@ -28,6 +28,7 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     HeadFineTuning,
     IIDPartitioner,
     NeuralCollapse,
+    RunSummary,
     ShardPartitioner,
     TwoClassExponential,
 )
@@ -147,6 +148,8 @@ CASES = [
     Refused('FixedExponential(per="epoch")', ValueError, "per"),
     Refused("DynamicExponential(low=2.0, high=1.0)", ValueError, "low"),
     Refused("TwoClassExponential(straggler_fraction=1.5)", ValueError, "straggler_fraction"),
+    Refused('RunSummary(filename="")', ValueError, "filename"),
+    Refused('RunSummary(print_table="no")', TypeError, "print_table"),
 ]
 
 

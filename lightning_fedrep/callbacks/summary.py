@@ -11,6 +11,7 @@ import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from lightning_fedrep.arguments import check_bool
 from lightning_fedrep.hooks import FederatedCallback
 
 
@@ -36,6 +37,13 @@ class RunSummary(FederatedCallback):
     """
 
     def __init__(self, dirpath: str | None = None, filename: str = "summary.json", print_table: bool = True):
+        if dirpath is not None and not isinstance(dirpath, str | Path):
+            raise TypeError(f"RunSummary(dirpath=...) must be a folder path or None, got {dirpath!r}.")
+        if not isinstance(filename, str) or not filename or "/" in filename:
+            raise ValueError(
+                f"RunSummary(filename=...) must be a file name such as 'summary.json', got {filename!r}."
+            )
+        check_bool("print_table", print_table, owner="RunSummary")
         self.dirpath = dirpath
         self.filename = filename
         self.print_table = print_table

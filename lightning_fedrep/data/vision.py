@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 from torch.utils.data import Dataset
 
+from lightning_fedrep.arguments import check_bool
 from lightning_fedrep.data.loaders import ClientData
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.data.partition import Partitioner, ShardPartitioner
@@ -107,6 +108,7 @@ class TorchvisionDataModule(FederatedDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ):
+        check_bool("download", download, owner=type(self).__name__)
         super().__init__(
             partitioner=partitioner or ShardPartitioner(num_clients, classes_per_client),
             batch_size=batch_size,
