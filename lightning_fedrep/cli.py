@@ -3,6 +3,7 @@
     lightning-fedrep fit --config recipes/digits/fedrep.yaml
     lightning-fedrep test --config recipes/digits/fedrep.yaml --ckpt_path runs/.../last.ckpt
     lightning-fedrep fit --config recipes/digits/fedrep.yaml --print_config
+    lightning-fedrep report runs/digits/digits-fedrep/<run id> [more run folders: one figure overlays them]
 
 Models and data modules are chosen by ``class_path`` (any LightningModule and any
 ``FederatedDataModule``), the strategy by ``trainer.strategy`` (a ``class_path`` with its
@@ -17,13 +18,31 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 import lightning_fedrep  # noqa: F401  (registers the strategy names)
+import lightning_fedrep.data  # noqa: F401  (short class names: --data DigitsDataModule, --data.help ...)
+import lightning_fedrep.data.digits  # noqa: F401
+import lightning_fedrep.data.low_rank  # noqa: F401
+import lightning_fedrep.models  # noqa: F401  (short class names: --model MLPClassifier, --model.help ...)
+from lightning_fedrep import lightning_internals as internals
 from lightning_fedrep.callbacks.summary import RunSummary
 from lightning_fedrep.data.module import FederatedDataModule
+from lightning_fedrep.outputs import write_rows
+from lightning_fedrep.quiet import quiet_unactionable_messages
+from lightning_fedrep.runfolder import (
+    CHECKPOINTS,
+    config_filename,
+    folder_of_checkpoint,
+    new_run_folder,
+    place_run,
+    run_name,
+)
 
 
 def wandb_credentials_present() -> bool:
@@ -32,6 +51,10 @@ def wandb_credentials_present() -> bool:
         return True
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+RUN_FOLDER_VARIABLE = "LIGHTNING_FEDREP_RUN_FOLDER"
+"""Set by the command to its run folder, so that the processes Lightning's launcher starts share it."""
 
 
 def check_strategy_name(name: str) -> None:
@@ -87,6 +110,21 @@ class FedRepCLI(LightningCLI):
         strategy = config.get("trainer", {}).get("strategy") if hasattr(config, "get") else None
         if isinstance(strategy, str):
             check_strategy_name(strategy)
+        if self.subcommand in ("fit", "validate", "test", "predict"):
+            folder = folder_of_checkpoint(config.get("ckpt_path"))
+            resumed = folder is not None
+            launched = (
+                os.environ.get(RUN_FOLDER_VARIABLE) if int(os.environ.get("LOCAL_RANK", "0")) > 0 else None
+            )
+            if launched:  # a process Lightning's launcher started for this command: rank 0's folder
+                folder = Path(launched)
+            elif folder is None:
+                root = Path(config.trainer.get("default_root_dir") or ".")
+                folder = new_run_folder(root, run_name(config))
+            os.environ[RUN_FOLDER_VARIABLE] = str(folder)  # inherited by the processes the launcher starts
+            folder = folder.resolve()
+            place_run(config, folder, resumed)
+            self.run_folder = folder
 
     @override
     def instantiate_classes(self) -> None:
@@ -104,10 +142,62 @@ class FedRepCLI(LightningCLI):
             raise SystemExit(2) from None
 
     def _attach_config(self) -> None:
+        """Hand the configuration to ``RunSummary``; point checkpoints, the summary and the saved config at
+        the run folder (callbacks given their own folder keep it)."""
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        folder = getattr(self, "run_folder", None)
+        for logger in self.trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                internals.drop_wandb_anonymous_flag(logger)
         for callback in self.trainer.callbacks:
             if isinstance(callback, RunSummary):
                 callback.config = config.clone().as_dict() if hasattr(config, "as_dict") else dict(config)
+                if folder is not None and callback.dirpath is None:
+                    callback.dirpath = str(folder)
+            if folder is None:
+                continue
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = str(folder / CHECKPOINTS)
+            if isinstance(callback, LogConfigCallback):
+                callback.config_filename = config_filename(folder, self.subcommand or "fit")
+
+    def _finish_wandb(self) -> None:
+        """End this command's W&B run, so a later command in the same process starts its own."""
+        for logger in self.trainer.loggers:
+            if isinstance(logger, WandbLogger) and logger._experiment is not None:
+                logger.experiment.finish()
+
+    def after_fit(self) -> None:
+        self._finish_wandb()
+
+    def after_validate(self) -> None:
+        self._finish_wandb()
+
+    def after_test(self) -> None:
+        self._finish_wandb()
+
+    def before_predict(self) -> None:
+        self._attach_config()
+
+    def after_predict(self) -> None:
+        """Write the predictions into the run folder: ``predictions.pt`` (every batch's output and client)
+        and, for one value per sample, ``predictions.csv`` (client, sample of the client, prediction)."""
+        folder = getattr(self, "run_folder", None)
+        outputs = self.trainer.predict_loop.predictions
+        if folder is None or not outputs or not self.trainer.is_global_zero:
+            return
+        clients = list(getattr(self.trainer.strategy, "prediction_clients", []))
+        torch.save({"predictions": outputs, "clients": clients}, folder / "predictions.pt")
+        if len(clients) == len(outputs) and all(
+            isinstance(o, torch.Tensor) and o.dim() == 1 for o in outputs
+        ):
+            rows, seen = [], {}
+            for client, output in zip(clients, outputs):
+                for value in output.tolist():
+                    rows.append({"client": client, "sample": seen.get(client, 0), "prediction": value})
+                    seen[client] = seen.get(client, 0) + 1
+            write_rows(folder / "predictions.csv", rows, first=["client", "sample", "prediction"])
+        print(f"predictions in {folder / 'predictions.pt'}")
 
     def before_fit(self) -> None:
         self._attach_config()
@@ -121,20 +211,28 @@ class FedRepCLI(LightningCLI):
 
 def build_cli(args: ArgsType = None, run: bool = True) -> FedRepCLI:
     """Parse ``args`` (the command line by default), build and, with ``run``, execute the subcommand."""
+    quiet_unactionable_messages()
     return FedRepCLI(
         L.LightningModule,
         FederatedDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_callback=LogConfigCallback,
-        save_config_kwargs={"overwrite": True},
+        save_config_kwargs={"overwrite": False},
         args=args,
         run=run,
     )
 
 
 def main(args: ArgsType = None) -> None:
-    """Entry point of the ``lightning-fedrep`` console script."""
+    """Entry point of the ``lightning-fedrep`` console script: Lightning's subcommands (``fit``,
+    ``validate``, ``test``, ``predict``) and ``report RUN_DIR [RUN_DIR ...]`` (figures from run folders)."""
+    argv = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else None
+    if argv and argv[0] == "report":
+        from lightning_fedrep.report import main as report
+
+        report(argv[1:])
+        return
     build_cli(args)
 
 

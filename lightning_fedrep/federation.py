@@ -204,6 +204,11 @@ class Federation:
         return len(self._require_data())
 
     @property
+    def module(self) -> nn.Module | None:
+        """The module the federation drives (its tensors are written into it), once attached."""
+        return getattr(self, "_module", None)
+
+    @property
     def has_state(self) -> bool:
         """Whether the global and client state exist (after ``initialize`` or loading a checkpoint)."""
         return self.store is not None
@@ -549,6 +554,9 @@ class Federation:
         if faults:
             self.faults.extend(faults)
             self.history.record(self.round_index, {"faults": float(len(faults))})
+        plan = self.plan(self.round_index)
+        if plan.aggregate:  # a federated round (fine-tuning rounds train every client apart)
+            self.history.count_participants(plan.clients)
         self._write(self.shared_names, self.global_state)
         self.round_open = False
         self._average = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 LAST_ROUNDS = 10
@@ -20,12 +21,41 @@ class History:
     def __init__(self) -> None:
         self._evaluations: dict[int, dict[str, float]] = {}
         self._recorded: dict[int, dict[str, float]] = {}
+        self._clients: dict[int, dict[str, dict[int, float]]] = {}
         self.finetune: dict[str, float] = {}
         """The summary of the last validation after a fine-tuning round (prefixed names)."""
+        self.participation: dict[int, int] = {}
+        """How many federated rounds each client was sampled for (clients never sampled are absent)."""
 
     def add_evaluation(self, round_index: int, values: dict[str, float]) -> None:
         """Set round ``round_index``'s evaluation summary (a later validation of the round replaces it)."""
         self._evaluations[round_index] = dict(values)
+
+    def add_client_values(self, round_index: int, values: dict[str, dict[int, float]]) -> None:
+        """Set round ``round_index``'s per-client evaluation values: ``{metric: {client: value}}``."""
+        self._clients[round_index] = {name: dict(per_client) for name, per_client in values.items()}
+
+    def client_values(self, round_index: int) -> dict[str, dict[int, float]]:
+        """Round ``round_index``'s per-client evaluation values (``{}`` if it was not evaluated)."""
+        return {name: dict(v) for name, v in self._clients.get(round_index, {}).items()}
+
+    @property
+    def client_rows(self) -> list[dict[str, Any]]:
+        """Every evaluated round's per-client values, one row per (round, client):
+        ``{"round": r, "client": c, <metric>: value, ...}``."""
+        rows = []
+        for r in sorted(self._clients):
+            by_client: dict[int, dict[str, float]] = {}
+            for name, per_client in self._clients[r].items():
+                for client, value in per_client.items():
+                    by_client.setdefault(int(client), {})[name] = value
+            rows.extend({"round": r, "client": c, **by_client[c]} for c in sorted(by_client))
+        return rows
+
+    def count_participants(self, clients: Iterable[int]) -> None:
+        """Count one more federated round for each of ``clients`` (when a round closes)."""
+        for client in clients:
+            self.participation[int(client)] = self.participation.get(int(client), 0) + 1
 
     def record(self, round_index: int, values: dict[str, float]) -> None:
         """Add or overwrite columns of round ``round_index``'s row."""
@@ -43,6 +73,11 @@ class History:
         """The columns callbacks recorded for a round (evaluated or not)."""
         return dict(self._recorded.get(round_index, {}))
 
+    @property
+    def evaluated_rounds(self) -> int:
+        """How many rounds have an evaluation (the last-10 figures average ``min(10, this)`` of them)."""
+        return len(self._evaluations)
+
     def last_rounds_mean(self) -> dict[str, float]:
         """Each evaluation metric's mean over the last (up to) 10 evaluated rounds that all have it."""
         last = [self._evaluations[r] for r in sorted(self._evaluations)[-LAST_ROUNDS:]]
@@ -58,6 +93,7 @@ class History:
         if rows:
             out["final"] = {k: v for k, v in rows[-1].items() if k != "round"}
             out["last10"] = self.last_rounds_mean()
+            out["last10_rounds"] = {"rounds": float(min(LAST_ROUNDS, len(rows)))}
         if self.finetune:
             out["finetune"] = dict(self.finetune)
         return out
@@ -67,13 +103,20 @@ class History:
             "evaluations": {r: dict(v) for r, v in self._evaluations.items()},
             "recorded": {r: dict(v) for r, v in self._recorded.items()},
             "finetune": dict(self.finetune),
+            "clients": {r: {n: dict(v) for n, v in per.items()} for r, per in self._clients.items()},
+            "participation": dict(self.participation),
         }
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         if isinstance(state, list):  # checkpoints of version 1: a list of evaluated rows
             self._evaluations = {int(h["round"]): {k: v for k, v in h.items() if k != "round"} for h in state}
-            self._recorded, self.finetune = {}, {}
+            self._recorded, self.finetune, self._clients, self.participation = {}, {}, {}, {}
             return
         self._evaluations = {int(r): dict(v) for r, v in state["evaluations"].items()}
         self._recorded = {int(r): dict(v) for r, v in state["recorded"].items()}
         self.finetune = dict(state.get("finetune", {}))
+        self._clients = {
+            int(r): {n: {int(c): v for c, v in per_client.items()} for n, per_client in per.items()}
+            for r, per in state.get("clients", {}).items()
+        }
+        self.participation = {int(c): int(n) for c, n in state.get("participation", {}).items()}

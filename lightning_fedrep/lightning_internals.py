@@ -119,6 +119,22 @@ def requested_num_nodes(trainer: L.Trainer) -> int:
     return int(trainer._accelerator_connector._num_nodes_flag)
 
 
+def drop_wandb_anonymous_flag(logger: Any) -> None:
+    """Stop a ``WandbLogger`` that has not started its run from passing ``anonymous=None`` to ``wandb.init``
+    (W&B warns that the setting has no effect whenever it is passed).
+
+    Relies on: ``WandbLogger`` keeps ``wandb.init``'s keyword arguments in ``_wandb_init`` until its
+    ``experiment`` is first created (``_experiment`` is ``None`` until then).
+    """
+    init = getattr(logger, "_wandb_init", None)
+    if (
+        getattr(logger, "_experiment", None) is None
+        and isinstance(init, dict)
+        and init.get("anonymous") is None
+    ):
+        init.pop("anonymous", None)
+
+
 def round_validation_due(trainer: L.Trainer) -> bool:
     """Whether Lightning runs validation after the training batch being run (or just run), because it is
     the epoch's (the round's) last and validation is due at the end of this epoch.

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_fedrep import lightning_internals as internals
 from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase, get_algorithm, parse_phases
-from lightning_fedrep.arguments import check_bool, check_clients_per_round, check_int
+from lightning_fedrep.arguments import check_bool, check_choice, check_clients_per_round, check_int
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from lightning_fedrep.collective import Collective, to_cpu
 from lightning_fedrep.data.loaders import ClientChunk, EvalLoader, RoundLoader
@@ -33,6 +33,7 @@ from lightning_fedrep.engine.evaluation import EVALUATION_CHUNK_SAMPLES, Batched
 from lightning_fedrep.engine.selection import build_engine, start_engine
 from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass
 from lightning_fedrep.federation import ClientFault, Federation, FederationConfig
+from lightning_fedrep.history import LAST_ROUNDS
 from lightning_fedrep.hooks import FederatedCallback, LiveStep
 from lightning_fedrep.plan import RankShare, RoundPlan, plan_fingerprint, shard_round
 from lightning_fedrep.sharding import IdleStep, RankSchedule, rank_schedule
@@ -54,8 +55,8 @@ class FederatedStrategyMixin:
         algorithm: a registered name (``"fedrep"``, ``"fedper"``, ``"lg_fedavg"``, ``"fedavg"``,
             ``"local"``) or an :class:`~lightning_fedrep.algorithms.Algorithm` object.
         clients_per_round: a fraction in (0, 1] of the clients, or a count, sampled each round.
-        head_epochs, body_epochs: FedRep's local work (head epochs with the body frozen, then body
-            epochs with the head frozen).
+        head_epochs: FedRep's local epochs of the head, with the body frozen (first in a round).
+        body_epochs: FedRep's local epochs of the body, with the head frozen (after the head's).
         local_epochs: local epochs of the other algorithms (everything trains jointly).
         phases: explicit local phases instead of the shorthands, e.g.
             ``[Phase("head", steps=10), Phase("body", steps=1)]`` (dicts are accepted too).
@@ -90,6 +91,10 @@ class FederatedStrategyMixin:
             checkpointed), and runs sequentially where the engine would gain nothing.
         engine_width: at most this many clients train together; ``None``: a round's clients, as many as
             ``engine_memory`` allows.
+        predict: whose model ``trainer.predict`` runs on a federated data module's batches (each client's
+            test samples): ``"new_client"``, the model a client that never trained gets (global body,
+            initial head); ``"personalized"``, each batch's client's own model.
+            ``prediction_clients`` lists the client of each batch.
         engine_memory: bytes a lockstep group may take (tensors, gradients, optimizer state, one step's
             activations, cached features, per client); ``None``: half a GPU's free memory, a quarter of
             the host's RAM.
@@ -116,6 +121,7 @@ class FederatedStrategyMixin:
         engine: Literal["auto", "vectorized", "sequential"] = "auto",
         engine_width: int | None = None,
         engine_memory: int | None = None,
+        predict: Literal["new_client", "personalized"] = "new_client",
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -133,6 +139,12 @@ class FederatedStrategyMixin:
         ):
             check_bool(name, flag)
         check_int("seed", seed)
+        check_choice("predict", predict, ("new_client", "personalized"))
+        self.predict = predict
+        self.prediction_clients: list[int] = []
+        """After ``trainer.predict`` on a federated data module: the client of each predicted batch, in
+        the order of the returned predictions."""
+        self._predict_loader: EvalLoader | None = None
         clients_per_round = check_clients_per_round(clients_per_round)
         resolved = get_algorithm(algorithm)
         # a registered algorithm is shared by name: each strategy gets its own copy of its server state
@@ -185,6 +197,7 @@ class FederatedStrategyMixin:
         self._client_step = 0
         self._round_start_loops: dict[str, Any] | None = None
         self._validated_round = -1
+        self._restored = False
 
     # ------------------------------------------------------------------ public accessors
     @property
@@ -283,8 +296,9 @@ class FederatedStrategyMixin:
 
     def client_model(self, client: int) -> L.LightningModule:
         """A copy of the user's module holding ``client``'s personalized model (for prediction or export)."""
+        state = self.client_state_dict(client)
         module = copy.deepcopy(self.lightning_module)
-        module.load_state_dict(self.client_state_dict(client))
+        module.load_state_dict(state)
         return module
 
     def new_client_model(self) -> L.LightningModule:
@@ -309,6 +323,7 @@ class FederatedStrategyMixin:
     def connect(self, model: L.LightningModule) -> None:
         """Called first in every ``fit``/``validate``/``test``: resolve the body/head split."""
         super().connect(model)
+        self._restored = False
         internals.replace_default_progress_bar(model.trainer, FederatedProgressBar)
         if any(True for _ in model.parameters()):  # else the module builds its layers in configure_model
             self._resolve_layout(model)
@@ -333,6 +348,7 @@ class FederatedStrategyMixin:
             check_trainer_flags(trainer)
         if self.federation is None:
             self._resolve_layout(self.lightning_module)
+        self._refuse_another_module(trainer)
         super().setup(trainer)
         federation = self.federation
         if trainer.state.fn == "fit":
@@ -369,10 +385,32 @@ class FederatedStrategyMixin:
                 self.engine_width,
             )
 
+    def _refuse_another_module(self, trainer: L.Trainer) -> None:
+        """A federation holds a body and one head per client; a module passed to a later ``fit``/``validate``/
+        ``test`` without ``ckpt_path`` holds one model, whose weights the federation's would silently replace."""
+        federation = self.federation
+        held = federation.module if federation is not None and federation.has_state else None
+        if held is None or held is self.lightning_module or self._restored:
+            return
+        call = {"fit": "fit", "validate": "validate", "test": "test"}.get(str(trainer.state.fn.value), "fit")
+        raise ValueError(
+            f"trainer.{call}() was given another module than the one this strategy's federation holds (from an "
+            "earlier fit or checkpoint): its weights would be replaced by the federation's global body and "
+            f"per-client heads without a word. To evaluate a checkpoint, pass ckpt_path (trainer.{call}(model, "
+            f"ckpt_path='best') restores its body and every client's head); to use the federation, pass the module "
+            f"it was fitted with (trainer.lightning_module); to start from this module's own weights, use a new "
+            "strategy (and Trainer)."
+        )
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Called for each data iterable Lightning loads: bind the training ``RoundLoader`` to the round
         plans; remember the evaluation loader."""
+        if self.lightning_module.trainer.state.fn == "predict":
+            if isinstance(dataloader, EvalLoader):
+                dataloader.chunk(None)
+                self._predict_loader = dataloader
+            return dataloader
         if isinstance(dataloader, RoundLoader):
             federation = self.require_federation()
             federation.bind_data(
@@ -418,8 +456,6 @@ class FederatedStrategyMixin:
             smoke = self.lightning_module.trainer.fast_dev_run  # one chunk is the pass: keep it a batch
             chunk = dataloader.batch_size if smoke else EVALUATION_CHUNK_SAMPLES
             dataloader.chunk(chunk if self._batched_evaluation is not None else None)
-            return dataloader
-        if self.lightning_module.trainer.state.fn == "predict":
             return dataloader
         raise TypeError(
             f"{type(self).__name__} needs the data of a FederatedDataModule (a RoundLoader for training and an "
@@ -698,7 +734,23 @@ class FederatedStrategyMixin:
         for a client's personalized predictions use ``client_model(i)``."""
         if self.federation is not None and self.federation.has_state:
             self.federation.load_personalized(-1)
+        self.prediction_clients = []
+        self._predicting_client = -1
         super().on_predict_start()
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Called for each predicted batch: with ``predict="personalized"`` and a federated data module, on
+        the batch's client's own model."""
+        loader = self._predict_loader
+        if loader is not None:
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+            client = loader.client_of(batch_idx)
+            self.prediction_clients.append(client)
+            if self.predict == "personalized" and client != self._predicting_client:
+                self.require_federation().load_personalized(client)
+                self._predicting_client = client
+        return super().predict_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -745,6 +797,10 @@ class FederatedStrategyMixin:
         trainer = module.trainer
         if self.collective.distributed:
             self._gather_evaluation(evaluation)
+        if evaluation.metrics.samples:  # complete now: callbacks' on_*_end hooks run before the strategy's
+            self.client_metrics["sanity" if trainer.sanity_checking else evaluation.stage] = (
+                evaluation.metrics
+            )
         broken = sorted(
             {
                 c
@@ -768,11 +824,18 @@ class FederatedStrategyMixin:
         if in_fit and prefix:
             federation.history.finetune = dict(values)
         elif in_fit:
-            federation.history.add_evaluation(federation.round_index, values)
-            means = federation.history.last_rounds_mean()
+            history = federation.history
+            history.add_evaluation(federation.round_index, values)
+            history.add_client_values(
+                federation.round_index,
+                {name: evaluation.metrics.per_client(name) for name in evaluation.metrics.names},
+            )
+            means = history.last_rounds_mean()
             values.update(
                 {f"{name}_last10": means[name] for name in evaluation.metrics.names if name in means}
             )
+            values[f"{evaluation.stage}/last10_rounds"] = float(min(LAST_ROUNDS, history.evaluated_rounds))
+            values["round"] = float(federation.round_index)  # W&B's step for validation metrics
         for key, value in values.items():
             options = evaluation.logging_options(key.removeprefix(prefix))
             # the same value on every process: synced only to spare Lightning's warning
@@ -880,6 +943,7 @@ class FederatedStrategyMixin:
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         """Called in every stage, before ``setup``: restore the module, the global state, every client."""
         super().load_model_state_dict(checkpoint, strict=strict)
+        self._restored = True
         if self.federation is None:
             self._resolve_layout(self.lightning_module)
         if self._pending is not None:

@@ -41,7 +41,7 @@ def test_digits_fedrep_recipe_runs_as_shipped(tmp_path, monkeypatch, capsys):
     assert summary["results"]["last10"]["val/acc"] > 0.9  # measured 0.99 (20 clients, 2 classes each)
     assert len(summary["per_client"]["val"]["val/acc"]) == 20
     assert summary["config"]["trainer"]["strategy"]["init_args"]["head_epochs"] == 5
-    assert list(Path("runs/digits/wandb").glob("offline-run-*")), "W&B did not log offline"
+    assert list((summary_files[0].parent / "wandb").glob("offline-run-*")), "W&B did not log offline"
     assert cli.trainer.strategy.algorithm.name == "fedrep"
 
 
@@ -152,3 +152,52 @@ def test_a_refused_value_in_a_recipe_stops_the_command_with_its_cause(
     error = capsys.readouterr().err
     assert message in error
     assert "Traceback" not in error and len(error.strip().splitlines()) <= 3
+
+
+def test_every_strategy_argument_has_help_text_and_short_class_names_work(capsys):
+    import inspect
+
+    from lightning_fedrep import FederatedDDPStrategy, FederatedStrategy
+    from lightning_fedrep.strategy import FederatedStrategyMixin
+
+    def arguments(function):
+        return [n for n in inspect.signature(function).parameters if n not in ("self", "kwargs", "args")]
+
+    shared = arguments(FederatedStrategyMixin.__init__)
+    for cls in (FederatedStrategy, FederatedDDPStrategy):
+        with pytest.raises(SystemExit):
+            run_cli("fit", "--trainer.strategy.help", f"lightning_fedrep.{cls.__name__}")
+        text = capsys.readouterr().out
+        for name in shared + arguments(cls.__init__):
+            flag = f"--trainer.strategy.{name} "
+            assert flag in text, name
+            after = text.split(flag, 2)[-1].split("\n", 1)[1].strip()
+            assert not after.startswith("(type:"), f"{cls.__name__}({name}=...) has no help text"
+    with pytest.raises(SystemExit):
+        run_cli("fit", "--model.help", "MLPClassifier")
+    assert "--model.hidden" in capsys.readouterr().out
+
+
+def test_a_run_prints_no_message_a_user_cannot_act_on(tmp_path):
+    env = {**__import__("os").environ, "WANDB_MODE": "offline"}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_fedrep.cli",
+            "fit",
+            "--config",
+            str(RECIPES / "digits" / "fedrep.yaml"),
+            "--trainer.max_epochs=1",
+            "--trainer.enable_progress_bar=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    output = run.stdout + run.stderr
+    for message in ("LeafSpec", "litlogger", "anonymous setting"):
+        assert message not in output, message

@@ -298,7 +298,10 @@ def test_a_recipe_on_two_processes_through_the_command_writes_its_outputs_once(t
     summary = json.loads(summaries[0].read_text())
     assert summary["rounds_completed"] == 3
     assert len(summary["per_client"]["val"]["val/acc"]) == 20
-    assert len(list((tmp_path / "runs" / "digits" / "wandb").glob("offline-run-*"))) == 1
+    assert len(list((summaries[0].parent / "wandb").glob("offline-run-*"))) == 1
+    assert (
+        len(list((tmp_path / "runs" / "digits" / "digits-fedrep").iterdir())) == 1
+    )  # both ranks: one folder
     assert output.count("Per-client val/acc (20 clients)") == 1
 
 

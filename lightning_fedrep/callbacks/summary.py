@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lightning_fedrep.arguments import check_bool
 from lightning_fedrep.hooks import FederatedCallback
+from lightning_fedrep.outputs import HISTORY, write_run_files, write_stage_files
+from lightning_fedrep.report import FIGURES, run_figures, save
 
 
 def run_folder(trainer: L.Trainer) -> Path:
@@ -27,16 +29,27 @@ def run_folder(trainer: L.Trainer) -> Path:
 
 
 class RunSummary(FederatedCallback):
-    """At the end of ``fit`` and ``test``, write ``summary.json`` and print a per-client table.
+    """At the end of every ``fit``, ``validate`` and ``test`` (once per call, after the strategy's
+    evaluation), write what the run measured into its folder and print a per-client table.
 
-    The file holds the final and last-10-round figures (``strategy.results()``), every client's
-    metrics of the last evaluation of each stage, the simulated clock if a callback keeps one, and the
-    run's configuration (the CLI fills it in). It lands in ``dirpath``, by default the Trainer's
-    run folder (next to ``checkpoints/``). With a ``WandbLogger`` the per-client metrics also go to W&B as a
-    table and a histogram of client accuracies.
+    ``summary.json`` holds the final and last-10-round figures (``strategy.results()``), every client's
+    metrics of the last evaluation of each stage, the history, faults and the run's configuration (the
+    CLI fills it in); beside it ``history.csv``, ``clients.csv`` (per client, per round),
+    ``participation.csv``, ``partition.csv``, ``clients_<stage>.csv`` (see ``lightning_fedrep.outputs``)
+    and, with matplotlib and ``figures=True``, the PNGs of ``lightning_fedrep.report`` under ``figures/``.
+    The folder is ``dirpath``, by default the Trainer's run folder (next to ``checkpoints/``). With a
+    ``WandbLogger`` the per-client metrics go to W&B as a table and a histogram, the figures as images,
+    and validation metrics are plotted against the round; with a ``TensorBoardLogger`` the figures go
+    to TensorBoard.
     """
 
-    def __init__(self, dirpath: str | None = None, filename: str = "summary.json", print_table: bool = True):
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        filename: str = "summary.json",
+        print_table: bool = True,
+        figures: bool = True,
+    ):
         if dirpath is not None and not isinstance(dirpath, str | Path):
             raise TypeError(f"RunSummary(dirpath=...) must be a folder path or None, got {dirpath!r}.")
         if not isinstance(filename, str) or not filename or "/" in filename:
@@ -44,6 +57,9 @@ class RunSummary(FederatedCallback):
                 f"RunSummary(filename=...) must be a file name such as 'summary.json', got {filename!r}."
             )
         check_bool("print_table", print_table, owner="RunSummary")
+        check_bool("figures", figures, owner="RunSummary")
+        self.figures = figures
+        self._warned_no_matplotlib = False
         self.dirpath = dirpath
         self.filename = filename
         self.print_table = print_table
@@ -55,6 +71,8 @@ class RunSummary(FederatedCallback):
         strategy = self.strategy(trainer)
         per_client = {}
         for stage, metrics in strategy.client_metrics.items():
+            if stage == "sanity":
+                continue
             per_client[stage] = {name: metrics.per_client(name) for name in metrics.names}
             per_client[stage]["samples"] = dict(metrics.samples)
         return {
@@ -75,8 +93,22 @@ class RunSummary(FederatedCallback):
         summary = self.summary(trainer)
         folder = Path(self.dirpath) if self.dirpath else run_folder(trainer)
         folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / self.filename
+        call = str(trainer.state.fn.value) if trainer.state.fn is not None else "fit"
+        stem, dot, suffix = self.filename.rpartition(".")
+        name = (
+            self.filename
+            if call == "fit"
+            else (f"{stem}.{call}.{suffix}" if dot else f"{self.filename}.{call}")
+        )
+        self.path = folder / name
         self.path.write_text(json.dumps(summary, indent=2, default=str))
+        # the run's tables come from fit; validate/test of a checkpoint add theirs (or start them in a new folder)
+        if call == "fit" or not (folder / HISTORY).is_file():
+            write_run_files(folder, self.strategy(trainer), trainer.datamodule)
+        else:
+            write_stage_files(folder, self.strategy(trainer))
+        if self.figures and not trainer.fast_dev_run:  # a smoke run draws nothing (its loggers are off too)
+            self._draw(trainer, folder)
         per_client = summary["per_client"].get(stage, {})
         accuracy = per_client.get(f"{stage}/acc") or per_client.get(f"{stage}/loss")
         if accuracy:
@@ -104,8 +136,40 @@ class RunSummary(FederatedCallback):
 
             logger.experiment.log({f"clients/{stage}_hist": wandb.Histogram(list(per_client[key].values()))})
 
+    def _draw(self, trainer: L.Trainer, folder: Path) -> None:
+        try:
+            figures = run_figures(folder)
+        except ImportError as error:
+            if not self._warned_no_matplotlib:
+                rank_zero_warn(f"RunSummary draws no figures: {error} Or pass RunSummary(figures=False).")
+                self._warned_no_matplotlib = True
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                for stem, fig in figures.items():
+                    logger.experiment.add_figure(
+                        f"figures/{stem}", fig, global_step=trainer.global_step, close=False
+                    )
+        paths = save(figures, folder / FIGURES)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                for path in paths:
+                    logger.log_image(key=f"figures/{path.stem}", images=[str(path)])
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Plot W&B's validation metrics against the round (the strategy logs ``round`` with them)."""
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and trainer.is_global_zero:
+                logger.experiment.define_metric("round")
+                for prefix in ("val", "finetune"):
+                    logger.experiment.define_metric(f"{prefix}/*", step_metric="round")
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._write(trainer, "val")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "validate":  # inside fit, the summary waits for the fit's end
+            self._write(trainer, "val")
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._write(trainer, "test")

@@ -229,6 +229,16 @@ class FederatedDataModule(L.LightningDataModule):
             raise ValueError("No test data: give test_set (or per-client test sets) to the data module.")
         return EvalLoader(self._test, self.eval_batch_size, "test", self._fetcher)
 
+    def predict_dataloader(self) -> EvalLoader:
+        """Each client's test samples, client after client (``trainer.predict``; the strategy's ``predict``
+        setting decides whose model predicts them)."""
+        self._require_setup()
+        if self._test is None:
+            raise ValueError(
+                "No data to predict: give test_set (or per-client test sets) to the data module."
+            )
+        return EvalLoader(self._test, self.eval_batch_size, "predict", self._fetcher)
+
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "num_clients": len(self._train) if self._train is not None else -1}
 

@@ -49,6 +49,11 @@ class _FedRepClassifier(L.LightningModule):
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         pass  # the strategy logs test/acc and test/loss per client from self(x)
 
+    def predict_step(self, batch: tuple[torch.Tensor, ...] | torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """The predicted class of each sample (``x`` or the first item of an ``(x, y)`` batch)."""
+        x = batch[0] if isinstance(batch, tuple | list) else batch
+        return self(x).argmax(-1)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """SGD (lr 0.01, momentum 0.5 by default), weight decay (1e-4) on weights only, not biases."""
         hp = self.hparams

@@ -60,6 +60,11 @@ class MLPClassifier(L.LightningModule):
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         pass
 
+    def predict_step(self, batch: tuple[torch.Tensor, ...] | torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """The predicted class of each sample (``x`` or the first item of an ``(x, y)`` batch)."""
+        x = batch[0] if isinstance(batch, tuple | list) else batch
+        return self(x).argmax(-1)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
         return fedrep_sgd(self, hp.lr, hp.momentum, hp.weight_decay)

@@ -1,0 +1,232 @@
+"""Figures of a run, drawn from the files in its folder (``lightning_fedrep.outputs``), and the
+``lightning-fedrep report`` command that draws them again or overlays several runs.
+
+    lightning-fedrep report runs/digits/fedrep/<run id>                 # -> <run>/figures/*.png
+    lightning-fedrep report runs/quickstart/fedrep runs/quickstart/fedavg --out figures/
+
+One run: accuracy vs round (client mean, with the band down to the 10th percentile and the worst
+client), accuracy vs simulated time (when ``sim/time`` was recorded), the per-client accuracy
+histogram of the last evaluation, a client x round accuracy heatmap, participation per client, the
+partition's labels per client, and the neural-collapse metrics (when logged). Several runs: accuracy
+vs round (and vs simulated time) of each run in one figure. Needs matplotlib (``pip install
+lightning-fedrep[plots]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_fedrep.outputs import CLIENTS, HISTORY, PARTICIPATION, PARTITION, read_rows
+
+FIGURES = "figures"
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError(
+            "Figures need matplotlib: pip install 'lightning-fedrep[plots]' (or matplotlib)."
+        ) from error
+    return plt
+
+
+def headline(columns: Sequence[str], stage: str = "val") -> str | None:
+    """The metric the figures show: ``<stage>/acc`` if measured, else ``<stage>/loss``."""
+    for name in (f"{stage}/acc", f"{stage}/loss"):
+        if name in columns:
+            return name
+    return None
+
+
+def run_label(run: Path) -> str:
+    """A run's name in a legend: its algorithm (from ``summary.json``) and its folder."""
+    summary = run / "summary.json"
+    algorithm = json.loads(summary.read_text()).get("algorithm") if summary.is_file() else None
+    return f"{algorithm} ({run.name})" if algorithm and algorithm not in run.name else run.name
+
+
+def _columns(rows: list[dict[str, float]]) -> list[str]:
+    return sorted({k for row in rows for k in row})
+
+
+def _curve(ax: Any, rows: list[dict[str, float]], x: str, metric: str, label: str, band: bool) -> None:
+    points = [r for r in rows if metric in r and x in r]
+    xs = [r[x] for r in points]
+    ax.plot(xs, [r[metric] for r in points], marker="o", markersize=3, label=label)
+    low = f"{metric}_min"
+    if band and all(low in r and f"{metric}_p10" in r for r in points) and points:
+        ax.fill_between(
+            xs, [r[low] for r in points], [r[metric] for r in points], alpha=0.15, label="min .. mean"
+        )
+        ax.plot(
+            xs, [r[f"{metric}_p10"] for r in points], linestyle="--", linewidth=1, label="10th percentile"
+        )
+
+
+def _axes(plt: Any, title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if xlabel in ("round", "client"):
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig, ax
+
+
+def run_figures(run: Path) -> dict[str, Any]:
+    """The figures of one run folder, by file stem (matplotlib ``Figure`` objects; close them after use)."""
+    plt = _pyplot()
+    history = read_rows(run / HISTORY)
+    clients = read_rows(run / CLIENTS)
+    figures: dict[str, Any] = {}
+    metric = headline(_columns(history))
+    if metric:
+        fig, ax = _axes(plt, f"{metric} over clients, per round", "round", metric)
+        _curve(ax, history, "round", metric, "client mean", band=True)
+        ax.legend()
+        figures["accuracy_vs_round"] = fig
+        if any("sim/time" in r for r in history):
+            fig, ax = _axes(plt, f"{metric} vs simulated time", "simulated time", metric)
+            _curve(ax, history, "sim/time", metric, "client mean", band=True)
+            ax.legend()
+            figures["accuracy_vs_time"] = fig
+    last, stage = _last_per_client(run, clients)
+    name = headline(_columns(last), stage) if last else None
+    if name:
+        fig, ax = _axes(plt, f"{name} per client (last {stage} evaluation)", name, "clients")
+        ax.hist([r[name] for r in last if name in r], bins=min(20, max(5, len(last) // 2)))
+        figures["client_histogram"] = fig
+    if clients and metric:
+        rounds = sorted({int(r["round"]) for r in clients})
+        ids = sorted({int(r["client"]) for r in clients})
+        grid = [[float("nan")] * len(rounds) for _ in ids]
+        for r in clients:
+            if metric in r:
+                grid[ids.index(int(r["client"]))][rounds.index(int(r["round"]))] = r[metric]
+        fig, ax = _axes(plt, f"{metric}: client x round", "round (evaluated)", "client")
+        image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
+        ax.grid(False)
+        step = max(1, len(rounds) // 12)
+        ax.set_xticks(range(0, len(rounds), step), [str(r) for r in rounds[::step]])
+        step = max(1, len(ids) // 20)
+        ax.set_yticks(range(0, len(ids), step), [str(c) for c in ids[::step]])
+        fig.colorbar(image, ax=ax, label=metric)
+        figures["client_round_heatmap"] = fig
+    participation = read_rows(run / PARTICIPATION)
+    if participation:
+        fig, ax = _axes(plt, "Rounds each client was sampled for", "client", "rounds")
+        ax.bar([int(r["client"]) for r in participation], [r["rounds"] for r in participation])
+        figures["participation"] = fig
+    partition = read_rows(run / PARTITION)
+    if partition:
+        figures["partition"] = _partition_figure(plt, partition)
+    collapse = sorted({k for r in history for k in r if k.startswith("nc/")})
+    if collapse:
+        fig, ax = _axes(plt, "Neural collapse", "round", "value")
+        for key in collapse:
+            points = [r for r in history if key in r]
+            ax.plot([r["round"] for r in points], [r[key] for r in points], marker=".", label=key)
+        ax.legend(fontsize="small")
+        figures["neural_collapse"] = fig
+    for fig in figures.values():
+        fig.tight_layout()
+    return figures
+
+
+def _last_per_client(run: Path, clients: list[dict[str, float]]) -> tuple[list[dict[str, float]], str]:
+    for stage in ("test", "val"):
+        rows = read_rows(run / f"clients_{stage}.csv")
+        if rows:
+            return rows, stage
+    if clients:
+        last = max(r["round"] for r in clients)
+        return [r for r in clients if r["round"] == last], "val"
+    return [], "val"
+
+
+def _partition_figure(plt: Any, rows: list[dict[str, float]]) -> Any:
+    ids = sorted({int(r["client"]) for r in rows})
+    labels = sorted({int(r["label"]) for r in rows})
+    fig, ax = _axes(plt, "Training samples per label, per client", "client", "samples")
+    bottom = [0.0] * len(ids)
+    cmap = plt.get_cmap("tab20" if len(labels) > 10 else "tab10")
+    for index, label in enumerate(labels):
+        heights = [0.0] * len(ids)
+        for r in rows:
+            if int(r["label"]) == label:
+                heights[ids.index(int(r["client"]))] = r["samples"]
+        ax.bar(ids, heights, bottom=bottom, color=cmap(index % cmap.N), label=str(label))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    if len(labels) <= 20:
+        ax.legend(title="label", fontsize="x-small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def overlay_figures(runs: Sequence[Path]) -> dict[str, Any]:
+    """Accuracy vs round (and vs simulated time, if every run has it) of several runs in one figure each."""
+    plt = _pyplot()
+    histories = {run: read_rows(run / HISTORY) for run in runs}
+    metric = headline(sorted({k for rows in histories.values() for r in rows for k in r}))
+    if metric is None:
+        return {}
+    figures = {}
+    for x, stem, xlabel in (
+        ("round", "accuracy_vs_round", "round"),
+        ("sim/time", "accuracy_vs_time", "simulated time"),
+    ):
+        if x == "sim/time" and not all(any(x in r for r in rows) for rows in histories.values()):
+            continue
+        fig, ax = _axes(plt, f"{metric} (client mean)", xlabel, metric)
+        for run, rows in histories.items():
+            _curve(ax, rows, x, metric, run_label(run), band=False)
+        ax.legend()
+        fig.tight_layout()
+        figures[stem] = fig
+    return figures
+
+
+def save(figures: dict[str, Any], folder: Path) -> list[Path]:
+    """Write each figure as ``<folder>/<stem>.png`` and close it."""
+    plt = _pyplot()
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for stem, fig in figures.items():
+        path = folder / f"{stem}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> list[Path]:
+    """``lightning-fedrep report RUN_DIR [RUN_DIR ...] [--out DIR]``."""
+    parser = argparse.ArgumentParser(prog="lightning-fedrep report", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders (each holding history.csv)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the PNGs go (default: <run>/figures for one run, ./figures for several)",
+    )
+    args = parser.parse_args(argv)
+    missing = [str(run) for run in args.runs if not (run / HISTORY).is_file()]
+    if missing:
+        parser.error(f"not a run folder (no {HISTORY}): {', '.join(missing)}")
+    if len(args.runs) == 1:
+        paths = save(run_figures(args.runs[0]), args.out or args.runs[0] / FIGURES)
+    else:
+        paths = save(overlay_figures(args.runs), args.out or Path(FIGURES))
+    for path in paths:
+        print(path)
+    return paths
