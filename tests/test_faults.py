@@ -41,6 +41,24 @@ class FaultyNet(TinyNet):
         return loss
 
 
+class RaisingInRoundOne(FaultyNet):
+    """Raises as round 1's 6th batch starts (before the step, so both engines meet it) while ``faults``."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.faults and self.trainer.current_epoch == 1 and batch_idx == 5:
+            raise RuntimeError("injected failure")
+
+
+def assert_same_run(model, strategy_, reference_model, reference) -> None:
+    """Bit-equal module, clients and history (rounds 0 to 3) to the reference run's."""
+    for name, value in reference_model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    for cid in range(reference.federation.num_clients):
+        for name, value in reference.client_tensors(cid).items():
+            assert torch.equal(strategy_.client_tensors(cid)[name], value), (cid, name)
+    assert strategy_.history == reference.history and [r["round"] for r in reference.history] == [0, 1, 2, 3]
+
+
 def strategy(**kwargs):
     settings = dict(head="classifier", clients_per_round=1.0, head_epochs=2, body_epochs=1, seed=0)
     return FedRepStrategy(**{**settings, **kwargs})
@@ -184,13 +202,8 @@ def test_a_run_stopped_by_an_error_rolls_the_round_back_and_its_exception_checkp
     (the fault gone) gives the parameters and the history of a run that never had the fault."""
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
-    class RaisingNet(FaultyNet):  # raises before the step, so that both engines meet it
-        def on_train_batch_start(self, batch, batch_idx):
-            if self.faults and self.trainer.current_epoch == 1 and batch_idx == 5:
-                raise RuntimeError("injected failure")
-
     torch.manual_seed(0)
-    init = RaisingNet()
+    init = RaisingInRoundOne()
     dm = tiny_datamodule(num_clients=5, seed=3)
 
     def trainer(rounds, **kwargs):
@@ -218,20 +231,7 @@ def test_a_run_stopped_by_an_error_rolls_the_round_back_and_its_exception_checkp
     )
     clean_model, clean = copy.deepcopy(init), strategy(engine=engine)
     trainer(4, strategy=clean).fit(clean_model, datamodule=dm)
-    for name, value in clean_model.state_dict().items():
-        assert torch.equal(resumed_model.state_dict()[name], value), name
-    for cid in range(5):
-        for name, value in clean.client_tensors(cid).items():
-            assert torch.equal(resumed.client_tensors(cid)[name], value), (cid, name)
-    assert resumed.history == clean.history and [r["round"] for r in clean.history] == [0, 1, 2, 3]
-
-
-class RaisingInRoundOne(FaultyNet):
-    """Raises as round 1's 6th batch starts (before the step, so both engines meet it) while ``faults``."""
-
-    def on_train_batch_start(self, batch, batch_idx):
-        if self.faults and self.trainer.current_epoch == 1 and batch_idx == 5:
-            raise RuntimeError("injected failure")
+    assert_same_run(resumed_model, resumed, clean_model, clean)
 
 
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])
@@ -272,12 +272,7 @@ def test_a_run_resumed_mid_round_that_fails_in_that_round_rolls_back_to_the_roun
     resumed = fit(resumed_model, ckpt_path=str(tmp_path / "on_exception.ckpt"))
     clean_model = copy.deepcopy(init)
     clean = fit(clean_model)
-    for name, value in clean_model.state_dict().items():
-        assert torch.equal(resumed_model.state_dict()[name], value), name
-    for cid in range(5):
-        for name, value in clean.client_tensors(cid).items():
-            assert torch.equal(resumed.client_tensors(cid)[name], value), (cid, name)
-    assert resumed.history == clean.history and [r["round"] for r in clean.history] == [0, 1, 2, 3]
+    assert_same_run(resumed_model, resumed, clean_model, clean)
 
 
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])
