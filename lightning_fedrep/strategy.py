@@ -832,7 +832,12 @@ class FederatedStrategyMixin:
             )
             means = history.last_rounds_mean()
             values.update(
-                {f"{name}_last10": means[name] for name in evaluation.metrics.names if name in means}
+                {
+                    f"{key}_last10": means[key]
+                    for name in evaluation.metrics.names
+                    for key in (name, f"{name}_weighted")
+                    if key in means
+                }
             )
             values[f"{evaluation.stage}/last10_rounds"] = float(min(LAST_ROUNDS, history.evaluated_rounds))
             values["round"] = float(federation.round_index)  # W&B's step for validation metrics

@@ -266,7 +266,7 @@ def leaf_dirs(tmp_path):
 
 def test_leaf_users_become_clients(leaf_dirs):
     train, test = leaf_dirs
-    module = LEAFDataModule(train_dir=str(train), test_dir=str(test), batch_size=2)
+    module = LEAFDataModule(train_dir=str(train), test_dir=str(test), batch_size=2, user_order="id")
     module.setup("fit")
     assert module.users == ["f_a", "f_b", "f_c"]
     assert module.dropped_users == ["f_test_only", "f_train_only"]
@@ -292,7 +292,7 @@ def test_leaf_users_become_clients(leaf_dirs):
 
 def test_leaf_max_clients_and_flat_features(leaf_dirs):
     train, test = leaf_dirs
-    module = LEAFDataModule(str(train), str(test), image_shape=None, max_clients=2)
+    module = LEAFDataModule(str(train), str(test), image_shape=None, max_clients=2, user_order="id")
     module.setup()
     assert module.users == ["f_a", "f_b"] and module.num_clients == 2
     assert module.train_set.tensors[0].shape == (8, 784)

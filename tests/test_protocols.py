@@ -60,6 +60,37 @@ def test_local_only_recipes_follow_main_local():
         assert strategy["clients_per_round"] == 1.0
         assert recipe["model"]["init_args"]["weight_decay"] == 0.0, path
         if "paper Table 1" in text:
-            assert "The paper's figure is the accuracy after training: val/acc of the last round" in text, (
-                path
-            )
+            assert "The paper's figure is the accuracy after training: val/acc" in text, path
+            assert "of the last round (results()['final'])" in text, path
+
+
+def test_leaf_users_are_in_file_order_as_the_official_code_or_by_id(tmp_path):
+    from lightning_fedrep.data.leaf import LEAFDataModule
+    from tests.fixtures import leaf_user, write_leaf_file
+
+    order = ["f_0300", "f_0007", "f_0150"]  # not sorted: the order LEAF wrote them
+    write_leaf_file(tmp_path / "train" / "a.json", {u: leaf_user(i, 4) for i, u in enumerate(order)})
+    write_leaf_file(tmp_path / "test" / "a.json", {u: leaf_user(i, 2) for i, u in enumerate(order)})
+    for user_order, expected in (("file", order), ("id", sorted(order))):
+        data = LEAFDataModule(
+            str(tmp_path / "train"), str(tmp_path / "test"), user_order=user_order, max_clients=2
+        )
+        data.setup()
+        assert data.users == expected[:2]
+
+
+def test_femnist_recipes_keep_the_official_softmax_and_read_the_weighted_accuracy():
+    for path in sorted((RECIPES / "femnist").glob("*.yaml")):
+        text = path.read_text()
+        recipe = yaml.safe_load(text)
+        assert recipe["model"]["init_args"]["output"] == "softmax", path
+        assert recipe["data"]["init_args"]["user_order"] == "file", path
+        assert "val/acc_weighted" in text and "my_sample.py" in text, path
+
+
+def test_the_weighted_accuracy_has_a_last10_mean_logged():
+    strategy = FedRepStrategy(head="classifier", clients_per_round=3, head_epochs=1, body_epochs=1)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=3)
+    trainer.fit(TinyNet(), datamodule=tiny_datamodule(num_clients=6))
+    expected = sum(row["val/acc_weighted"] for row in strategy.history) / 3
+    assert float(trainer.callback_metrics["val/acc_weighted_last10"]) == pytest.approx(expected, abs=1e-6)

@@ -24,12 +24,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from lightning_fedrep.arguments import check_choice
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.data.partition import NaturalPartitioner
 
@@ -70,9 +71,10 @@ class LEAFDataModule(FederatedDataModule):
 
     The clients are the users that have at least one sample in the train folder *and* at least one in
     the test folder (LEAF's ``-t sample`` split puts every kept user in both; a user in only one split
-    could be neither trained nor evaluated personally). They are ordered by user id (as LEAF's own
-    reader does), so client ``i`` is ``self.users[i]``; ``max_clients`` keeps the first ones (FedRep's
-    FEMNIST runs use the first 150 users). The users left out for missing a split are listed in
+    could be neither trained nor evaluated personally). They are in the order the train files list them
+    (files in name order; ``user_order="file"``, as the official FedRep code reads them), or by user id
+    (``user_order="id"``), so client ``i`` is ``self.users[i]``; ``max_clients`` keeps the first ones
+    (FedRep's FEMNIST runs use the first 150 users). The users left out for missing a split are listed in
     ``self.dropped_users`` after ``setup``.
 
     Each sample's ``x`` is reshaped to ``image_shape`` (FEMNIST: ``(1, 28, 28)``), or kept flat with
@@ -84,8 +86,10 @@ class LEAFDataModule(FederatedDataModule):
         train_dir: folder of the train split's JSON files.
         test_dir: folder of the test split's JSON files.
         image_shape: shape of one sample's ``x``, or ``None`` for flat feature vectors.
-        max_clients: keep only the first ``max_clients`` users (in user-id order).
+        max_clients: keep only the first ``max_clients`` users (in ``user_order``).
         batch_size, eval_batch_size, val_fraction, num_workers, seed: as :class:`FederatedDataModule`.
+        user_order: ``"file"``: the order of the users in the train files (the official code's); ``"id"``:
+            sorted by user id.
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class LEAFDataModule(FederatedDataModule):
         val_fraction: float = 0.0,
         num_workers: int = 0,
         seed: int = 0,
+        user_order: Literal["file", "id"] = "file",
     ):
         super().__init__(
             batch_size=batch_size,
@@ -109,6 +114,7 @@ class LEAFDataModule(FederatedDataModule):
         )
         if max_clients is not None and max_clients < 1:
             raise ValueError(f"max_clients must be a positive int or None, got {max_clients}.")
+        self.user_order = check_choice("user_order", user_order, ("file", "id"), owner="LEAFDataModule")
         self.train_dir = str(train_dir)
         self.test_dir = str(test_dir)
         self.image_shape = tuple(image_shape) if image_shape is not None else None
@@ -162,7 +168,8 @@ class LEAFDataModule(FederatedDataModule):
         test_data = read_leaf_dir(self.test_dir)
         has_train = {u for u, d in train_data.items() if len(d["y"]) > 0}
         has_test = {u for u, d in test_data.items() if len(d["y"]) > 0}
-        users = sorted(has_train & has_test)
+        kept = has_train & has_test
+        users = sorted(kept) if self.user_order == "id" else [u for u in train_data if u in kept]
         self.dropped_users = sorted((set(train_data) | set(test_data)) - set(users))
         if self.max_clients is not None:
             users = users[: self.max_clients]
