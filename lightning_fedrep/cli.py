@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -39,6 +42,8 @@ from lightning_fedrep.runfolder import (
     CHECKPOINTS,
     config_filename,
     folder_of_checkpoint,
+    launcher_run_id,
+    missing_checkpoint,
     new_run_folder,
     place_run,
     run_name,
@@ -54,7 +59,9 @@ def wandb_credentials_present() -> bool:
 
 
 RUN_FOLDER_VARIABLE = "LIGHTNING_FEDREP_RUN_FOLDER"
-"""Set by the command to its run folder, so that the processes Lightning's launcher starts share it."""
+"""Set by the command to its run folder, so that the processes Lightning's launcher starts share it; set
+by the user, every command of the process (and of every process) writes into that folder."""
+_RUN_FOLDER_AT_START = os.environ.get(RUN_FOLDER_VARIABLE)
 
 
 def check_strategy_name(name: str) -> None:
@@ -111,20 +118,43 @@ class FedRepCLI(LightningCLI):
         if isinstance(strategy, str):
             check_strategy_name(strategy)
         if self.subcommand in ("fit", "validate", "test", "predict"):
-            folder = folder_of_checkpoint(config.get("ckpt_path"))
-            resumed = folder is not None
-            launched = (
-                os.environ.get(RUN_FOLDER_VARIABLE) if int(os.environ.get("LOCAL_RANK", "0")) > 0 else None
-            )
-            if launched:  # a process Lightning's launcher started for this command: rank 0's folder
-                folder = Path(launched)
-            elif folder is None:
-                root = Path(config.trainer.get("default_root_dir") or ".")
+            self.run_folder = self._place_run(config)
+
+    def _place_run(self, config: Any) -> Path:
+        """Choose the command's run folder (see ``lightning_fedrep.runfolder``) and point the configuration
+        at it: the folder of ``ckpt_path``'s run, the folder the launching process or the user named in
+        ``LIGHTNING_FEDREP_RUN_FOLDER``, the launcher job's, or a new one."""
+        missing = missing_checkpoint(config.get("ckpt_path"))
+        if missing:
+            self._refuse(f"{missing}; pass the path of a checkpoint file (or best/last).")
+        folder = folder_of_checkpoint(config.get("ckpt_path"))
+        resumed = folder is not None
+        given = os.environ.get(RUN_FOLDER_VARIABLE)
+        if given and (int(os.environ.get("LOCAL_RANK", "0")) > 0 or given == _RUN_FOLDER_AT_START):
+            folder = Path(given)  # a process Lightning's launcher started, or the user's choice
+            resumed = resumed or (folder / "config.yaml").is_file()
+        elif folder is None:
+            root = Path(config.trainer.get("default_root_dir") or ".")
+            job = launcher_run_id()
+            if job is not None:
+                folder = root / run_name(config) / job
+                resumed = (folder / "config.yaml").is_file()
+                folder.mkdir(parents=True, exist_ok=True)
+            else:
                 folder = new_run_folder(root, run_name(config))
-            os.environ[RUN_FOLDER_VARIABLE] = str(folder)  # inherited by the processes the launcher starts
-            folder = folder.resolve()
-            place_run(config, folder, resumed)
-            self.run_folder = folder
+        os.environ[RUN_FOLDER_VARIABLE] = str(folder)  # inherited by the processes the launcher starts
+        folder = folder.resolve()
+        place_run(config, folder, resumed, self.subcommand)
+        if resumed:  # its checkpoints are meant to be there
+            warnings.filterwarnings(
+                "ignore", message=f"Checkpoint directory {re.escape(str(folder / CHECKPOINTS))} exists"
+            )
+        return folder
+
+    @staticmethod
+    def _refuse(message: str) -> None:
+        sys.stderr.write(f"lightning-fedrep: error: {message}\n")
+        raise SystemExit(2)
 
     @override
     def instantiate_classes(self) -> None:

@@ -63,11 +63,27 @@ class History:
 
     @property
     def rows(self) -> list[dict[str, Any]]:
-        """Every evaluated round, in order: ``{"round": r, <evaluation summary>, <recorded columns>}``."""
-        return [
-            {"round": r, **self._evaluations[r], **self._recorded.get(r, {})}
-            for r in sorted(self._evaluations)
-        ]
+        """Every round with an evaluation or recorded columns, in order:
+        ``{"round": r, <evaluation summary>, <recorded columns>}`` (a round recorded but not evaluated,
+        e.g. between ``check_val_every_n_epoch`` validations, has only its recorded columns)."""
+        rounds = sorted(set(self._evaluations) | set(self._recorded))
+        return [self._row(r) for r in rounds]
+
+    @property
+    def evaluated_rows(self) -> list[dict[str, Any]]:
+        """The rows of the evaluated rounds only (what the papers' figures are computed from)."""
+        return [self._row(r) for r in sorted(self._evaluations)]
+
+    def is_evaluated(self, round_index: int) -> bool:
+        """Whether round ``round_index`` has an evaluation."""
+        return round_index in self._evaluations
+
+    def _row(self, round_index: int) -> dict[str, Any]:
+        return {
+            "round": round_index,
+            **self._evaluations.get(round_index, {}),
+            **self._recorded.get(round_index, {}),
+        }
 
     def recorded(self, round_index: int) -> dict[str, float]:
         """The columns callbacks recorded for a round (evaluated or not)."""
@@ -89,7 +105,7 @@ class History:
         """The papers' figures: the last evaluated round (``final``), the mean over the last 10 evaluated
         rounds of every evaluation metric (``last10``), and the last fine-tuning evaluation (``finetune``)."""
         out: dict[str, dict[str, float]] = {}
-        rows = self.rows
+        rows = self.evaluated_rows
         if rows:
             out["final"] = {k: v for k, v in rows[-1].items() if k != "round"}
             out["last10"] = self.last_rounds_mean()

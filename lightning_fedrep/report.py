@@ -46,6 +46,12 @@ def headline(columns: Sequence[str], stage: str = "val") -> str | None:
     return None
 
 
+def higher_is_better(metric: str) -> bool:
+    """Whether a larger value of ``metric`` is better (accuracies; not losses or errors)."""
+    name = metric.rsplit("/", 1)[-1]
+    return not (name.startswith("loss") or name.endswith(("loss", "error", "mse")))
+
+
 def run_label(run: Path) -> str:
     """A run's name in a legend: its algorithm (from ``summary.json``) and its folder."""
     summary = run / "summary.json"
@@ -63,12 +69,14 @@ def _curve(ax: Any, rows: list[dict[str, float]], x: str, metric: str, label: st
     ax.plot(xs, [r[metric] for r in points], marker="o", markersize=3, label=label)
     low = f"{metric}_min"
     if band and all(low in r and f"{metric}_p10" in r for r in points) and points:
+        # the summaries are the lowest client and the 10th percentile: the worst clients for an accuracy,
+        # the best ones for a loss
+        lowest = "worst client" if higher_is_better(metric) else "lowest-loss client"
         ax.fill_between(
-            xs, [r[low] for r in points], [r[metric] for r in points], alpha=0.15, label="min .. mean"
+            xs, [r[low] for r in points], [r[metric] for r in points], alpha=0.15, label=f"{lowest} .. mean"
         )
-        ax.plot(
-            xs, [r[f"{metric}_p10"] for r in points], linestyle="--", linewidth=1, label="10th percentile"
-        )
+        percentile = "10th percentile" if higher_is_better(metric) else "10th percentile (lowest losses)"
+        ax.plot(xs, [r[f"{metric}_p10"] for r in points], linestyle="--", linewidth=1, label=percentile)
 
 
 def _axes(plt: Any, title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
@@ -84,8 +92,10 @@ def _axes(plt: Any, title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
     return fig, ax
 
 
-def run_figures(run: Path) -> dict[str, Any]:
-    """The figures of one run folder, by file stem (matplotlib ``Figure`` objects; close them after use)."""
+def run_figures(run: Path, stage: str | None = None) -> dict[str, Any]:
+    """The figures of one run folder, by file stem (matplotlib ``Figure`` objects; close them after use).
+    The per-client histogram shows the last evaluation of ``stage`` (``"val"``, ``"test"``), by default
+    the stage whose ``clients_<stage>.csv`` was written last."""
     plt = _pyplot()
     history = read_rows(run / HISTORY)
     clients = read_rows(run / CLIENTS)
@@ -101,7 +111,7 @@ def run_figures(run: Path) -> dict[str, Any]:
             _curve(ax, history, "sim/time", metric, "client mean", band=True)
             ax.legend()
             figures["accuracy_vs_time"] = fig
-    last, stage = _last_per_client(run, clients)
+    last, stage = _last_per_client(run, clients, stage)
     name = headline(_columns(last), stage) if last else None
     if name:
         fig, ax = _axes(plt, f"{name} per client (last {stage} evaluation)", name, "clients")
@@ -144,11 +154,14 @@ def run_figures(run: Path) -> dict[str, Any]:
     return figures
 
 
-def _last_per_client(run: Path, clients: list[dict[str, float]]) -> tuple[list[dict[str, float]], str]:
-    for stage in ("test", "val"):
-        rows = read_rows(run / f"clients_{stage}.csv")
-        if rows:
-            return rows, stage
+def _last_per_client(
+    run: Path, clients: list[dict[str, float]], stage: str | None
+) -> tuple[list[dict[str, float]], str]:
+    written = {s: run / f"clients_{s}.csv" for s in ("val", "test") if (run / f"clients_{s}.csv").is_file()}
+    if stage is None and written:
+        stage = max(written, key=lambda s: written[s].stat().st_mtime_ns)
+    if stage in written:
+        return read_rows(written[stage]), stage
     if clients:
         last = max(r["round"] for r in clients)
         return [r for r in clients if r["round"] == last], "val"

@@ -7,42 +7,83 @@
         summary.json              RunSummary after fit (summary.validate.json, summary.test.json after those)
         history.csv, clients.csv, participation.csv, partition.csv, clients_<stage>.csv
         figures/*.png
-        wandb/                    W&B's offline files (the W&B run id is the run id)
+        logs/<call>/              TensorBoard's and CSVLogger's files, one folder per command (fit, test, fit-2 ...)
+        wandb/                    W&B's offline files (one W&B run per run folder)
 
 The run name is the W&B run's ``name`` (``digits-fedrep``) or the first config file's stem; the run id
 is the start time (``20261124-194500``). A command given ``--ckpt_path`` inside a run folder
 (``<run>/checkpoints/x.ckpt``) continues or evaluates that run, so it writes into that folder.
+
+Processes started by Lightning's own launcher share the folder of the command that started them. Processes
+started by another launcher each run the command: under ``torchrun`` or ``srun`` with more than one task,
+the run id is the launcher's job (``torchrun-<rendezvous id>``, ``slurm-<job id>.<step>``), the same in
+every process; or set ``LIGHTNING_FEDREP_RUN_FOLDER`` to the folder for every process.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 CHECKPOINTS = "checkpoints"
+LOGS = "logs"
 _LOGGER_DIRS = {"WandbLogger", "TensorBoardLogger", "CSVLogger"}
+_NAMED_CHECKPOINTS = ("best", "last", "hpc", "registry")
 
 
 def folder_of_checkpoint(checkpoint: str | Path | None) -> Path | None:
     """The run folder a checkpoint belongs to (``<run>/checkpoints/x.ckpt`` with ``<run>/config.yaml``)."""
-    if checkpoint is None or str(checkpoint) in ("best", "last", "hpc", "registry"):
+    if checkpoint is None or str(checkpoint) in _NAMED_CHECKPOINTS:
         return None
     path = Path(checkpoint)
-    if path.parent.name == CHECKPOINTS and (path.parent.parent / "config.yaml").is_file():
+    if path.is_file() and path.parent.name == CHECKPOINTS and (path.parent.parent / "config.yaml").is_file():
         return path.parent.parent
     return None
+
+
+def missing_checkpoint(checkpoint: str | Path | None) -> str | None:
+    """Why ``ckpt_path`` cannot be loaded (a local path that is not a file), else ``None``."""
+    if checkpoint is None or str(checkpoint) in _NAMED_CHECKPOINTS or "://" in str(checkpoint):
+        return None
+    path = Path(checkpoint)
+    if path.is_file():
+        return None
+    return f"ckpt_path={str(checkpoint)!r} is {'a folder' if path.is_dir() else 'not a file'}"
 
 
 def new_run_folder(root: Path, name: str) -> Path:
     """A folder for a new run under ``root/name``, named by the start time (never an existing one)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     folder, n = root / name / stamp, 1
-    while folder.exists():
-        n += 1
-        folder = root / name / f"{stamp}-{n}"
-    folder.mkdir(parents=True)
-    return folder
+    while True:
+        try:
+            folder.mkdir(parents=True)
+            return folder
+        except FileExistsError:  # another run started in the same second
+            n += 1
+            folder = root / name / f"{stamp}-{n}"
+
+
+def launcher_run_id(environ: dict[str, str] | None = None) -> str | None:
+    """The run id every process of a multi-process job started by ``torchrun`` or ``srun`` agrees on (the
+    rendezvous id, or the agent's process id when it is ``none``; the SLURM job and step), else ``None``."""
+    env = os.environ if environ is None else environ
+    if int(env.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" in env:
+        run_id = env["TORCHELASTIC_RUN_ID"]
+        return f"torchrun-{run_id if run_id != 'none' else f'agent{os.getppid()}'}"
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in env:
+        return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}"
+    return None
+
+
+def wandb_run_id(folder: Path) -> str:
+    """The W&B run id of a run folder: its run id and a digest of its absolute path (two runs started in
+    the same second elsewhere get different ids; the same folder always gets the same one)."""
+    digest = hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:8]
+    return f"{folder.name}-{digest}"
 
 
 def run_name(config: Any) -> str:
@@ -55,9 +96,11 @@ def run_name(config: Any) -> str:
     return Path(str(files[0])).stem if files else "run"
 
 
-def place_run(config: Any, folder: Path, resumed: bool) -> None:
+def place_run(config: Any, folder: Path, resumed: bool, call: str = "fit") -> None:
     """Point the configuration's Trainer and loggers at ``folder`` (before anything is built; absolute, as
-    W&B's service process resolves relative paths from its own working directory)."""
+    W&B's service process resolves relative paths from its own working directory). A W&B id or name the
+    configuration sets is kept; TensorBoard/CSV write into ``logs/<call>`` (``<call>-2``, ... for later
+    calls of the same kind), so that no command deletes or mixes another's files."""
     folder = folder.resolve()
     config.trainer.default_root_dir = str(folder)
     for logger in _loggers(config.trainer.get("logger")):
@@ -66,11 +109,20 @@ def place_run(config: Any, folder: Path, resumed: bool) -> None:
             continue
         args["save_dir"] = str(folder)
         if kind == "WandbLogger":
-            args["id"] = folder.name
+            if not args.get("id") and not args.get("version"):
+                args["id"] = wandb_run_id(folder)
             if resumed:
                 args["resume"] = "allow"
-        else:  # TensorBoard/CSV write into <save_dir>/<name>/<version>: the run folder itself
-            args["name"], args["version"] = "", ""
+        else:
+            args["name"], args["version"] = LOGS, _logger_version(folder / LOGS, call)
+
+
+def _logger_version(logs: Path, call: str) -> str:
+    version, n = call, 1
+    while (logs / version).exists():
+        n += 1
+        version = f"{call}-{n}"
+    return version
 
 
 def config_filename(folder: Path, subcommand: str) -> str:

@@ -234,8 +234,9 @@ class FederatedStrategyMixin:
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """Every validated federated round: ``{"round": r, "val/acc": ..., <recorded columns>}``."""
-        return self.federation.history.rows if self.federation is not None else []
+        """Every validated federated round: ``{"round": r, "val/acc": ..., <recorded columns>}`` (the
+        rounds between validations, with only recorded columns, are in ``federation.history.rows``)."""
+        return self.federation.history.evaluated_rows if self.federation is not None else []
 
     @property
     def faults(self) -> list[ClientFault]:
@@ -392,7 +393,7 @@ class FederatedStrategyMixin:
         held = federation.module if federation is not None and federation.has_state else None
         if held is None or held is self.lightning_module or self._restored:
             return
-        call = {"fit": "fit", "validate": "validate", "test": "test"}.get(str(trainer.state.fn.value), "fit")
+        call = str(trainer.state.fn.value)
         raise ValueError(
             f"trainer.{call}() was given another module than the one this strategy's federation holds (from an "
             "earlier fit or checkpoint): its weights would be replaced by the federation's global body and "
@@ -922,8 +923,8 @@ class FederatedStrategyMixin:
             return False
         if trainer.state.fn != "fit" or trainer.sanity_checking:
             return False
-        evaluated = federation.round_index == self._validated_round or any(
-            row["round"] == federation.round_index for row in federation.history.rows
+        evaluated = federation.round_index == self._validated_round or federation.history.is_evaluated(
+            federation.round_index
         )
         return not evaluated and internals.round_validation_due(trainer)
 

@@ -186,3 +186,218 @@ def test_the_summary_has_no_sanity_stage_and_marks_how_many_rounds_last10_averag
     assert "sanity" in strategy.client_metrics and set(summary["per_client"]) == {"val"}
     assert summary["results"]["last10_rounds"] == {"rounds": 3.0}
     assert trainer.callback_metrics["val/last10_rounds"] == 3.0
+
+
+LOGGERS = """
+trainer:
+  enable_checkpointing: true
+  enable_progress_bar: false
+  max_epochs: 2
+  logger:
+  - class_path: lightning.pytorch.loggers.WandbLogger
+    init_args: {project: lightning-fedrep, name: digits-fedrep}
+  - class_path: lightning.pytorch.loggers.CSVLogger
+  - class_path: lightning.pytorch.loggers.TensorBoardLogger
+"""
+
+
+def test_resume_test_and_predict_write_into_the_run_folder_without_losing_its_files(tmp_path, monkeypatch):
+    """A resumed fit, a test and a predict of the run's checkpoint write into its folder: each call keeps its
+    own config and logger files (CSV/TensorBoard under logs/<call>), W&B continues the same run id, and the
+    CLI's personalized predictions score what the test measured, client by client."""
+    from lightning_fedrep.runfolder import wandb_run_id
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    overlay = tmp_path / "loggers.yaml"
+    overlay.write_text(LOGGERS)
+    base = ["--config", str(RECIPE), "--config", str(overlay)]
+    cli = build_cli(["fit", *base])
+    run = Path(cli.trainer.default_root_dir)
+    assert (run / "logs" / "fit" / "metrics.csv").is_file()
+    assert list((run / "logs" / "fit").glob("events.out.tfevents.*"))
+    last = max((run / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns)
+    fit_metrics = (run / "logs" / "fit" / "metrics.csv").read_text()
+
+    resumed = build_cli(["fit", *base, "--trainer.max_epochs=3", f"--ckpt_path={last}"])
+    assert Path(resumed.trainer.default_root_dir) == run and resumed.trainer.current_epoch == 3
+    assert (run / "config.fit.yaml").is_file() and (run / "logs" / "fit-2" / "metrics.csv").is_file()
+    assert (run / "logs" / "fit" / "metrics.csv").read_text() == fit_metrics
+    assert len(rows(run / "history.csv")) == 3
+    runs = list((run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(p.name.endswith(f"-{wandb_run_id(run)}") for p in runs)
+
+    last = max((run / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns)
+    build_cli(["test", *base, f"--ckpt_path={last}"])
+    assert (run / "logs" / "test" / "metrics.csv").is_file()
+    assert (run / "logs" / "fit" / "metrics.csv").read_text() == fit_metrics
+    tested = {int(r["client"]): float(r["test/acc"]) for r in rows(run / "clients_test.csv")}
+
+    predicted = build_cli(
+        ["predict", *base, "--trainer.strategy.init_args.predict=personalized", f"--ckpt_path={last}"]
+    )
+    assert torch.load(run / "predictions.pt", weights_only=False)["clients"]
+    predictions = rows(run / "predictions.csv")
+    datamodule = predicted.datamodule
+    for client, accuracy in tested.items():
+        subset = datamodule.client_data(client, "test")
+        labels = [int(subset.dataset[i][1]) for i in subset.indices]
+        mine = [int(r["prediction"]) for r in predictions if int(r["client"]) == client]
+        assert len(mine) == len(labels)
+        assert sum(p == y for p, y in zip(mine, labels)) / len(labels) == pytest.approx(accuracy), client
+
+
+def test_a_missing_checkpoint_is_refused_before_any_folder_is_made(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        build_cli(["test", "--config", str(RECIPE), "--ckpt_path=runs/nothing/here.ckpt"])
+    assert stop.value.code == 2
+    assert "ckpt_path='runs/nothing/here.ckpt' is not a file" in capsys.readouterr().err
+    assert not Path("runs").exists()
+
+
+def test_the_wandb_id_is_the_users_or_unique_to_the_folder_and_the_run_folder_can_be_named(
+    tmp_path, monkeypatch
+):
+    from jsonargparse import Namespace
+
+    from lightning_fedrep import cli as command
+    from lightning_fedrep.runfolder import launcher_run_id, place_run, wandb_run_id
+
+    def config(**wandb):
+        logger = Namespace(class_path="lightning.pytorch.loggers.WandbLogger", init_args=Namespace(**wandb))
+        return Namespace(trainer=Namespace(logger=logger, default_root_dir=None))
+
+    one, other = tmp_path / "a" / "run" / "20260101-000000", tmp_path / "b" / "run" / "20260101-000000"
+    mine = config(id="my-id")
+    place_run(mine, one, resumed=False)
+    assert mine.trainer.logger.init_args.id == "my-id"
+    ids = []
+    for folder in (one, other, one):
+        chosen = config()
+        place_run(chosen, folder, resumed=False)
+        ids.append(chosen.trainer.logger.init_args.id)
+    assert (
+        ids[0] != ids[1] and ids[0] == ids[2] == wandb_run_id(one) and ids[0].startswith("20260101-000000-")
+    )
+
+    assert launcher_run_id({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "abc"}) == "torchrun-abc"
+    assert launcher_run_id({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"}) == "slurm-77.1"
+    assert launcher_run_id({"SLURM_NTASKS": "1", "SLURM_JOB_ID": "77"}) is None  # one task: a normal run
+    assert launcher_run_id({}) is None
+
+    monkeypatch.chdir(tmp_path)
+    named = tmp_path / "named"
+    monkeypatch.setenv(command.RUN_FOLDER_VARIABLE, str(named))
+    monkeypatch.setattr(command, "_RUN_FOLDER_AT_START", str(named))
+    cli = build_cli(["fit", "--config", str(RECIPE), "--trainer.fast_dev_run=true"])
+    assert cli.run_folder == named.resolve() and not Path("runs").exists()
+
+
+def test_predicting_with_another_module_is_refused_as_predict(tmp_path):
+    strategy = FedRepStrategy(head="classifier", clients_per_round=3, head_epochs=1, body_epochs=1)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1)
+    trainer.fit(TinyNet(), datamodule=tiny_datamodule(num_clients=6))
+    with pytest.raises(ValueError, match=r"trainer\.predict\(\) was given another module"):
+        trainer.predict(TinyNet(), datamodule=tiny_datamodule(num_clients=6))
+
+
+def test_validate_of_an_earlier_checkpoint_prints_and_writes_what_it_measured(tmp_path, capsys):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    strategy = FedRepStrategy(head="classifier", clients_per_round=3, head_epochs=1, body_epochs=1, seed=1)
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    trainer = quiet_trainer(
+        strategy=strategy,
+        max_epochs=4,
+        enable_checkpointing=True,
+        callbacks=[checkpoints, RunSummary(str(tmp_path), figures=False)],
+    )
+    torch.manual_seed(0)
+    model = TinyNet()
+    trainer.fit(model, datamodule=tiny_datamodule(num_clients=6))
+    final = strategy.results()["final"]["val/acc"]
+    capsys.readouterr()
+    (validated,) = trainer.validate(
+        model,
+        datamodule=tiny_datamodule(num_clients=6),
+        ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt",
+        verbose=False,
+    )
+    assert validated["val/acc"] != pytest.approx(final)  # an earlier state, so the check below can fail
+    out = capsys.readouterr().out
+    assert f"val/acc {validated['val/acc']:.4g}" in out and f"val/acc {final:.4g} " not in out + " "
+    summary = json.loads((tmp_path / "summary.validate.json").read_text())
+    per_client = summary["per_client"]["val"]["val/acc"]
+    assert sum(per_client.values()) / len(per_client) == pytest.approx(validated["val/acc"])
+    assert summary["metrics"]["val/acc"] == pytest.approx(validated["val/acc"])
+
+
+def write_history(run: Path, metric: str) -> None:
+    from lightning_fedrep.outputs import write_rows
+
+    run.mkdir(parents=True, exist_ok=True)
+    write_rows(
+        run / "history.csv",
+        [
+            {"round": r, metric: 1 - r / 10, f"{metric}_p10": 0.9 - r / 10, f"{metric}_min": 0.8 - r / 10}
+            for r in range(5)
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    ("metric", "lowest"), [("val/acc", "worst client"), ("val/loss", "lowest-loss client")]
+)
+def test_the_band_below_the_mean_is_named_for_what_it_is(tmp_path, metric, lowest):
+    from lightning_fedrep.report import run_figures
+
+    write_history(tmp_path, metric)
+    figure = run_figures(tmp_path)["accuracy_vs_round"]
+    labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert f"{lowest} .. mean" in labels
+    assert not any("worst" in label for label in labels) or metric == "val/acc"
+
+
+def test_the_client_histogram_shows_the_stage_asked_for_or_the_newest(tmp_path):
+    import os
+
+    from lightning_fedrep.outputs import write_rows
+    from lightning_fedrep.report import run_figures
+
+    write_history(tmp_path, "val/acc")
+    write_rows(tmp_path / "clients_test.csv", [{"client": c, "test/acc": 0.5} for c in range(4)])
+    write_rows(tmp_path / "clients_val.csv", [{"client": c, "val/acc": 0.7} for c in range(4)])
+    os.utime(tmp_path / "clients_test.csv", ns=(1, 1))  # a test of an earlier call
+
+    def title(stage=None):
+        return run_figures(tmp_path, stage)["client_histogram"].axes[0].get_title()
+
+    assert "last val evaluation" in title() and "last val evaluation" in title("val")
+    assert "last test evaluation" in title("test")
+
+
+def test_rounds_between_validations_keep_their_recorded_columns_and_draw_time_and_collapse(tmp_path):
+    """SRPFL's simulated time and the NC metrics are recorded every round; with validation every second
+    round, history.csv still has every round, and the time and collapse figures are drawn."""
+    from lightning_fedrep import AdaptiveParticipation, FixedExponential, NeuralCollapse
+    from tests.fixtures import MarkedTinyNet
+
+    strategy = FedRepStrategy(clients_per_round=1.0, head_epochs=1, body_epochs=1, seed=3)
+    callbacks = [
+        AdaptiveParticipation(2, 2, latency=FixedExponential(rate=1.0, seed=1)),
+        NeuralCollapse(lam=0, mu=0, nu=0, metrics_samples=20),
+        RunSummary(str(tmp_path), print_table=False),
+    ]
+    trainer = quiet_trainer(strategy=strategy, max_epochs=4, check_val_every_n_epoch=2, callbacks=callbacks)
+    torch.manual_seed(0)
+    trainer.fit(MarkedTinyNet(), datamodule=tiny_datamodule(num_clients=6))
+    history = rows(tmp_path / "history.csv")
+    assert [int(r["round"]) for r in history] == [0, 1, 2, 3]
+    assert all(r["sim/time"] and r["nc/global_nc2"] for r in history)
+    assert [bool(r["val/acc"]) for r in history] == [False, True, False, True]
+    times = [float(r["sim/time"]) for r in history]
+    assert times == sorted(times) and times[0] > 0
+    assert strategy.results()["final"]["val/acc"] == pytest.approx(float(history[3]["val/acc"]))
+    for name in ("accuracy_vs_time", "neural_collapse", "accuracy_vs_round"):
+        assert_png(tmp_path / "figures" / f"{name}.png")

@@ -82,7 +82,7 @@ class RunSummary(FederatedCallback):
             "results": strategy.results(),
             "test": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")},
             "per_client": per_client,
-            "history": strategy.history,
+            "history": strategy.require_federation().history.rows,
             "faults": [dataclasses.asdict(f) for f in strategy.faults],
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1},
             "config": self.config,
@@ -108,7 +108,7 @@ class RunSummary(FederatedCallback):
         else:
             write_stage_files(folder, self.strategy(trainer))
         if self.figures and not trainer.fast_dev_run:  # a smoke run draws nothing (its loggers are off too)
-            self._draw(trainer, folder)
+            self._draw(trainer, folder, stage)
         per_client = summary["per_client"].get(stage, {})
         accuracy = per_client.get(f"{stage}/acc") or per_client.get(f"{stage}/loss")
         if accuracy:
@@ -119,7 +119,12 @@ class RunSummary(FederatedCallback):
                 for row in range(0, len(accuracy), 10):
                     chunk = list(accuracy.items())[row : row + 10]
                     print("  " + "  ".join(f"#{c:<4d}{v:<9.4g}" for c, v in chunk))
-                figures = summary["results"].get("final", {}) if stage == "val" else summary["test"]
+                # fit's figures are its last round's; validate/test report what this call measured
+                figures = (
+                    summary["results"].get("final", {})
+                    if call == "fit"
+                    else {k: v for k, v in summary["metrics"].items() if k.startswith(f"{stage}/")}
+                )
                 shown = {k: v for k, v in figures.items() if k.split("/")[-1].startswith(name.split("/")[-1])}
                 print("  " + "   ".join(f"{k} {v:.4g}" for k, v in shown.items()))
 
@@ -136,9 +141,9 @@ class RunSummary(FederatedCallback):
 
             logger.experiment.log({f"clients/{stage}_hist": wandb.Histogram(list(per_client[key].values()))})
 
-    def _draw(self, trainer: L.Trainer, folder: Path) -> None:
+    def _draw(self, trainer: L.Trainer, folder: Path, stage: str) -> None:
         try:
-            figures = run_figures(folder)
+            figures = run_figures(folder, stage)
         except ImportError as error:
             if not self._warned_no_matplotlib:
                 rank_zero_warn(f"RunSummary draws no figures: {error} Or pass RunSummary(figures=False).")
