@@ -12,6 +12,7 @@ from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, FedRep, Phase, re
 from lightning_fedrep.callbacks import (
     AdaptiveParticipation,
     FederatedProgressBar,
+    FineTunedEvaluation,
     HeadFineTuning,
     NeuralCollapse,
     RunSummary,
@@ -68,6 +69,7 @@ __all__ = [
     "FederatedStrategy",
     "Federation",
     "FixedExponential",
+    "FineTunedEvaluation",
     "HeadFineTuning",
     "IIDPartitioner",
     "LatencyModel",

@@ -175,6 +175,7 @@ class Federation:
         self._live: _LiveClient | None = None
         self._eval_stash: list[Tensor] | None = None
         self._eval_client: int | None = None
+        self._eval_tensors: dict[int, dict[str, Tensor]] = {}
         self._before_round: _RoundStart | None = None
 
     # ------------------------------------------------------------------ read-only views
@@ -697,16 +698,41 @@ class Federation:
     def evaluate_client(self, client: int) -> None:
         """Give the module ``client``'s personalized model for its evaluation batches."""
         if client != self._eval_client:
-            self._write_personal(client, shared=bool(self.store.finetuned))
+            self._write_personal(client, shared=bool(self.store.finetuned or self._eval_tensors))
+            override = self._eval_tensors.get(client)
+            if override:
+                self._write(list(override), list(override.values()))
             self._eval_client = client
+
+    def set_evaluation_tensors(self, tensors: Mapping[int, Mapping[str, Tensor]]) -> None:
+        """For the coming evaluation only, score each listed client with these tensors (by name, shared or
+        local) in place of its stored ones; the stored state is not changed, and the override ends with the
+        evaluation (``FineTunedEvaluation`` sets the heads it fine-tuned this way)."""
+        self._require_state()
+        known = set(self.shared_names) | set(self.local_names)
+        for client, named in tensors.items():
+            self.check_client(client)
+            unknown = set(named) - known
+            if unknown:
+                raise KeyError(f"{sorted(unknown)} are neither shared nor local tensors of the federation.")
+        self._eval_tensors = {c: dict(named) for c, named in tensors.items()}
+
+    def evaluation_tensors(self, client: int) -> dict[str, Tensor]:
+        """What makes ``client``'s model its own in the current evaluation (not copies: do not modify): its
+        stored personal tensors, with those set by :meth:`set_evaluation_tensors` in their place."""
+        return {**self.store.personal(client, self.local_names), **self._eval_tensors.get(client, {})}
 
     def end_evaluation(self) -> None:
         """Put back what training had live before the evaluation."""
         if self._eval_stash is not None:
             self._write(self.shared_names + self.local_names, self._eval_stash)
             self._eval_stash = None
-        elif self._live is not None:
-            self._write(self.local_names, self.store.get(self._live.client))
+        else:
+            if self._eval_tensors:  # the shared part may hold a client's override
+                self._write(self.shared_names, self.global_state)
+            if self._live is not None:
+                self._write(self.local_names, self.store.get(self._live.client))
+        self._eval_tensors = {}
         self._eval_client = None
 
     def load_personalized(self, client: int) -> None:

@@ -239,6 +239,12 @@ class FederatedStrategyMixin:
         return self.federation.history.evaluated_rows if self.federation is not None else []
 
     @property
+    def evaluated_clients(self) -> list[int]:
+        """The clients this process evaluates in the current (or last) validation/test: every client with
+        evaluation data on one process, this rank's share on several (``[]`` before any evaluation)."""
+        return list(self._eval_loader.evaluated_clients) if self._eval_loader is not None else []
+
+    @property
     def faults(self) -> list[ClientFault]:
         """Every client left out of a round so far: ``ClientFault(round, client, step, reason)``."""
         return list(self.federation.faults) if self.federation is not None else []

@@ -587,3 +587,19 @@ def test_e2_reduced_srpfl_reaches_target_5x_faster():
 
     ups = [speedup(c) for c in (0.0, 1.0, 5.0, 10.0)]
     assert ups == sorted(ups, reverse=True) and ups[-1] < ups[0] / 2, ups
+
+
+def test_dynamic_means_resampled_every_round_as_the_official_resample_option():
+    """``parameter="mean", resample=True`` (the official ``--resample``): every round each client draws a
+    new mean from U[1, 100], so a client's latencies in two rounds are uncorrelated; drawn once (the
+    paper), they are correlated through the client's mean (corr = Var(s) / (E[s^2] + Var(s)) = 0.196)."""
+    from lightning_fedrep.participation.latency import DynamicExponential
+
+    def correlation(model):
+        a, b = model.sample(0, 5000), model.sample(1, 5000)
+        return float(torch.corrcoef(torch.stack([a, b]))[0, 1]), float(torch.cat([a, b]).mean())
+
+    kept, mean_kept = correlation(DynamicExponential(1.0, 100.0, parameter="mean", seed=3))
+    fresh, mean_fresh = correlation(DynamicExponential(1.0, 100.0, parameter="mean", seed=3, resample=True))
+    assert kept == pytest.approx(0.196, abs=0.06) and abs(fresh) < 0.05
+    assert mean_kept == pytest.approx(50.5, rel=0.06) and mean_fresh == pytest.approx(50.5, rel=0.06)

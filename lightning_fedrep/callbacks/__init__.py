@@ -1,9 +1,17 @@
 """Federated callbacks: each one a :class:`~lightning_fedrep.hooks.FederatedCallback`."""
 
+from lightning_fedrep.callbacks.evaluation_finetuning import FineTunedEvaluation
 from lightning_fedrep.callbacks.finetuning import HeadFineTuning
 from lightning_fedrep.callbacks.neural_collapse import NeuralCollapse
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from lightning_fedrep.callbacks.summary import RunSummary
 from lightning_fedrep.participation import AdaptiveParticipation
 
-__all__ = ["AdaptiveParticipation", "FederatedProgressBar", "HeadFineTuning", "NeuralCollapse", "RunSummary"]
+__all__ = [
+    "AdaptiveParticipation",
+    "FederatedProgressBar",
+    "FineTunedEvaluation",
+    "HeadFineTuning",
+    "NeuralCollapse",
+    "RunSummary",
+]

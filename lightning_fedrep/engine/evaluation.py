@@ -87,7 +87,7 @@ class BatchedEvaluation:
         clients, sizes = chunk.clients.tolist(), chunk.sizes.tolist()
         fixed = {**dict(module.named_buffers()), **dict(module.named_parameters())}
         base = {**fixed, **federation.global_view()}
-        personal = [federation.store.personal(c, federation.local_names) for c in clients]
+        personal = [federation.evaluation_tensors(c) for c in clients]
         inputs = chunk.inputs.split(sizes)
         with precision_context():
             shared_features = None

@@ -119,6 +119,9 @@ class DynamicExponential(LatencyModel):
             every round (Theorem 4.9's setting).
         parameter: ``"rate"`` (the paper): the uniform draw is the rate ``lambda_i``, mean ``1/lambda_i``;
             ``"mean"`` (the official code, ``low=1, high=100``): the uniform draw is the mean.
+        resample: draw every client's parameter again every round (the official code's ``--resample``
+            with ``noniid-hyper``: a new mean ``U[low, high]``, then the latency); ``False`` (the paper)
+            draws the parameters once.
     """
 
     def __init__(
@@ -128,10 +131,12 @@ class DynamicExponential(LatencyModel):
         parameter: Literal["rate", "mean"] = "rate",
         per: Literal["round", "step"] = "round",
         seed: int = 0,
+        resample: bool = False,
     ):
         super().__init__(per, seed)
         owner = type(self).__name__
         check_choice("parameter", parameter, ("rate", "mean"), owner=owner)
+        self.resample = check_bool("resample", resample, owner=owner)
         check_real("high", high, low=0.0, low_open=True, owner=owner)
         if low is not None:
             check_real("low", low, low=0.0, high=high, low_open=True, owner=owner)
@@ -140,24 +145,27 @@ class DynamicExponential(LatencyModel):
         self.parameter = parameter
         self._rates: dict[int, Tensor] = {}
 
-    def rates(self, num_clients: int) -> Tensor:
-        """The clients' rates ``lambda_i`` (drawn once from the seed)."""
+    def rates(self, num_clients: int, round_index: int | None = None) -> Tensor:
+        """The clients' rates ``lambda_i``: drawn once from the seed, or with ``resample`` drawn again for
+        round ``round_index``."""
+        if self.resample and round_index is not None:
+            return self._draw_rates(num_clients, round_generator(self.seed, round_index, num_clients))
         if num_clients not in self._rates:
-            self._rates[num_clients] = self._draw_rates(num_clients)
+            self._rates[num_clients] = self._draw_rates(
+                num_clients, round_generator(self.seed, _ONCE, num_clients)
+            )
         return self._rates[num_clients]
 
-    def _draw_rates(self, num_clients: int) -> Tensor:
+    def _draw_rates(self, num_clients: int, generator: torch.Generator) -> Tensor:
         low = 1.0 / num_clients if self.low is None else self.low
-        uniform = torch.rand(
-            num_clients, generator=round_generator(self.seed, _ONCE, num_clients), dtype=torch.float64
-        )
+        uniform = torch.rand(num_clients, generator=generator, dtype=torch.float64)
         drawn = low + (self.high - low) * uniform
         return drawn if self.parameter == "rate" else 1.0 / drawn
 
     def sample(self, round_index: int, num_clients: int) -> Tensor:
-        return _exponential(
-            num_clients, self.rates(num_clients), round_generator(self.seed, round_index, num_clients)
-        )
+        generator = round_generator(self.seed, round_index, num_clients)
+        rates = self._draw_rates(num_clients, generator) if self.resample else self.rates(num_clients)
+        return _exponential(num_clients, rates, generator)
 
 
 class TwoClassExponential(LatencyModel):

@@ -1,0 +1,236 @@
+"""``FineTunedEvaluation``: every evaluation scores each client after fitting its own head (SRPFL's protocol)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import TensorDataset, default_collate
+
+from lightning_fedrep.arguments import check_choice, check_int, check_real
+from lightning_fedrep.engine.contract import NAMED_LOSSES, declared_loss
+from lightning_fedrep.federation import RoundResult
+from lightning_fedrep.hooks import FederatedCallback
+from lightning_fedrep.lightning_internals import configured_learning_rate
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class FineTunedEvaluation(FederatedCallback):
+    """Before each validation and test, every evaluated client fine-tunes its head on its own training data
+    for ``epochs`` epochs (the rest of the model frozen), and the evaluation scores those fine-tuned heads;
+    the clients' stored state is not changed, so training goes on from it.
+
+    This is the SRPFL paper's evaluation (the official code's ``--FT_epoch 10``: head-only SGD, momentum 0.5,
+    weight decay 1e-4, batch 10, the training learning rate), under which clients that never took part in a
+    round still fit their own head on the learned representation. It fits any recipe: add it to
+    ``trainer.callbacks``.
+
+    Args:
+        epochs: fine-tuning epochs over the client's training data.
+        start: the head each client starts from. ``"average"``: the mean of the heads of the last round's
+            clients (the official code's averaged model; for an algorithm that averages the head, the global
+            head); ``"stored"``: the client's own stored head.
+        lr: the SGD learning rate; ``None`` takes the module's first optimizer's (the training) rate.
+        momentum, weight_decay: SGD's.
+        batch_size: the fine-tuning batch size; ``None`` takes the data module's.
+        loss: the per-sample loss (``"cross_entropy"``, ``"mse"`` or a callable ``(output, target) ->
+            per-sample losses``); ``None`` uses the module's declared ``fedrep_loss``.
+        stages: which evaluations fine-tune (``"val"``, ``"test"``); the sanity check never does.
+        seed: seeds each client's batch order (per round and client, so reruns are equal).
+
+    What is fine-tuned: the client's local parameters (the head for FedRep/FedPer, the local representation
+    for LG-FedAvg), or the head for algorithms without a local part (FedAvg). The cost is ``epochs`` passes
+    over every evaluated client's training data per evaluation: validate less often
+    (``check_val_every_n_epoch``) on large federations, as the official code does (``--test_freq``).
+    """
+
+    needs_every_client = True  # the "average" start reads the last round's clients' heads
+
+    def __init__(
+        self,
+        epochs: int = 10,
+        start: Literal["average", "stored"] = "average",
+        lr: float | None = None,
+        momentum: float = 0.5,
+        weight_decay: float = 1e-4,
+        batch_size: int | None = None,
+        loss: str | LossFn | None = None,
+        stages: tuple[str, ...] | list[str] = ("val", "test"),
+        seed: int = 0,
+    ):
+        owner = "FineTunedEvaluation"
+        check_int("epochs", epochs, minimum=1, owner=owner)
+        check_choice("start", start, ("average", "stored"), owner=owner)
+        if lr is not None:
+            check_real("lr", lr, 0.0, low_open=True, owner=owner)
+        check_real("momentum", momentum, 0.0, owner=owner)
+        check_real("weight_decay", weight_decay, 0.0, owner=owner)
+        if batch_size is not None:
+            check_int("batch_size", batch_size, minimum=1, owner=owner)
+        if isinstance(loss, str) and loss not in NAMED_LOSSES:
+            raise ValueError(
+                f"{owner}(loss=...) must be one of {sorted(NAMED_LOSSES)}, a callable or None, got {loss!r}."
+            )
+        if loss is not None and not isinstance(loss, str) and not callable(loss):
+            raise TypeError(f"{owner}(loss=...) must be a loss name or a callable, got {loss!r}.")
+        stages = tuple(stages) if isinstance(stages, list | tuple) else (stages,)
+        if not stages or any(s not in ("val", "test") for s in stages):
+            raise ValueError(f"{owner}(stages=...) must list 'val' and/or 'test', got {stages!r}.")
+        check_int("seed", seed, owner=owner)
+        self.epochs = epochs
+        self.start = start
+        self.lr = lr
+        self.momentum = momentum
+        self.weight_decay = weight_decay
+        self.batch_size = batch_size
+        self.loss = loss
+        self.stages = stages
+        self.seed = seed
+        self._loss_fn: LossFn | None = None
+        self.last_round_clients: list[int] = []
+        """The clients of the last aggregated round (before any: every evaluated client's head is averaged)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Refuse, before anything runs, a module without a known loss or without a head."""
+        super().setup(trainer, pl_module, stage)
+        if isinstance(self.loss, str):
+            self._loss_fn = NAMED_LOSSES[self.loss]
+        elif self.loss is not None:
+            self._loss_fn = self.loss
+        else:
+            self._loss_fn = declared_loss(pl_module)
+        if self._loss_fn is None:
+            raise ValueError(
+                f"FineTunedEvaluation needs the training loss: set fedrep_loss = 'cross_entropy' (or 'mse', or a "
+                f"callable) on {type(pl_module).__name__}, or pass FineTunedEvaluation(loss=...)."
+            )
+        if trainer.datamodule is None or not hasattr(trainer.datamodule, "client_data"):
+            raise ValueError(
+                "FineTunedEvaluation fine-tunes on each client's training data: pass a FederatedDataModule "
+                "as datamodule=."
+            )
+
+    def on_round_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: RoundResult) -> None:
+        """Remember the round's clients: the ``"average"`` start is the mean of their heads."""
+        if result.aggregated and result.clients:
+            self.last_round_clients = [r.client for r in result.clients]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_round_clients": list(self.last_round_clients)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_round_clients = list(state_dict.get("last_round_clients", []))
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if "val" in self.stages and not trainer.sanity_checking:
+            self._fine_tune(trainer, pl_module)
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if "test" in self.stages:
+            self._fine_tune(trainer, pl_module)
+
+    def tuned_names(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
+        """The parameter names each client fine-tunes: its local parameters, else the head."""
+        federation = self.federation(trainer)
+        parameters = dict(pl_module.named_parameters())
+        local = [n for n in federation.local_names if n in parameters]
+        names = local or [n for n in federation.split.head if n in parameters]
+        if not names:
+            raise ValueError(
+                "FineTunedEvaluation needs a head to fine-tune: pass head=... to the strategy or set `fedrep_head` "
+                "on the module."
+            )
+        return names
+
+    def _fine_tune(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = self.strategy(trainer)
+        federation = self.federation(trainer)
+        names = self.tuned_names(trainer, pl_module)
+        datamodule = trainer.datamodule
+        clients = strategy.evaluated_clients
+        lr = self.lr if self.lr is not None else _training_lr(trainer, pl_module)
+        batch_size = self.batch_size or int(datamodule.batch_size)
+        base = {**dict(pl_module.named_buffers()), **dict(pl_module.named_parameters())}
+        base = {n: t.detach() for n, t in {**base, **federation.global_view()}.items()}
+        starts = self._starting_heads(trainer, names, clients)
+        round_index = federation.round_index
+        tuned: dict[int, dict[str, Tensor]] = {}
+        was_training = pl_module.training
+        with torch.inference_mode(False), torch.enable_grad():
+            pl_module.train()
+            try:
+                for client in clients:
+                    data = datamodule.client_data(client, "train")
+                    start = starts(client)
+                    if len(data) == 0:
+                        tuned[client] = start
+                        continue
+                    generator = torch.Generator().manual_seed(
+                        self.seed * 1_000_003 + (round_index + 1) * 10_007 + client
+                    )
+                    tuned[client] = self._fit_head(
+                        pl_module, base, start, _batches(data, batch_size, self.epochs, generator), lr
+                    )
+            finally:
+                pl_module.train(was_training)
+        federation.set_evaluation_tensors(tuned)
+
+    def _starting_heads(
+        self, trainer: L.Trainer, names: list[str], clients: list[int]
+    ) -> Callable[[int], dict[str, Tensor]]:
+        federation = self.federation(trainer)
+        shared = federation.global_view()
+        if self.start == "stored":
+            return lambda c: _own_values(federation.client_tensors(c), shared, names)
+        takers = self.last_round_clients or clients
+        heads = [_own_values(federation.client_tensors(c), shared, names) for c in takers]
+        average = {n: torch.stack([h[n] for h in heads]).mean(0) for n in names}
+        return lambda c: {n: t.clone() for n, t in average.items()}
+
+    def _fit_head(
+        self,
+        pl_module: L.LightningModule,
+        base: dict[str, Tensor],
+        start: dict[str, Tensor],
+        batches: Iterator[Any],
+        lr: float,
+    ) -> dict[str, Tensor]:
+        head = {n: t.detach().clone().requires_grad_(True) for n, t in start.items()}
+        optimizer = torch.optim.SGD(
+            list(head.values()), lr=lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
+        device = next(iter(head.values())).device
+        for x, y in batches:
+            optimizer.zero_grad(set_to_none=True)
+            output = torch.func.functional_call(pl_module, {**base, **head}, (x.to(device),))
+            self._loss_fn(output, y.to(device)).mean().backward()
+            optimizer.step()
+        return {n: t.detach() for n, t in head.items()}
+
+
+def _own_values(
+    personal: dict[str, Tensor], shared: dict[str, Tensor], names: list[str]
+) -> dict[str, Tensor]:
+    return {n: (personal[n] if n in personal else shared[n]).detach().clone() for n in names}
+
+
+def _training_lr(trainer: L.Trainer, pl_module: L.LightningModule) -> float:
+    if trainer.optimizers:
+        return float(trainer.optimizers[0].param_groups[0]["lr"])
+    return configured_learning_rate(pl_module)  # validate/test configure no optimizer
+
+
+def _batches(data: Any, batch_size: int, epochs: int, generator: torch.Generator) -> Iterator[Any]:
+    """``epochs`` shuffled passes over a client's samples in batches (the data set's own transforms apply)."""
+    dataset, indices = data.dataset, data.indices
+    for _ in range(epochs):
+        order = indices[torch.randperm(len(indices), generator=generator)]
+        for chunk in order.split(batch_size):
+            if isinstance(dataset, TensorDataset):
+                yield tuple(t[chunk] for t in dataset.tensors)
+            else:
+                yield default_collate([dataset[int(i)] for i in chunk])
