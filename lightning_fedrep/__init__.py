@@ -15,6 +15,7 @@ from lightning_fedrep.callbacks import (
     FineTunedEvaluation,
     HeadFineTuning,
     NeuralCollapse,
+    OrthonormalBody,
     RunSummary,
 )
 from lightning_fedrep.data.module import FederatedDataModule
@@ -76,6 +77,7 @@ __all__ = [
     "LiveStep",
     "NaturalPartitioner",
     "NeuralCollapse",
+    "OrthonormalBody",
     "ParameterSplit",
     "Partitioner",
     "Phase",

@@ -523,14 +523,15 @@ class DistanceRecorder(Callback):
         self.distances: list[float] = []
 
     def on_train_epoch_end(self, trainer, pl_module):
-        body = trainer.strategy.global_tensors()["body.weight"].T
+        self.trainer_body = trainer.strategy.global_tensors()["body.weight"]
+        body = self.trainer_body.T
         self.distances.append(principal_angle_distance(body, self.truth))
         self.times.append(self.participation.time)
         if self.target is not None and self.distances[-1] <= self.target:
             trainer.should_stop = True
 
 
-def linear_fit(dm, participation, max_rounds, target=None, seed=0):
+def linear_fit(dm, participation, max_rounds, target=None, seed=0, extra=()):
     recorder = DistanceRecorder(participation, dm.problem.ground_truth_body, target)
     strategy = FedRepStrategy(
         clients_per_round=1.0,
@@ -538,7 +539,9 @@ def linear_fit(dm, participation, max_rounds, target=None, seed=0):
         weighting="uniform",
         seed=seed,
     )
-    trainer = quiet_trainer(strategy=strategy, max_epochs=max_rounds, callbacks=[participation, recorder])
+    trainer = quiet_trainer(
+        strategy=strategy, max_epochs=max_rounds, callbacks=[participation, recorder, *extra]
+    )
     model = QuietLowRankLinear(
         dm.problem.dim, dm.problem.rank, 0.1, dm.problem.ground_truth_body, dm.method_of_moments_init()
     )
@@ -603,3 +606,32 @@ def test_dynamic_means_resampled_every_round_as_the_official_resample_option():
     fresh, mean_fresh = correlation(DynamicExponential(1.0, 100.0, parameter="mean", seed=3, resample=True))
     assert kept == pytest.approx(0.196, abs=0.06) and abs(fresh) < 0.05
     assert mean_kept == pytest.approx(50.5, rel=0.06) and mean_fresh == pytest.approx(50.5, rel=0.06)
+
+
+def test_the_qr_step_keeps_the_body_orthonormal_and_follows_the_reference_with_qr():
+    """SRPFL's Algorithm 2, line 14 (``OrthonormalBody``): after each averaging ``B <- QR(B).Q``. The Trainer
+    run's body has orthonormal columns and matches the plain-loop reference with the QR step round by round
+    (and not the one without it)."""
+    from lightning_fedrep import OrthonormalBody
+
+    seed = 1
+    dm = LowRankLinearDataModule(20, 2, 100, 10, 10, noise_std=0.5, fresh_samples=True, seed=seed)
+    latency = FixedExponential(seed=seed)
+    participation = AdaptiveParticipation(10, 10, latency=FixedExponential(seed=seed))
+    recorder = linear_fit(dm, participation, 12, seed=seed, extra=[OrthonormalBody()])
+    body = recorder.trainer_body
+    torch.testing.assert_close(body @ body.T, torch.eye(2, dtype=body.dtype), atol=1e-5, rtol=0)
+    runs = {
+        qr: srpfl_linear_reference(
+            dm.problem,
+            dm.method_of_moments_init(),
+            lambda r: latency.sample(r, 100),
+            12,
+            10,
+            sample_seed=seed,
+            qr=qr,
+        )[1]
+        for qr in (True, False)
+    }
+    np.testing.assert_allclose(recorder.distances, runs[True], rtol=1e-4, atol=1e-6)
+    assert not np.allclose(recorder.distances, runs[False], rtol=1e-4, atol=1e-6)  # the step changes the run

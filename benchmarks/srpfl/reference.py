@@ -40,12 +40,14 @@ def srpfl_linear_reference(
     sample_seed: int = 0,
     fresh: bool = True,
     communication_cost: float = 0.0,
+    qr: bool = False,
 ) -> tuple[list[float], list[float]]:
     """Run ``rounds`` rounds; return the simulated time and ``dist(B, B*)`` after each round.
 
     ``latencies(r)`` gives every client's latency in round ``r``; ``initial_clients=None`` is FedRep
     (every client, every round). ``fresh=True`` draws each participant's samples anew every round,
-    otherwise each client uses its fixed ``problem.train`` sample.
+    otherwise each client uses its fixed ``problem.train`` sample. ``qr=True`` replaces the average by
+    its orthonormal QR factor every round (Algorithm 2, line 14).
     """
     body = init_body.detach().double().clone()
     truth = problem.ground_truth_body.double()
@@ -70,6 +72,8 @@ def srpfl_linear_reference(
             gradient = -(x.T @ (y - features @ w)) @ w.T / x.shape[0]
             total += body - lr * gradient
         body = total / len(chosen)
+        if qr:
+            body = torch.linalg.qr(body).Q
         times.append(clock)
         distances.append(subspace_distance(body, truth))
         if counter == 1:

@@ -3,6 +3,7 @@
 from lightning_fedrep.callbacks.evaluation_finetuning import FineTunedEvaluation
 from lightning_fedrep.callbacks.finetuning import HeadFineTuning
 from lightning_fedrep.callbacks.neural_collapse import NeuralCollapse
+from lightning_fedrep.callbacks.orthonormal import OrthonormalBody
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from lightning_fedrep.callbacks.summary import RunSummary
 from lightning_fedrep.participation import AdaptiveParticipation
@@ -13,5 +14,6 @@ __all__ = [
     "FineTunedEvaluation",
     "HeadFineTuning",
     "NeuralCollapse",
+    "OrthonormalBody",
     "RunSummary",
 ]
