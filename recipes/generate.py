@@ -482,10 +482,140 @@ def srpfl_recipe(algorithm: str) -> tuple[str, str]:
     return f"srpfl/digits_{algorithm}.yaml", render(header, recipe)
 
 
+@dataclass(frozen=True)
+class SRPFLSetting:
+    """One data set of the SRPFL paper's Figures 3-6 as the official scripts run it
+    (``experiments/full-participation/fixed-computation-time/<data>.sh``)."""
+
+    data_class: str
+    data_args: dict
+    model_class: str
+    model_args: dict
+    rep_epochs: int  # FEDREP_local_rep_ep: how many (10 head epochs + 1 body epoch) blocks per round
+    panel: str  # the paper's panel of Figure 3 (y-range of the curves)
+    note: str = ""
+
+
+SRPFL_PAPER = {
+    "cifar10": SRPFLSetting(
+        "lightning_fedrep.data.vision.CIFAR10DataModule",
+        {"root": "data", "download": True, "num_clients": 100, "classes_per_client": 5},
+        "lightning_fedrep.models.CIFAR10CNN",
+        {},
+        1,
+        "CIFAR10, N=100, Shard=5 (accuracy 20-80%)",
+    ),
+    "cifar100": SRPFLSetting(
+        "lightning_fedrep.data.vision.CIFAR100DataModule",
+        {"root": "data", "download": True, "num_clients": 100, "classes_per_client": 20},
+        "lightning_fedrep.models.CIFAR100CNN",
+        {},
+        5,
+        "CIFAR100, N=100, Shard=20 (accuracy 10-60%)",
+        "CIFAR100CNN has dropout, so this recipe runs on the sequential path.",
+    ),
+    "emnist": SRPFLSetting(
+        "lightning_fedrep.data.vision.EMNISTDataModule",
+        {
+            "root": "data",
+            "download": True,
+            "split": "letters",
+            "first_classes": 10,
+            "num_clients": 100,
+            "classes_per_client": 5,
+        },
+        "lightning_fedrep.models.FEMNISTMLP",
+        {"output": "softmax"},
+        5,
+        "EMNIST, N=100, Shard=5 (accuracy 20-90%)",
+        "EMNIST: the official code's letters split, its first 10 letters (the paper says 'balanced').",
+    ),
+    "femnist": SRPFLSetting(
+        "lightning_fedrep.data.leaf.LEAFDataModule",
+        {
+            "train_dir": "data/femnist/train",
+            "test_dir": "data/femnist/test",
+            "max_clients": 100,
+            "user_order": "file",
+        },
+        "lightning_fedrep.models.FEMNISTMLP",
+        {"output": "softmax"},
+        5,
+        "FEMNIST, N=100, Shard=3 (accuracy 10-90%)",
+        "FEMNIST: the official re-sampling's files (python -m lightning_fedrep.data.femnist_sample, see the README),\n"
+        "its first 100 users; the paper's 150 samples per client and the code's cap of 500 are not applied.",
+    ),
+}
+SRPFL_METHODS = {"fedrep_srpfl": ("FedRep-SRPFL", 10), "fedrep": ("FedRep", None)}
+
+
+def srpfl_paper_recipe(data: str, method: str) -> tuple[str, str]:
+    """The SRPFL paper's Figure 3 setting (full participation, fixed Exp(1) speeds, C.T. = 0) as the official
+    scripts run it: M=100, n0=10 doubling every 10 rounds, 150 rounds, FedRep with (10 head + 1 body epoch)
+    x rep_epochs per round, SGD lr 0.01 / momentum 0.5 / wd 1e-4, batch 10, evaluation every 10 rounds after
+    10 epochs of head fine-tuning from the averaged model (``FineTunedEvaluation``)."""
+    setting, (name, n0) = SRPFL_PAPER[data], SRPFL_METHODS[method]
+    phases = [
+        {"train": part, "epochs": n}
+        for _ in range(setting.rep_epochs)
+        for part, n in (("head", 10), ("body", 1))
+    ]
+    strategy = {"algorithm": "fedrep", "clients_per_round": 1.0, "seed": 0, "phases": phases}
+    participation = {
+        "class_path": "lightning_fedrep.callbacks.AdaptiveParticipation",
+        "init_args": {
+            "initial_clients": n0,
+            "rounds_per_stage": 10,
+            "latency": {
+                "class_path": "lightning_fedrep.participation.FixedExponential",
+                "init_args": {"rate": 1.0, "seed": 1},
+            },
+            "communication_cost": 0.0,
+        },
+    }
+    evaluation = {"class_path": "lightning_fedrep.callbacks.FineTunedEvaluation", "init_args": {"epochs": 10}}
+    path = f"srpfl/{data}_{method}.yaml"
+    recipe = {
+        "seed_everything": 0,
+        "trainer": trainer_section(
+            "srpfl", f"{data}-{name.lower()}", 150, strategy, [participation, evaluation], val_every=10
+        ),
+        "model": {
+            "class_path": setting.model_class,
+            "init_args": {**setting.model_args, "lr": 0.01, "momentum": 0.5, "weight_decay": 1e-4},
+        },
+        "data": {
+            "class_path": setting.data_class,
+            "init_args": {**setting.data_args, "batch_size": 10, "seed": 0},
+        },
+    }
+    selection = (
+        "each round only the n fastest of the M=100 clients train, n = 10 doubling every 10 rounds"
+        if n0
+        else "every round all M=100 clients train and the round waits for the slowest (the straggler-prone baseline)"
+    )
+    header = (
+        f"{name}, SRPFL paper Figure 3 ({setting.panel}): full participation, fixed speeds, C.T. = 0;\n"
+        f"{selection};\nclient speeds drawn once from Exp(1). FedRep: {setting.rep_epochs} x (10 head epochs + 1 body "
+        "epoch) a round, 150 rounds,\n"
+        "SGD lr 0.01 (the official scripts' default; the paper says 0.1), momentum 0.5, weight decay 1e-4,\n"
+        "batch 10, aggregation weighted by samples (the code; the paper: a plain mean).\n"
+        "Evaluation every 10 rounds (the code also evaluates the last 3 rounds): every client fine-tunes the\n"
+        "averaged head for 10 epochs before it is scored (FineTunedEvaluation, the official --FT_epoch 10).\n"
+        "The paper gives curves, no table: read figures/accuracy_vs_time.png (val/acc against sim/time; the\n"
+        "official figure is the sample-weighted val/acc_weighted) beside the other method's run; the x-axis\n"
+        "values are not reproducible (an earlier code version).\n"
+        + (f"{setting.note}\n" if setting.note else "")
+        + f"Run: lightning-fedrep fit --config recipes/{path}"
+    )
+    return path, render(header, recipe)
+
+
 def all_recipes() -> dict[str, str]:
     recipes = [digits_recipe(m) for m in METHODS] + [table1_recipe(c, m) for c in TABLE1 for m in METHODS]
     recipes += [linear_recipe(m) for m in LINEAR]
     recipes += [srpfl_recipe(a) for a in SRPFL]
+    recipes += [srpfl_paper_recipe(d, m) for d in SRPFL_PAPER for m in SRPFL_METHODS]
     texts = dict(recipes)
     texts.update({f"flute/{path}": text for path, text in flute_recipes().items()})
     return texts

@@ -47,7 +47,12 @@ def test_digits_fedrep_recipe_runs_as_shipped(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize(
     "recipe",
-    sorted(str(p.relative_to(RECIPES)) for d in ("digits", "srpfl") for p in (RECIPES / d).glob("*.yaml")),
+    sorted(
+        str(p.relative_to(RECIPES))
+        for d in ("digits", "srpfl")
+        for p in (RECIPES / d).glob("*.yaml")
+        if d == "digits" or p.name.startswith("digits_")
+    ),
 )
 def test_every_digits_recipe_smoke(recipe, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -239,6 +239,21 @@ def test_emnist_letters_are_shifted_to_zero_based(tmp_path):
     assert module.train_set[0][1] == 0
 
 
+def test_emnist_first_classes_keeps_the_first_letters_only(tmp_path):
+    """The SRPFL paper's EMNIST: the letters split, its first 10 classes (a-j)."""
+    write_emnist(tmp_path, "letters", 104, 52, np.arange(1, 27))
+    module = EMNISTDataModule(
+        root=str(tmp_path), split="letters", first_classes=10, num_clients=5, classes_per_client=2
+    )
+    module.setup()
+    assert module.num_classes == 10 and module.train_set.classes == list("abcdefghij")
+    assert sorted(module.train_set.targets.unique().tolist()) == list(range(10))
+    assert len(module.train_set) == 40 and len(module.test_set) == 20  # 4 and 2 of each kept letter
+    assert sum(len(module.client_data(c)) for c in range(5)) == 40
+    with pytest.raises(ValueError, match="first_classes"):
+        EMNISTDataModule(split="letters", first_classes=27)
+
+
 # ----------------------------------------------------------------------------- LEAF
 
 

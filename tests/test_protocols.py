@@ -94,3 +94,44 @@ def test_the_weighted_accuracy_has_a_last10_mean_logged():
     trainer.fit(TinyNet(), datamodule=tiny_datamodule(num_clients=6))
     expected = sum(row["val/acc_weighted"] for row in strategy.history) / 3
     assert float(trainer.callback_metrics["val/acc_weighted_last10"]) == pytest.approx(expected, abs=1e-6)
+
+
+# the official SRPFL scripts (experiments/full-participation/fixed-computation-time/<data>.sh): FEDREP_local_rep_ep
+SRPFL_REP_EPOCHS = {"cifar10": 1, "cifar100": 5, "emnist": 5, "femnist": 5}
+SRPFL_SHARDS = {
+    "cifar10": 5,
+    "cifar100": 20,
+    "emnist": 5,
+    "femnist": None,
+}  # FEMNIST: 3 classes by construction
+
+
+@pytest.mark.parametrize("data", sorted(SRPFL_REP_EPOCHS))
+@pytest.mark.parametrize("method, n0", [("fedrep_srpfl", 10), ("fedrep", None)])
+def test_srpfl_paper_recipes_follow_the_official_scripts(data, method, n0):
+    recipe = yaml.safe_load((RECIPES / "srpfl" / f"{data}_{method}.yaml").read_text())
+    trainer = recipe["trainer"]
+    assert trainer["max_epochs"] == 150 and trainer["check_val_every_n_epoch"] == 10  # --epochs, --test_freq
+    strategy = trainer["strategy"]["init_args"]
+    assert strategy["clients_per_round"] == 1.0  # --frac 1: every client in the pool
+    phases = [(p["train"], p["epochs"]) for p in strategy["phases"]]
+    assert phases == [("head", 10), ("body", 1)] * SRPFL_REP_EPOCHS[data]
+    callbacks = {c["class_path"].rsplit(".", 1)[-1]: c.get("init_args", {}) for c in trainer["callbacks"]}
+    participation = callbacks["AdaptiveParticipation"]
+    assert (
+        participation["initial_clients"] == n0 and participation["rounds_per_stage"] == 10
+    )  # --init_clients, --double_freq
+    assert participation["latency"]["class_path"].endswith(
+        "FixedExponential"
+    )  # iid-hyper: Exp(1), drawn once
+    assert participation["latency"]["init_args"]["rate"] == 1.0
+    assert callbacks["FineTunedEvaluation"]["epochs"] == 10  # --FT_epoch 10, from the averaged model
+    assert callbacks["FineTunedEvaluation"].get("start", "average") == "average"
+    model = recipe["model"]["init_args"]
+    assert (model["lr"], model["momentum"], model["weight_decay"]) == (0.01, 0.5, 1e-4)
+    data_args = recipe["data"]["init_args"]
+    assert data_args["batch_size"] == 10
+    if SRPFL_SHARDS[data]:
+        assert data_args["num_clients"] == 100 and data_args["classes_per_client"] == SRPFL_SHARDS[data]
+    else:
+        assert data_args["max_clients"] == 100

@@ -3,10 +3,12 @@ each data set's real on-disk format (``fast_dev_run``: one step of training and 
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lightning_fedrep.cli import build_cli
 from tests.fixtures import leaf_user, write_cifar10, write_cifar100, write_leaf_file
+from tests.test_datasets import write_emnist
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -14,6 +16,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
+    write_emnist(root, "letters", 2600, 520, np.arange(1, 27))  # SRPFL's EMNIST: the first 10 letters of 26
     write_cifar10(root, per_batch=400, n_test=2000)  # 2,000 images: 1,000 clients x 2 classes get shards
     write_cifar100(root, n_train=4000, n_test=4000)  # CIFAR-100 (100, 40): 40 shards per class
     users = {f"f_{u:03d}": leaf_user(u, 6) for u in range(12)}
@@ -33,15 +36,16 @@ def _no_md5(monkeypatch):
 
 RECIPE_FILES = sorted(
     str(p.relative_to(RECIPES))
-    for d in ("cifar10", "cifar100", "femnist", "flute")
+    for d in ("cifar10", "cifar100", "femnist", "flute", "srpfl")
     for p in (RECIPES / d).glob("*.yaml")
+    if not p.name.startswith("digits_")  # the digits SRPFL demos run in test_cli.py
 )
 
 
 @pytest.mark.parametrize("recipe", RECIPE_FILES)
 def test_paper_recipe_smoke(recipe, data_root, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    if recipe.startswith("femnist"):
+    if recipe.startswith(("femnist", "srpfl/femnist")):
         data_args = [
             f"--data.init_args.train_dir={data_root}/femnist/train",
             f"--data.init_args.test_dir={data_root}/femnist/test",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -45,7 +46,8 @@ class FineTunedEvaluation(FederatedCallback):
     What is fine-tuned: the client's local parameters (the head for FedRep/FedPer, the local representation
     for LG-FedAvg), or the head for algorithms without a local part (FedAvg). The cost is ``epochs`` passes
     over every evaluated client's training data per evaluation: validate less often
-    (``check_val_every_n_epoch``) on large federations, as the official code does (``--test_freq``).
+    (``check_val_every_n_epoch``) on large federations, as the official code does (``--test_freq``). Under
+    ``fast_dev_run`` each client takes one fine-tuning step.
     """
 
     needs_every_client = True  # the "average" start reads the last round's clients' heads
@@ -172,9 +174,10 @@ class FineTunedEvaluation(FederatedCallback):
                     generator = torch.Generator().manual_seed(
                         self.seed * 1_000_003 + (round_index + 1) * 10_007 + client
                     )
-                    tuned[client] = self._fit_head(
-                        pl_module, base, start, _batches(data, batch_size, self.epochs, generator), lr
-                    )
+                    batches = _batches(data, batch_size, self.epochs, generator)
+                    if trainer.fast_dev_run:  # a smoke run: one step per client
+                        batches = itertools.islice(batches, 1)
+                    tuned[client] = self._fit_head(pl_module, base, start, batches, lr)
             finally:
                 pl_module.train(was_training)
         federation.set_evaluation_tensors(tuned)

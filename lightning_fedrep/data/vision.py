@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from torch.utils.data import Dataset
 
-from lightning_fedrep.arguments import check_bool
+from lightning_fedrep.arguments import check_bool, check_int
 from lightning_fedrep.data.loaders import ClientData
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.data.partition import Partitioner, ShardPartitioner
@@ -276,6 +276,9 @@ class EMNISTDataModule(MNISTDataModule):
     """One EMNIST split (``"digits"``, ``"letters"``, ``"balanced"``, ``"byclass"``, ``"bymerge"``,
     ``"mnist"``) split over clients, with MNIST's transforms.
 
+    ``first_classes=N`` keeps only the samples of classes ``0..N-1`` (the SRPFL paper's EMNIST: the first 10
+    letters, ``split="letters", first_classes=10``); ``num_classes`` is then ``N``.
+
     Two properties of the data to know:
 
     * ``split="letters"``: torchvision labels the letters 1-26 (class 0, "N/A", is empty). This module
@@ -305,9 +308,18 @@ class EMNISTDataModule(MNISTDataModule):
         val_fraction: float = 0.0,
         num_workers: int = 0,
         seed: int = 0,
+        first_classes: int | None = None,
     ):
         if split not in EMNIST_SPLITS:
             raise ValueError(f"EMNIST split must be one of {sorted(EMNIST_SPLITS)}, got {split!r}.")
+        if first_classes is not None:
+            check_int(
+                "first_classes",
+                first_classes,
+                minimum=1,
+                maximum=EMNIST_SPLITS[split],
+                owner="EMNISTDataModule",
+            )
         super().__init__(
             root,
             num_clients,
@@ -321,7 +333,8 @@ class EMNISTDataModule(MNISTDataModule):
             seed,
         )
         self.split = split
-        self.num_classes = EMNIST_SPLITS[split]
+        self.first_classes = first_classes
+        self.num_classes = first_classes or EMNIST_SPLITS[split]
         self.expected_files = (
             f"<root>/EMNIST/raw/emnist-{split}-{{train,test}}-{{images-idx3,labels-idx1}}-ubyte (4 files)"
         )
@@ -333,4 +346,8 @@ class EMNISTDataModule(MNISTDataModule):
         if self.split == "letters":
             dataset.targets = dataset.targets - 1
             dataset.classes = list(dataset.classes[1:])
+        if self.first_classes is not None:  # e.g. the SRPFL paper's first 10 letters
+            keep = dataset.targets < self.first_classes
+            dataset.data, dataset.targets = dataset.data[keep], dataset.targets[keep]
+            dataset.classes = list(dataset.classes[: self.first_classes])
         return dataset
