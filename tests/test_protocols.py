@@ -135,3 +135,23 @@ def test_srpfl_paper_recipes_follow_the_official_scripts(data, method, n0):
         assert data_args["num_clients"] == 100 and data_args["classes_per_client"] == SRPFL_SHARDS[data]
     else:
         assert data_args["max_clients"] == 100
+
+
+def test_the_recipes_readme_lists_every_recipe_as_its_header_says():
+    """recipes/README.md: one row per recipe, its figure and the paper's number as the recipe's header says."""
+    rows = {}
+    for line in (RECIPES / "README.md").read_text().splitlines():
+        if line.startswith("| `"):
+            path, reproduces, figure, paper = (cell.strip() for cell in line.strip("|").split("|"))
+            rows[path.strip("`")] = (reproduces, figure, paper)
+    recipes = {str(p.relative_to(RECIPES)) for p in RECIPES.glob("*/*.yaml")}
+    assert set(rows) == recipes
+    for path, (reproduces, figure, paper) in rows.items():
+        header = " ".join(
+            line[2:] for line in (RECIPES / path).read_text().splitlines() if line.startswith("# ")
+        )
+        for name in (t for t in figure.split("`")[1::2] if "/" in t):  # every logged name the row cites
+            assert name in header, (path, name)
+        number = paper.split("%")[0].split(" ±")[0]
+        if number[:1].isdigit():
+            assert number in header, (path, number)

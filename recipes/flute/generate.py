@@ -67,6 +67,8 @@ DATA = {
     ),
 }
 VARIANTS = ("flute", "flute_star")
+FACTS: dict[str, tuple[str, str, str]] = {}
+"""Per recipe file: what it reproduces, the figure to read, the paper's number (``recipes/README.md``)."""
 
 
 def recipe(column: str, variant: str) -> tuple[str, str]:
@@ -123,6 +125,11 @@ def recipe(column: str, variant: str) -> tuple[str, str]:
         "matters for N=50); no extra all-client head fine-tuning round (the code's, excluded from its figure).",
         f"Run: lightning-fedrep fit --config recipes/flute/{path}",
     ]
+    FACTS[path] = (
+        f"FLUTE Table 1, {dataset.upper()} ({n}, {s}): {label}",
+        "`val/acc_last10`",
+        f"{paper_flute if variant == 'flute' else paper_star}%",
+    )
     return path, render("\n".join(header), config, generator="recipes/flute/generate.py")
 
 
