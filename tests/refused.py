@@ -24,16 +24,19 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     FederatedDataModule,
     FederatedDDPStrategy,
     FedRepStrategy,
+    FineTunedEvaluation,
     FixedExponential,
     HeadFineTuning,
     IIDPartitioner,
     NeuralCollapse,
+    OrthonormalBody,
     RunSummary,
     ShardPartitioner,
     TwoClassExponential,
 )
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: F401
 from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: F401
+from lightning_fedrep.data.vision import EMNISTDataModule  # noqa: F401
 from lightning_fedrep.split import SplitError
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule, tiny_datasets
 
@@ -147,7 +150,15 @@ CASES = [
     Refused("FixedExponential(rate=0)", ValueError, "rate"),
     Refused('FixedExponential(per="epoch")', ValueError, "per"),
     Refused("DynamicExponential(low=2.0, high=1.0)", ValueError, "low"),
+    Refused('DynamicExponential(resample="yes")', TypeError, "resample"),
     Refused("TwoClassExponential(straggler_fraction=1.5)", ValueError, "straggler_fraction"),
+    Refused("FineTunedEvaluation(epochs=0)", ValueError, "epochs"),
+    Refused('FineTunedEvaluation(start="global")', ValueError, "start"),
+    Refused("FineTunedEvaluation(lr=0)", ValueError, "lr"),
+    Refused('FineTunedEvaluation(stages=["fit"])', ValueError, "stages"),
+    Refused("fit(callbacks=[FineTunedEvaluation()])", ValueError, "fedrep_loss", "set-up"),
+    Refused('fit(callbacks=[OrthonormalBody("classifier.bias")])', ValueError, "parameter", "set-up"),
+    Refused('EMNISTDataModule(split="letters", first_classes=27)', ValueError, "first_classes"),
     Refused('RunSummary(filename="")', ValueError, "filename"),
     Refused('RunSummary(print_table="no")', TypeError, "print_table"),
 ]

@@ -146,7 +146,7 @@ def test_the_recipes_readme_lists_every_recipe_as_its_header_says():
             rows[path.strip("`")] = (reproduces, figure, paper)
     recipes = {str(p.relative_to(RECIPES)) for p in RECIPES.glob("*/*.yaml")}
     assert set(rows) == recipes
-    for path, (reproduces, figure, paper) in rows.items():
+    for path, (_reproduces, figure, paper) in rows.items():
         header = " ".join(
             line[2:] for line in (RECIPES / path).read_text().splitlines() if line.startswith("# ")
         )
