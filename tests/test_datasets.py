@@ -332,6 +332,24 @@ def test_leaf_errors(tmp_path, leaf_dirs):
         LEAFDataModule(str(text_train), str(text_test), image_shape=None).setup()
 
 
+def test_leaf_reads_the_official_my_sample_float_labels_and_refuses_fractional_ones(tmp_path):
+    """The official my_sample.py writes class ids as floats (``3.0``); a fractional label is still refused."""
+    users = {"f_00000": leaf_user(0, 4), "f_00001": leaf_user(1, 3)}
+    for user in users.values():
+        user["y"] = [float(y) for y in user["y"]]
+    write_leaf_file(tmp_path / "train" / "mytrain.json", users)
+    write_leaf_file(tmp_path / "test" / "mytest.json", users)
+    module = LEAFDataModule(str(tmp_path / "train"), str(tmp_path / "test"))
+    module.setup()
+    data = module.client_data(1)
+    assert data.dataset.tensors[1].dtype == torch.int64
+    assert data.dataset.tensors[1][data.indices].tolist() == [1, 2, 3]
+    users["f_00000"]["y"][0] = 0.5
+    write_leaf_file(tmp_path / "bad" / "train.json", users)
+    with pytest.raises(ValueError, match="integer class ids"):
+        LEAFDataModule(str(tmp_path / "bad"), str(tmp_path / "test")).setup()
+
+
 # ----------------------------------------------------------------------------- NaturalPartitioner
 
 

@@ -8,7 +8,8 @@ LEAF (Caldas et al., https://leaf.cmu.edu) writes each split as a folder of JSON
      "user_data": {"f0000_14": {"x": [[0.99, 1.0, ...], ...], "y": [36, ...]}, ...}}
 
 :class:`LEAFDataModule` reads every ``*.json`` file of a train folder and of a test folder (the output of
-LEAF's ``preprocess.sh ... -t sample``, or of FedRep's ``my_sample.py``), keeps the users that have samples
+LEAF's ``preprocess.sh ... -t sample``, of FedRep's ``my_sample.py`` (class ids written as floats are read
+as integers), or of its seeded port :mod:`lightning_fedrep.data.femnist_sample`), keeps the users that have samples
 in both, and makes each user one client (the natural partition, via
 :class:`~lightning_fedrep.data.partition.NaturalPartitioner`). The data end up in one tensor data set per
 split, so batches are cut by tensor indexing.
@@ -137,6 +138,8 @@ class LEAFDataModule(FederatedDataModule):
                     f"Shakespeare, CelebA)."
                 ) from error
             y = np.asarray(data[user]["y"])
+            if y.ndim == 1 and np.issubdtype(y.dtype, np.floating) and np.all(np.mod(y, 1) == 0):
+                y = y.astype(np.int64)  # the official my_sample.py writes class ids as floats (3.0)
             if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer) or len(y) != len(x):
                 raise ValueError(
                     f"{split} y of LEAF user {user!r} must be {len(x)} integer class ids (one per x), got "
