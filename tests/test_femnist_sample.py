@@ -105,61 +105,44 @@ def user_samples(train: dict, test: dict, user: str) -> list[tuple[int, int]]:
 
 
 def official_reference(by_class, seed: int, users: int, per_class: int = 4000) -> tuple[dict, dict]:
-    """The official ``my_sample.py`` ``main()``, line by line, with its randomness seeded and listings sorted."""
+    """``my_sample.py``'s rules restated from the FedRep digest (not its code), with its randomness seeded
+    and its listings sorted: every a-j class's files shuffled and cut to ``per_class`` (in folder order), then
+    each user's samples shuffled (in user order) and split 90/10; labels as the official floats."""
     rng = random.Random(seed)
-
-    def relabel_class(c):
-        if c.isdigit() and int(c) < 40:
-            return int(c) - 30
-        elif int(c, 16) <= 90:
-            return int(c, 16) - 55
-        else:
-            return int(c, 16) - 61
-
-    def load_image(file_name):
-        img = Image.open(file_name)
-        gray = img.convert("L")
-        gray.thumbnail((28, 28), Image.LANCZOS)
-        return (np.asarray(gray).copy().flatten() / 255).tolist()
-
-    X = [[] for _ in range(users)]
-    y = [[] for _ in range(users)]
-    nist_data = {}
-    for class_ in sorted(os.listdir(by_class)):
-        real_class = relabel_class(class_)
-        if real_class >= 36 and real_class <= 45:
-            full_img_path = f"{by_class}/{class_}/train_{class_}"
-            all_files_this_class = sorted(os.listdir(full_img_path))
-            rng.shuffle(all_files_this_class)
-            nist_data[real_class - 36] = [
-                load_image(f"{full_img_path}/{img}") for img in all_files_this_class[:per_class]
-            ]
-    num_samples = np.random.RandomState(seed).lognormal(4, 1, users) + 100
-    idx = np.zeros(10, dtype=np.int64)
+    pixels_of = {}
+    for label in range(10):
+        folder = f"{0x61 + label:x}"
+        names = sorted(os.listdir(by_class / folder / f"train_{folder}"))
+        rng.shuffle(names)
+        pixels_of[label] = []
+        for name in names[:per_class]:
+            with Image.open(by_class / folder / f"train_{folder}" / name) as image:
+                small = image.convert("L")
+            small.thumbnail((28, 28), Image.LANCZOS)
+            pixels_of[label].append((np.asarray(small, dtype=np.float64).reshape(-1) / 255).tolist())
+    sizes = np.random.RandomState(seed).lognormal(4, 1, users) + 100
+    read_from = [0] * 10
+    per_user = []
     for user in range(users):
-        num_sample_per_class = max(2, int(num_samples[user] / 3))
-        for j in range(3):
-            class_id = (user + j) % 10
-            if idx[class_id] + num_sample_per_class < len(nist_data[class_id]):
-                idx[class_id] = 0
-            X[user] += nist_data[class_id][idx[class_id] : (idx[class_id] + num_sample_per_class)]
-            y[user] += (class_id * np.ones(num_sample_per_class)).tolist()
-            idx[class_id] += num_sample_per_class
-    train_data = {"users": [], "user_data": {}, "num_samples": []}
-    test_data = {"users": [], "user_data": {}, "num_samples": []}
-    for i in range(users):
-        uname = f"f_{i:05d}"
-        combined = list(zip(X[i], y[i]))
-        rng.shuffle(combined)
-        X[i][:], y[i][:] = zip(*combined)
-        train_len = int(0.9 * len(X[i]))
-        train_data["users"].append(uname)
-        train_data["user_data"][uname] = {"x": list(X[i][:train_len]), "y": list(y[i][:train_len])}
-        train_data["num_samples"].append(train_len)
-        test_data["users"].append(uname)
-        test_data["user_data"][uname] = {"x": list(X[i][train_len:]), "y": list(y[i][train_len:])}
-        test_data["num_samples"].append(len(X[i]) - train_len)
-    return train_data, test_data
+        count = max(2, int(sizes[user] / 3))
+        pairs = []
+        for label in ((user + j) % 10 for j in range(3)):
+            if read_from[label] + count < len(pixels_of[label]):  # restart unless the slice ends the class
+                read_from[label] = 0
+            pairs += [
+                (x, float(label)) for x in pixels_of[label][read_from[label] : read_from[label] + count]
+            ]
+            read_from[label] += count
+        per_user.append(pairs)
+    splits = [{"users": [], "user_data": {}, "num_samples": []} for _ in range(2)]
+    for user, pairs in enumerate(per_user):
+        rng.shuffle(pairs)
+        cut = int(0.9 * len(pairs))
+        for split, part in zip(splits, (pairs[:cut], pairs[cut:])):
+            split["users"].append(f"f_{user:05d}")
+            split["user_data"][f"f_{user:05d}"] = {"x": [x for x, _ in part], "y": [y for _, y in part]}
+            split["num_samples"].append(len(part))
+    return splits[0], splits[1]
 
 
 def int_labels(data: dict) -> dict:
