@@ -242,16 +242,23 @@ class FedRepCLI(LightningCLI):
 def build_cli(args: ArgsType = None, run: bool = True) -> FedRepCLI:
     """Parse ``args`` (the command line by default), build and, with ``run``, execute the subcommand."""
     quiet_unactionable_messages()
-    return FedRepCLI(
-        L.LightningModule,
-        FederatedDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_callback=LogConfigCallback,
-        save_config_kwargs={"overwrite": False},
-        args=args,
-        run=run,
-    )
+    before = os.environ.get(RUN_FOLDER_VARIABLE)
+    try:
+        return FedRepCLI(
+            L.LightningModule,
+            FederatedDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_callback=LogConfigCallback,
+            save_config_kwargs={"overwrite": False},
+            args=args,
+            run=run,
+        )
+    finally:  # the command's folder was for its own launched processes, not for what the caller runs next
+        if before is None:
+            os.environ.pop(RUN_FOLDER_VARIABLE, None)
+        else:
+            os.environ[RUN_FOLDER_VARIABLE] = before
 
 
 def main(args: ArgsType = None) -> None:

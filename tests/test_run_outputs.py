@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -292,6 +293,11 @@ def test_the_wandb_id_is_the_users_or_unique_to_the_folder_and_the_run_folder_ca
     monkeypatch.setattr(command, "_RUN_FOLDER_AT_START", str(named))
     cli = build_cli(["fit", "--config", str(RECIPE), "--trainer.fast_dev_run=true"])
     assert cli.run_folder == named.resolve() and not Path("runs").exists()
+    monkeypatch.delenv(command.RUN_FOLDER_VARIABLE)
+    monkeypatch.setattr(command, "_RUN_FOLDER_AT_START", None)
+    cli = build_cli(["fit", "--config", str(RECIPE), "--trainer.fast_dev_run=true"])
+    assert cli.run_folder.parent.parent == (tmp_path / "runs" / "digits").resolve()
+    assert command.RUN_FOLDER_VARIABLE not in os.environ  # not left to what the caller starts next
 
 
 def test_predicting_with_another_module_is_refused_as_predict(tmp_path):
