@@ -32,8 +32,11 @@ def reference_accuracy(model, body, head, dm, client, epochs, lr, momentum=0.5, 
     net.load_state_dict({**net.state_dict(), **body, **head})
     for p in net.parameters():
         p.requires_grad_(False)
-    params = [net.classifier.weight.requires_grad_(True), net.classifier.bias.requires_grad_(True)]
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    groups = [  # the official fine-tuning optimizer: weight decay on the weight, not the bias
+        {"params": [net.classifier.weight.requires_grad_(True)], "weight_decay": weight_decay},
+        {"params": [net.classifier.bias.requires_grad_(True)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum)
     x, y = client_tensors(dm, client, "train")
     for _ in range(epochs):
         optimizer.zero_grad()
@@ -66,7 +69,10 @@ def test_every_client_is_scored_after_fine_tuning_the_average_of_the_last_rounds
     body = {n: t for n, t in federation.global_tensors().items() if n not in HEAD}
     last = list(strategy.round_plan(1).clients)
     assert callback.last_round_clients == last
-    average = {n: torch.stack([federation.client_tensors(c)[n] for c in last]).mean(0) for n in HEAD}
+    sizes = torch.tensor([float(len(dm.client_data(c))) for c in last])  # weighted as the aggregation
+    average = {
+        n: sum(w * federation.client_tensors(c)[n] for w, c in zip(sizes / sizes.sum(), last)) for n in HEAD
+    }
     sampled = set(strategy.round_plan(0).clients) | set(last)
     never = [c for c in range(6) if c not in sampled]
     assert never, "the check below needs a client that never took part"
@@ -128,3 +134,99 @@ def test_without_a_declared_loss_it_is_refused_before_training():
 def test_bad_arguments_are_refused_naming_them(kwargs, name):
     with pytest.raises((ValueError, TypeError), match=name):
         FineTunedEvaluation(**kwargs)
+
+
+class BatchNormNet(LossNet):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.BatchNorm1d(12), torch.nn.ReLU())
+        self.classifier = torch.nn.Linear(12, 4)
+
+
+def test_fine_tuning_in_train_mode_leaves_the_training_and_its_batch_norm_statistics_alone():
+    """Fine-tuning runs the module in train mode (batch norm updates running statistics there): the federation
+    trained with the callback evaluating every round is the one trained without it, buffers included."""
+
+    def train(callbacks):
+        torch.manual_seed(0)
+        dm = tiny_datamodule(num_clients=4, batch_size=8)
+        strategy = FedRepStrategy(
+            head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, seed=1
+        )
+        trainer = quiet_trainer(strategy=strategy, max_epochs=2, callbacks=callbacks)
+        trainer.fit(BatchNormNet(), datamodule=dm)
+        if callbacks:
+            trainer.validate(trainer.lightning_module, datamodule=dm, verbose=False)
+        return strategy.federation
+
+    plain, evaluated = train([]), train([FineTunedEvaluation(epochs=2)])
+    for name, tensor in plain.global_tensors().items():
+        assert torch.equal(tensor, evaluated.global_tensors()[name]), name
+    for client in range(4):
+        for name, tensor in plain.client_tensors(client).items():
+            assert torch.equal(tensor, evaluated.client_tensors(client)[name]), (client, name)
+
+
+def test_a_checkpoints_evaluation_repeats_the_scores_logged_when_it_was_written(tmp_path):
+    callback = FineTunedEvaluation(epochs=2, lr=0.1)  # batch 8: the batch order matters
+    trainer, strategy, dm, _ = fit(callback)
+    logged = strategy.client_metrics["val"].per_client("val/acc")
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    again = FedRepStrategy(head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, seed=4)
+    fresh = quiet_trainer(strategy=again, callbacks=[FineTunedEvaluation(epochs=2, lr=0.1)])
+    fresh.validate(
+        LossNet(), datamodule=tiny_datamodule(num_clients=6, batch_size=8), ckpt_path=tmp_path / "c.ckpt"
+    )
+    assert again.client_metrics["val"].per_client("val/acc") == pytest.approx(logged)
+
+
+class DictBatches(torch.utils.data.Dataset):
+    def __init__(self, base):
+        self.base = base
+        self.targets = base.tensors[1]  # the partitioner's labels
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        x, y = self.base[index]
+        return {"x": x, "y": y}
+
+
+def test_batches_that_are_not_pairs_are_refused_when_fit_starts_or_split_by_unpack():
+    from lightning_fedrep import FederatedDataModule, ShardPartitioner
+    from tests.fixtures import tiny_datasets
+
+    class DictNet(LossNet):
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self(batch["x"]), batch["y"])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_ce", F.cross_entropy(self(batch["x"]), batch["y"]))
+
+    train, test = tiny_datasets()
+    dm = FederatedDataModule(DictBatches(train), DictBatches(test), ShardPartitioner(4, 2), batch_size=8)
+    strategy = FedRepStrategy(
+        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, engine="sequential"
+    )
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1, callbacks=[FineTunedEvaluation(epochs=1)])
+    with pytest.raises(TypeError, match="unpack"):
+        trainer.fit(DictNet(), datamodule=dm)
+    assert trainer.global_step == 0
+    strategy = FedRepStrategy(
+        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, engine="sequential"
+    )
+    unpack = FineTunedEvaluation(epochs=1, unpack=lambda batch: (batch["x"], batch["y"]))
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1, callbacks=[unpack])
+    trainer.fit(DictNet(), datamodule=dm)
+    assert trainer.global_step > 0 and len(strategy.client_metrics["val"].samples) == 4
+
+
+def test_it_runs_under_bf16_true_precision():
+    torch.manual_seed(0)
+    strategy = FedRepStrategy(head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1)
+    trainer = quiet_trainer(
+        strategy=strategy, max_epochs=1, precision="bf16-true", callbacks=[FineTunedEvaluation(epochs=1)]
+    )
+    trainer.fit(LossNet(), datamodule=tiny_datamodule(num_clients=4))
+    assert len(strategy.client_metrics["val"].per_client("val/acc")) == 4

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 from torch.utils.data import TensorDataset, default_collate
 
@@ -27,21 +29,26 @@ class FineTunedEvaluation(FederatedCallback):
 
     This is the SRPFL paper's evaluation (the official code's ``--FT_epoch 10``: head-only SGD, momentum 0.5,
     weight decay 1e-4, batch 10, the training learning rate), under which clients that never took part in a
-    round still fit their own head on the learned representation. It fits any recipe: add it to
-    ``trainer.callbacks``.
+    round still fit their own head on the learned representation. Add it to any recipe's
+    ``trainer.callbacks``; it needs the module's per-sample loss (``fedrep_loss`` or ``loss=``) and batches it can
+    split into ``(inputs, target)`` (``unpack=`` otherwise), and checks both on one batch when fit starts.
 
     Args:
         epochs: fine-tuning epochs over the client's training data.
         start: the head each client starts from. ``"average"``: the mean of the heads of the last round's
-            clients (the official code's averaged model; for an algorithm that averages the head, the global
-            head); ``"stored"``: the client's own stored head.
+            clients, weighted by their training samples as the aggregation (the official code's averaged
+            model; for an algorithm that averages the head, the global head); ``"stored"``: the client's own
+            stored head.
         lr: the SGD learning rate; ``None`` takes the module's first optimizer's (the training) rate.
-        momentum, weight_decay: SGD's.
+        momentum, weight_decay: SGD's (weight decay on weights, not biases, as the official code).
         batch_size: the fine-tuning batch size; ``None`` takes the data module's.
         loss: the per-sample loss (``"cross_entropy"``, ``"mse"`` or a callable ``(output, target) ->
             per-sample losses``); ``None`` uses the module's declared ``fedrep_loss``.
         stages: which evaluations fine-tune (``"val"``, ``"test"``); the sanity check never does.
-        seed: seeds each client's batch order (per round and client, so reruns are equal).
+        seed: seeds each client's batch order (per round and client, so reruns are equal, and a
+            checkpoint's evaluation repeats the one logged when it was written).
+        unpack: ``batch -> (inputs, target)`` for batches that are not ``(inputs, target, ...)``
+            sequences; the module's ``forward(inputs)`` and the loss then run on them.
 
     What is fine-tuned: the client's local parameters (the head for FedRep/FedPer, the local representation
     for LG-FedAvg), or the head for algorithms without a local part (FedAvg). The cost is ``epochs`` passes
@@ -63,6 +70,7 @@ class FineTunedEvaluation(FederatedCallback):
         loss: str | LossFn | None = None,
         stages: tuple[str, ...] | list[str] = ("val", "test"),
         seed: int = 0,
+        unpack: Callable[[Any], tuple[Any, Any]] | None = None,
     ):
         owner = "FineTunedEvaluation"
         check_int("epochs", epochs, minimum=1, owner=owner)
@@ -91,10 +99,17 @@ class FineTunedEvaluation(FederatedCallback):
         self.batch_size = batch_size
         self.loss = loss
         self.stages = stages
+        if unpack is not None and not callable(unpack):
+            raise TypeError(
+                f"{owner}(unpack=...) must be a callable batch -> (inputs, target), got {unpack!r}."
+            )
         self.seed = seed
+        self.unpack = unpack
         self._loss_fn: LossFn | None = None
         self.last_round_clients: list[int] = []
-        """The clients of the last aggregated round (before any: every evaluated client's head is averaged)."""
+        """The clients of the last aggregated round (before any: the heads of the clients that ever trained)."""
+        self.last_round = -1
+        """The last round that ended (seeds the fine-tuning batches, so a checkpoint's evaluation repeats)."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse, before anything runs, a module without a known loss or without a head."""
@@ -118,14 +133,16 @@ class FineTunedEvaluation(FederatedCallback):
 
     def on_round_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: RoundResult) -> None:
         """Remember the round's clients: the ``"average"`` start is the mean of their heads."""
+        self.last_round = result.round
         if result.aggregated and result.clients:
             self.last_round_clients = [r.client for r in result.clients]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_round_clients": list(self.last_round_clients)}
+        return {"last_round_clients": list(self.last_round_clients), "last_round": self.last_round}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_round_clients = list(state_dict.get("last_round_clients", []))
+        self.last_round = int(state_dict.get("last_round", -1))
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if "val" in self.stages and not trainer.sanity_checking:
@@ -149,70 +166,144 @@ class FineTunedEvaluation(FederatedCallback):
         return names
 
     def _fine_tune(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        strategy = self.strategy(trainer)
         federation = self.federation(trainer)
         names = self.tuned_names(trainer, pl_module)
-        datamodule = trainer.datamodule
-        clients = strategy.evaluated_clients
-        lr = self.lr if self.lr is not None else _training_lr(trainer, pl_module)
-        batch_size = self.batch_size or int(datamodule.batch_size)
-        base = {**dict(pl_module.named_buffers()), **dict(pl_module.named_parameters())}
-        base = {n: t.detach() for n, t in {**base, **federation.global_view()}.items()}
+        clients = self.strategy(trainer).evaluated_clients
         starts = self._starting_heads(trainer, names, clients)
-        round_index = federation.round_index
+        lr = self.lr if self.lr is not None else _training_lr(trainer, pl_module)
         tuned: dict[int, dict[str, Tensor]] = {}
+        with self._training_mode(pl_module):
+            for client in clients:
+                data = trainer.datamodule.client_data(client, "train")
+                if len(data) == 0:
+                    tuned[client] = starts(client)
+                    continue
+                batches = self._client_batches(trainer, data, client)
+                if trainer.fast_dev_run:  # a smoke run: one step per client
+                    batches = itertools.islice(batches, 1)
+                tuned[client] = self._fit_head(trainer, pl_module, client, starts(client), batches, lr)
+        federation.set_evaluation_tensors(tuned)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Check, before the first round, that a fine-tuning step runs on this module and data (one forward
+        and loss on a client's first batch), so a mismatch does not wait for the first validation."""
+        clients = [c for c in range(trainer.datamodule.num_clients) if len(trainer.datamodule.client_data(c))]
+        if "val" not in self.stages or not clients:
+            return
+        client = clients[0]
+        names = self.tuned_names(trainer, pl_module)
+        start = _own_values(self.federation(trainer).client_tensors(client), self._shared(trainer), names)
+        batch = next(self._client_batches(trainer, trainer.datamodule.client_data(client), client))
+        with self._training_mode(pl_module):
+            self._loss(trainer, pl_module, self._client_state(trainer, pl_module, client, start), batch)
+
+    @contextlib.contextmanager
+    def _training_mode(self, pl_module: L.LightningModule) -> Iterator[None]:
+        """Gradients on (evaluation runs in inference mode) and the module in train mode, as the official code."""
         was_training = pl_module.training
         with torch.inference_mode(False), torch.enable_grad():
             pl_module.train()
             try:
-                for client in clients:
-                    data = datamodule.client_data(client, "train")
-                    start = starts(client)
-                    if len(data) == 0:
-                        tuned[client] = start
-                        continue
-                    generator = torch.Generator().manual_seed(
-                        self.seed * 1_000_003 + (round_index + 1) * 10_007 + client
-                    )
-                    batches = _batches(data, batch_size, self.epochs, generator)
-                    if trainer.fast_dev_run:  # a smoke run: one step per client
-                        batches = itertools.islice(batches, 1)
-                    tuned[client] = self._fit_head(pl_module, base, start, batches, lr)
+                yield
             finally:
                 pl_module.train(was_training)
-        federation.set_evaluation_tensors(tuned)
+
+    def _client_batches(self, trainer: L.Trainer, data: Any, client: int) -> Iterator[Any]:
+        batch_size = self.batch_size or int(trainer.datamodule.batch_size)
+        generator = torch.Generator().manual_seed(
+            self.seed * 1_000_003 + (self.last_round + 1) * 10_007 + client
+        )
+        return _batches(data, batch_size, self.epochs, generator)
+
+    def _shared(self, trainer: L.Trainer) -> dict[str, Tensor]:
+        return self.federation(trainer).global_view()
+
+    def _client_state(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, client: int, head: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """The client's whole model for ``functional_call``: global shared part, its own local part, ``head``;
+        buffers are copies (batch norm updates them in train mode; the stored ones must not change)."""
+        federation = self.federation(trainer)
+        state = {n: t.detach() for n, t in pl_module.named_parameters()}
+        state.update({n: t.detach().clone() for n, t in pl_module.named_buffers()})
+        state.update({n: t.detach().clone() for n, t in federation.global_view().items()})
+        state.update(federation.client_tensors(client))  # copies
+        state.update(head)
+        return state
+
+    def _loss(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, state: dict[str, Tensor], batch: Any
+    ) -> Tensor:
+        try:
+            inputs, target = (self.unpack or _inputs_and_target)(batch)
+        except (TypeError, ValueError, IndexError, KeyError) as error:
+            raise TypeError(
+                f"FineTunedEvaluation could not split a training batch into (inputs, target): {error}. Pass "
+                "FineTunedEvaluation(unpack=lambda batch: (inputs, target))."
+            ) from error
+        plugin = trainer.precision_plugin
+        inputs = plugin.convert_input(move_data_to_device(inputs, pl_module.device))
+        target = move_data_to_device(target, pl_module.device)
+        with plugin.train_step_context():
+            output = torch.func.functional_call(pl_module, state, (inputs,))
+            return self._loss_fn(output, target).float().mean()
 
     def _starting_heads(
         self, trainer: L.Trainer, names: list[str], clients: list[int]
     ) -> Callable[[int], dict[str, Tensor]]:
         federation = self.federation(trainer)
-        shared = federation.global_view()
+        shared = self._shared(trainer)
         if self.start == "stored":
             return lambda c: _own_values(federation.client_tensors(c), shared, names)
-        takers = self.last_round_clients or clients
+        # the official averaged model: the last round's clients' heads, weighted as the aggregation
+        takers = self.last_round_clients or sorted(federation.history.participation) or clients
+        weights = torch.tensor(
+            [
+                float(len(trainer.datamodule.client_data(c)))
+                if federation.config.weighting == "samples"
+                else 1.0
+                for c in takers
+            ],
+            dtype=torch.float64,
+        )
+        weights = weights / weights.sum() if weights.sum() > 0 else torch.full_like(weights, 1 / len(takers))
         heads = [_own_values(federation.client_tensors(c), shared, names) for c in takers]
-        average = {n: torch.stack([h[n] for h in heads]).mean(0) for n in names}
+        average = {
+            n: sum(float(w) * h[n].double() for w, h in zip(weights, heads)).to(heads[0][n].dtype)
+            for n in names
+        }
         return lambda c: {n: t.clone() for n, t in average.items()}
 
     def _fit_head(
         self,
+        trainer: L.Trainer,
         pl_module: L.LightningModule,
-        base: dict[str, Tensor],
+        client: int,
         start: dict[str, Tensor],
         batches: Iterator[Any],
         lr: float,
     ) -> dict[str, Tensor]:
         head = {n: t.detach().clone().requires_grad_(True) for n, t in start.items()}
-        optimizer = torch.optim.SGD(
-            list(head.values()), lr=lr, momentum=self.momentum, weight_decay=self.weight_decay
-        )
-        device = next(iter(head.values())).device
-        for x, y in batches:
+        groups = [  # weight decay on weights only, as the official fine-tuning (and its training) optimizer
+            {
+                "params": [t for n, t in head.items() if not n.endswith("bias")],
+                "weight_decay": self.weight_decay,
+            },
+            {"params": [t for n, t in head.items() if n.endswith("bias")], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.SGD([g for g in groups if g["params"]], lr=lr, momentum=self.momentum)
+        state = self._client_state(trainer, pl_module, client, head)
+        for batch in batches:
             optimizer.zero_grad(set_to_none=True)
-            output = torch.func.functional_call(pl_module, {**base, **head}, (x.to(device),))
-            self._loss_fn(output, y.to(device)).mean().backward()
+            self._loss(trainer, pl_module, state, batch).backward()
             optimizer.step()
         return {n: t.detach() for n, t in head.items()}
+
+
+def _inputs_and_target(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, list | tuple) and len(batch) >= 2:
+        return batch[0], batch[1]
+    raise TypeError(f"a batch of type {type(batch).__name__} is not an (inputs, target, ...) sequence")
 
 
 def _own_values(
