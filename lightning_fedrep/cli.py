@@ -61,7 +61,9 @@ def wandb_credentials_present() -> bool:
 RUN_FOLDER_VARIABLE = "LIGHTNING_FEDREP_RUN_FOLDER"
 """Set by the command to its run folder, so that the processes Lightning's launcher starts share it; set
 by the user, every command of the process (and of every process) writes into that folder."""
-_RUN_FOLDER_AT_START = os.environ.get(RUN_FOLDER_VARIABLE)
+_RUN_FOLDER_GIVEN: str | None = None
+"""The variable's value when ``build_cli`` was entered: the caller's choice (the command's own setting is
+restored when it returns)."""
 
 
 def check_strategy_name(name: str) -> None:
@@ -130,7 +132,7 @@ class FedRepCLI(LightningCLI):
         folder = folder_of_checkpoint(config.get("ckpt_path"))
         resumed = folder is not None
         given = os.environ.get(RUN_FOLDER_VARIABLE)
-        if given and (int(os.environ.get("LOCAL_RANK", "0")) > 0 or given == _RUN_FOLDER_AT_START):
+        if given and (int(os.environ.get("LOCAL_RANK", "0")) > 0 or given == _RUN_FOLDER_GIVEN):
             folder = Path(given)  # a process Lightning's launcher started, or the user's choice
             resumed = resumed or (folder / "config.yaml").is_file()
         elif folder is None:
@@ -242,7 +244,8 @@ class FedRepCLI(LightningCLI):
 def build_cli(args: ArgsType = None, run: bool = True) -> FedRepCLI:
     """Parse ``args`` (the command line by default), build and, with ``run``, execute the subcommand."""
     quiet_unactionable_messages()
-    before = os.environ.get(RUN_FOLDER_VARIABLE)
+    global _RUN_FOLDER_GIVEN
+    before = _RUN_FOLDER_GIVEN = os.environ.get(RUN_FOLDER_VARIABLE)
     try:
         return FedRepCLI(
             L.LightningModule,

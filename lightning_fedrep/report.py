@@ -48,8 +48,8 @@ def headline(columns: Sequence[str], stage: str = "val") -> str | None:
 
 def higher_is_better(metric: str) -> bool:
     """Whether a larger value of ``metric`` is better (accuracies; not losses or errors)."""
-    name = metric.rsplit("/", 1)[-1]
-    return not (name.startswith("loss") or name.endswith(("loss", "error", "mse")))
+    words = set(metric.rsplit("/", 1)[-1].replace("-", "_").split("_"))
+    return not words & {"loss", "error", "err", "mse", "mae", "ce", "nll", "rmse", "perplexity"}
 
 
 def run_label(run: Path) -> str:

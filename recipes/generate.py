@@ -571,8 +571,8 @@ SRPFL_PAPER = {
     "femnist": SRPFLSetting(
         "lightning_fedrep.data.leaf.LEAFDataModule",
         {
-            "train_dir": "data/femnist/train",
-            "test_dir": "data/femnist/test",
+            "train_dir": "data/femnist_srpfl/train",
+            "test_dir": "data/femnist_srpfl/test",
             "max_clients": 100,
             "user_order": "file",
         },
@@ -580,8 +580,8 @@ SRPFL_PAPER = {
         {"output": "softmax"},
         5,
         "FEMNIST, N=100, Shard=3 (accuracy 10-90%)",
-        "FEMNIST: the official re-sampling's files (python -m lightning_fedrep.data.femnist_sample, see the README),\n"
-        "its first 100 users; the paper's 150 samples per client and the code's cap of 500 are not applied.",
+        "FEMNIST: the SRPFL code's re-sampling, 100 users of 150 samples (3 letters of a-j each), made by\n"
+        "python -m lightning_fedrep.data.femnist_sample RAW_DIR data/femnist_srpfl --srpfl (see the README).",
     ),
 }
 SRPFL_METHODS = {"fedrep_srpfl": ("FedRep-SRPFL", 10), "fedrep": ("FedRep", None)}
@@ -642,7 +642,9 @@ def srpfl_paper_recipe(data: str, method: str) -> tuple[str, str]:
         "averaged head for 10 epochs before it is scored (FineTunedEvaluation, the official --FT_epoch 10).\n"
         "The paper gives curves, no table: read val/acc_weighted (sample-weighted, as the official figures)\n"
         "against sim/time in history.csv (figures/accuracy_vs_time.png draws the unweighted val/acc) beside the\n"
-        "other method's run; the x-axis values are not reproducible (an earlier code version).\n"
+        "other method's run; the x-axis values are not reproducible (an earlier code version). The official\n"
+        "curves average 4 seeds (10, 20, 30, 40); run this with --seed_everything and the strategy's seed set\n"
+        "to each. The speeds come from the seeded FixedExponential, not numpy's np.random.seed(1) draw.\n"
         + (f"{setting.note}\n" if setting.note else "")
         + f"Run: lightning-fedrep fit --config recipes/{path}"
     )

@@ -310,6 +310,19 @@ def test_command_line(raw_dir, tmp_path, capsys, runs):
     assert exit_code.value.code == 2 and "raw_dir" in capsys.readouterr().err
 
 
+def test_the_srpfl_preset_gives_100_users_of_150_samples(raw_dir, tmp_path):
+    """The SRPFL code's copy of my_sample.py: NUM_USER = 100, every user 150 samples (50 of each of its 3
+    letters), split 135 / 15."""
+    report = main([str(raw_dir), str(tmp_path), "--srpfl"])
+    assert report["num_users"] == 100 and set(report["samples_per_user"]) == {150}
+    assert set(report["train_samples"]) == {135} and set(report["test_samples"]) == {15}
+    train = json.loads((tmp_path / "train" / "mytrain.json").read_text())
+    test = json.loads((tmp_path / "test" / "mytest.json").read_text())
+    for u, user in enumerate(train["users"]):
+        labels = train["user_data"][user]["y"] + test["user_data"][user]["y"]
+        assert {k: labels.count(k) for k in set(labels)} == {(u + j) % 10: 50 for j in range(3)}
+
+
 def test_load_nist_image_shrinks_a_raw_128x128_image_with_lanczos(tmp_path):
     pixels = np.random.RandomState(0).randint(0, 256, (128, 128, 3)).astype(np.uint8)
     Image.fromarray(pixels, mode="RGB").save(tmp_path / "raw.png")

@@ -635,3 +635,17 @@ def test_the_qr_step_keeps_the_body_orthonormal_and_follows_the_reference_with_q
     }
     np.testing.assert_allclose(recorder.distances, runs[True], rtol=1e-4, atol=1e-6)
     assert not np.allclose(recorder.distances, runs[False], rtol=1e-4, atol=1e-6)  # the step changes the run
+
+
+def test_the_orthonormal_factor_keeps_each_columns_direction():
+    """``torch.linalg.qr`` may return R with negative diagonal entries (flipped columns); the QR step keeps
+    R's diagonal positive, so the heads fitted to B stay aligned with Q, and Q spans B's columns."""
+    from lightning_fedrep.callbacks.orthonormal import orthonormal
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        body = torch.randn(2, 20, generator=generator, dtype=torch.float64)  # an nn.Linear(20, 2) weight
+        q = orthonormal(body)
+        torch.testing.assert_close(q @ q.T, torch.eye(2, dtype=torch.float64))
+        r = q @ body.T  # B^T = Q^T R  =>  R = Q B^T (rows of q orthonormal)
+        assert (torch.diagonal(r) > 0).all() and torch.allclose(r.tril(-1), torch.zeros(2, 2, dtype=r.dtype))

@@ -290,11 +290,9 @@ def test_the_wandb_id_is_the_users_or_unique_to_the_folder_and_the_run_folder_ca
     monkeypatch.chdir(tmp_path)
     named = tmp_path / "named"
     monkeypatch.setenv(command.RUN_FOLDER_VARIABLE, str(named))
-    monkeypatch.setattr(command, "_RUN_FOLDER_AT_START", str(named))
     cli = build_cli(["fit", "--config", str(RECIPE), "--trainer.fast_dev_run=true"])
     assert cli.run_folder == named.resolve() and not Path("runs").exists()
     monkeypatch.delenv(command.RUN_FOLDER_VARIABLE)
-    monkeypatch.setattr(command, "_RUN_FOLDER_AT_START", None)
     cli = build_cli(["fit", "--config", str(RECIPE), "--trainer.fast_dev_run=true"])
     assert cli.run_folder.parent.parent == (tmp_path / "runs" / "digits").resolve()
     assert command.RUN_FOLDER_VARIABLE not in os.environ  # not left to what the caller starts next
@@ -353,7 +351,8 @@ def write_history(run: Path, metric: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("metric", "lowest"), [("val/acc", "worst client"), ("val/loss", "lowest-loss client")]
+    ("metric", "lowest"),
+    [("val/acc", "worst client"), ("val/loss", "lowest-loss client")],
 )
 def test_the_band_below_the_mean_is_named_for_what_it_is(tmp_path, metric, lowest):
     from lightning_fedrep.report import run_figures
@@ -363,6 +362,14 @@ def test_the_band_below_the_mean_is_named_for_what_it_is(tmp_path, metric, lowes
     labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
     assert f"{lowest} .. mean" in labels
     assert not any("worst" in label for label in labels) or metric == "val/acc"
+
+
+def test_losses_are_told_from_accuracies_by_their_name():
+    from lightning_fedrep.report import higher_is_better
+
+    assert higher_is_better("val/acc") and higher_is_better("test/acc_weighted")
+    for loss in ("val/loss", "val/val_ce", "test/mse", "val/nll_loss", "val/error"):
+        assert not higher_is_better(loss), loss
 
 
 def test_the_client_histogram_shows_the_stage_asked_for_or_the_newest(tmp_path):

@@ -21,8 +21,10 @@ class OrthonormalBody(FederatedCallback):
             weight, stored ``k x d``). The orthonormal directions are those of the longer side: a wide
             ``k x d`` weight gets orthonormal rows (``B = W^T`` has orthonormal columns), a tall one columns.
 
-    It runs in ``on_round_end``, so validation, checkpoints and the next round see the orthonormal body; the
-    clients' heads are left as they are (FedRep's exact head step refits them to the new basis).
+    It runs in ``on_round_end``, so validation, checkpoints and the next round see the orthonormal body. The
+    clients' heads are left as they are: they were fitted to the average ``B = QR`` and are evaluated with
+    ``Q`` until FedRep's exact head step refits them the next round; with ``R``'s diagonal kept positive
+    (no column flips) and ``B`` near orthonormal (``R`` near the identity) that evaluation is close.
     """
 
     def __init__(self, parameter: str = "body.weight"):
@@ -57,8 +59,11 @@ class OrthonormalBody(FederatedCallback):
 
 
 def orthonormal(matrix: torch.Tensor) -> torch.Tensor:
-    """The Q factor of ``matrix``'s QR decomposition along its longer side (same shape and dtype)."""
+    """The Q factor of ``matrix``'s QR decomposition along its longer side (same shape and dtype), signed so
+    that R's diagonal is positive: each column of Q points the way the matching column of ``matrix`` does."""
     wide = matrix.shape[0] < matrix.shape[1]
     tall = matrix.T if wide else matrix
-    q, _ = torch.linalg.qr(tall.double())
+    q, r = torch.linalg.qr(tall.double())
+    signs = torch.sign(torch.diagonal(r))
+    q = q * torch.where(signs == 0, torch.ones_like(signs), signs)  # R's diagonal positive: no column flips
     return (q.T if wide else q).to(matrix.dtype)

@@ -82,7 +82,7 @@ class RunSummary(FederatedCallback):
             "results": strategy.results(),
             "test": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")},
             "per_client": per_client,
-            "history": strategy.require_federation().history.rows,
+            "history": strategy.history,
             "faults": [dataclasses.asdict(f) for f in strategy.faults],
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1},
             "config": self.config,

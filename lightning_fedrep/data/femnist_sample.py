@@ -73,6 +73,7 @@ def resample_femnist(
     train_fraction: float = 0.9,
     seed: int = 0,
     shared_images: bool = True,
+    samples_per_user: int | None = None,
 ) -> dict[str, Any]:
     """Write FedRep's FEMNIST data (the official ``my_sample.py`` re-sampling) from LEAF's raw NIST images.
 
@@ -93,6 +94,10 @@ def resample_femnist(
        classes_per_user - 1``: ``classes_per_user * n`` samples.
     3. Each user's samples are shuffled together and split: the first ``int(train_fraction * total)``
        train, the rest test. Users are named ``f_00000``, ``f_00001``, ...
+
+    ``samples_per_user=N`` replaces step 2's lognormal draw by ``N`` samples for every user: the SRPFL
+    paper's FEMNIST (its code's copy of ``my_sample.py`` sets 100 users of 150 samples; the command's
+    ``--srpfl`` preset).
 
     Each image is shrunk to 28x28 as :func:`load_nist_image` does and written as 784 floats (grey level /
     255, 1.0 = white background), a label as an ``int`` (the official code writes floats such as ``3.0``,
@@ -150,6 +155,8 @@ def resample_femnist(
         "train_fraction", train_fraction, 0.0, 1.0, low_open=True, high_open=True, owner=_OWNER
     )
     seed = check_int("seed", seed, 0, 2**32 - 1, owner=_OWNER)
+    if samples_per_user is not None:
+        check_int("samples_per_user", samples_per_user, classes_per_user, owner=_OWNER)
     shared_images = check_bool("shared_images", shared_images, owner=_OWNER)
     _pillow()  # fail early when Pillow is missing
 
@@ -180,7 +187,12 @@ def resample_femnist(
                     f"which user {user} needs; found only {', '.join(chr(ord('a') + c) for c in files)}."
                 )
 
-    draws = np.random.RandomState(seed).lognormal(lognormal_mean, lognormal_sigma, num_users) + sample_offset
+    if samples_per_user is None:
+        draws = (
+            np.random.RandomState(seed).lognormal(lognormal_mean, lognormal_sigma, num_users) + sample_offset
+        )
+    else:  # the SRPFL code's version: the same count for every user
+        draws = np.full(num_users, float(samples_per_user))
     per_user_class = [max(_MIN_PER_CLASS, int(draw / classes_per_user)) for draw in draws]
 
     # which (label, image position) pairs each user gets, by the official rule or disjoint slices
@@ -308,6 +320,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0, help="seed of all randomness (default 0)")
     parser.add_argument("--num-users", type=int, default=200, help="number of users (default 200)")
     parser.add_argument(
+        "--samples-per-user",
+        type=int,
+        default=None,
+        help="the same count for every user (default: lognormal)",
+    )
+    parser.add_argument(
+        "--srpfl",
+        action="store_true",
+        help="the SRPFL paper's version: 100 users of 150 samples (sets --num-users and --samples-per-user)",
+    )
+    parser.add_argument(
         "--disjoint",
         action="store_true",
         help="give users disjoint slices of each class (default: the official rule, users share images)",
@@ -317,7 +340,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         report = resample_femnist(
             args.raw_dir,
             args.out_dir,
-            num_users=args.num_users,
+            num_users=100 if args.srpfl else args.num_users,
+            samples_per_user=150 if args.srpfl else args.samples_per_user,
             seed=args.seed,
             shared_images=not args.disjoint,
         )

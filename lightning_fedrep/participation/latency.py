@@ -111,7 +111,8 @@ class FixedExponential(LatencyModel):
 
 
 class DynamicExponential(LatencyModel):
-    """Every round each client draws a new latency from ``Exp(lambda_i)``; ``lambda_i`` is drawn once.
+    """Every round each client draws a new latency from ``Exp(lambda_i)``; ``lambda_i`` is drawn once
+    (or, with ``resample``, again every round).
 
     Args:
         low, high: the per-client parameter is ``U[low, high]``; ``low=None`` means ``1/M`` for ``M``
