@@ -194,7 +194,10 @@ class LockstepEngine:
             self._timing = ""
             if measure and self._pending is None:
                 self._measure_lanes(plan, device)
-        groups = f"groups of up to {self.group_width} clients ({self.client_bytes / 2**20:.3g} MiB each)"
+        groups = (
+            f"groups of up to {self.group_width} clients by memory ({self.client_bytes / 2**20:.3g} MiB each; "
+            f"the first round has {len(plan.work)})"
+        )
         lanes = (
             "the other phases one client at a time"
             if self.lane_width == 1
