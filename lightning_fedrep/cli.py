@@ -18,7 +18,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning as L
 import torch
@@ -66,6 +66,12 @@ _RUN_FOLDER_GIVEN: str | None = None
 restored when it returns)."""
 
 
+def refuse(message: str) -> NoReturn:
+    """Stop the command with ``message`` on one line of standard error and exit status 2 (argparse's)."""
+    sys.stderr.write(f"lightning-fedrep: error: {message}\n")
+    raise SystemExit(2)
+
+
 def check_strategy_name(name: str) -> None:
     """Refuse a strategy name neither Lightning nor this package registered, listing this package's."""
     if name in StrategyRegistry or name == "auto":
@@ -77,12 +83,11 @@ def check_strategy_name(name: str) -> None:
     )
     close = difflib.get_close_matches(name, list(StrategyRegistry), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    sys.stderr.write(
-        f"lightning-fedrep: error: trainer.strategy={name!r} is not a registered strategy.{hint} This package's: "
+    refuse(
+        f"trainer.strategy={name!r} is not a registered strategy.{hint} This package's: "
         f"{', '.join(ours)} (or class_path: lightning_fedrep.FederatedStrategy); Lightning's: "
-        f"{', '.join(sorted(n for n in StrategyRegistry if n not in ours and 'find_unused' not in n))}.\n"
+        f"{', '.join(sorted(n for n in StrategyRegistry if n not in ours and 'find_unused' not in n))}."
     )
-    raise SystemExit(2)
 
 
 def configuration_error(error: BaseException) -> str:
@@ -128,7 +133,7 @@ class FedRepCLI(LightningCLI):
         ``LIGHTNING_FEDREP_RUN_FOLDER``, the launcher job's, or a new one."""
         missing = missing_checkpoint(config.get("ckpt_path"))
         if missing:
-            self._refuse(f"{missing}; pass the path of a checkpoint file (or best/last).")
+            refuse(f"{missing}; pass the path of a checkpoint file (or best/last).")
         folder = folder_of_checkpoint(config.get("ckpt_path"))
         resumed = folder is not None
         given = os.environ.get(RUN_FOLDER_VARIABLE)
@@ -153,11 +158,6 @@ class FedRepCLI(LightningCLI):
             )
         return folder
 
-    @staticmethod
-    def _refuse(message: str) -> None:
-        sys.stderr.write(f"lightning-fedrep: error: {message}\n")
-        raise SystemExit(2)
-
     @override
     def instantiate_classes(self) -> None:
         """Build the configured objects; a bad value stops the command with its cause on one line (not a
@@ -167,11 +167,13 @@ class FedRepCLI(LightningCLI):
         except (ValueError, TypeError) as error:
             if os.environ.get("LIGHTNING_FEDREP_TRACEBACK") == "1":
                 raise
-            sys.stderr.write(
-                f"lightning-fedrep: error: the configuration is not valid: {configuration_error(error)}\n"
-                "(set LIGHTNING_FEDREP_TRACEBACK=1 for the full traceback)\n"
-            )
-            raise SystemExit(2) from None
+            try:
+                refuse(
+                    f"the configuration is not valid: {configuration_error(error)}\n"
+                    "(set LIGHTNING_FEDREP_TRACEBACK=1 for the full traceback)"
+                )
+            except SystemExit as stop:
+                raise stop from None
 
     def _attach_config(self) -> None:
         """Hand the configuration to ``RunSummary``; point checkpoints, the summary and the saved config at

@@ -698,10 +698,10 @@ class Federation:
     def evaluate_client(self, client: int) -> None:
         """Give the module ``client``'s personalized model for its evaluation batches."""
         if client != self._eval_client:
-            self._write_personal(client, shared=bool(self.store.finetuned or self._eval_tensors))
-            override = self._eval_tensors.get(client)
-            if override:
-                self._write(list(override), list(override.values()))
+            if self.store.finetuned or self._eval_tensors:  # some client's own shared tensors may be live
+                self._write(self.shared_names, self.global_state)
+            personal = self.evaluation_tensors(client)
+            self._write(list(personal), list(personal.values()))
             self._eval_client = client
 
     def set_evaluation_tensors(self, tensors: Mapping[int, Mapping[str, Tensor]]) -> None:
@@ -858,9 +858,8 @@ class Federation:
         if targets:
             torch._foreach_copy_(targets, list(values))
 
-    def _write_personal(self, client: int, shared: bool = True) -> None:
-        if shared:
-            self._write(self.shared_names, self.global_state)
+    def _write_personal(self, client: int) -> None:
+        self._write(self.shared_names, self.global_state)
         personal = self.store.personal(client, self.local_names)
         self._write(list(personal), list(personal.values()))
 

@@ -71,11 +71,12 @@ def _curve(ax: Any, rows: list[dict[str, float]], x: str, metric: str, label: st
     if band and all(low in r and f"{metric}_p10" in r for r in points) and points:
         # the summaries are the lowest client and the 10th percentile: the worst clients for an accuracy,
         # the best ones for a loss
-        lowest = "worst client" if higher_is_better(metric) else "lowest-loss client"
+        accuracy = higher_is_better(metric)
+        lowest = "worst client" if accuracy else "lowest-loss client"
         ax.fill_between(
             xs, [r[low] for r in points], [r[metric] for r in points], alpha=0.15, label=f"{lowest} .. mean"
         )
-        percentile = "10th percentile" if higher_is_better(metric) else "10th percentile (lowest losses)"
+        percentile = "10th percentile" if accuracy else "10th percentile (lowest losses)"
         ax.plot(xs, [r[f"{metric}_p10"] for r in points], linestyle="--", linewidth=1, label=percentile)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,22 +119,23 @@ def place_run(config: Any, folder: Path, resumed: bool, call: str = "fit") -> No
 
 
 def _logger_version(logs: Path, call: str) -> str:
-    version, n = call, 1
-    while (logs / version).exists():
+    return _first_free(logs, call, lambda n: f"{call}-{n}")
+
+
+def _first_free(folder: Path, first: str, nth: Callable[[int], str]) -> str:
+    """``first`` if ``folder`` holds nothing of that name, else the first free ``nth(2)``, ``nth(3)``, ..."""
+    name, n = first, 1
+    while (folder / name).exists():
         n += 1
-        version = f"{call}-{n}"
-    return version
+        name = nth(n)
+    return name
 
 
 def config_filename(folder: Path, subcommand: str) -> str:
     """``config.yaml`` for a run's first call, ``config.<subcommand>[.n].yaml`` for later ones."""
     if not (folder / "config.yaml").exists():
         return "config.yaml"
-    name, n = f"config.{subcommand}.yaml", 1
-    while (folder / name).exists():
-        n += 1
-        name = f"config.{subcommand}.{n}.yaml"
-    return name
+    return _first_free(folder, f"config.{subcommand}.yaml", lambda n: f"config.{subcommand}.{n}.yaml")
 
 
 def _loggers(value: Any) -> list[Any]:

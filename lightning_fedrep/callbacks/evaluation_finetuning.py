@@ -11,13 +11,13 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
-from torch.utils.data import TensorDataset, default_collate
 
 from lightning_fedrep.arguments import check_choice, check_int, check_real
 from lightning_fedrep.engine.contract import NAMED_LOSSES, declared_loss
 from lightning_fedrep.federation import RoundResult
 from lightning_fedrep.hooks import FederatedCallback
 from lightning_fedrep.lightning_internals import configured_learning_rate
+from lightning_fedrep.models._optim import weight_decay_groups
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -174,11 +174,10 @@ class FineTunedEvaluation(FederatedCallback):
         tuned: dict[int, dict[str, Tensor]] = {}
         with self._training_mode(pl_module):
             for client in clients:
-                data = trainer.datamodule.client_data(client, "train")
-                if len(data) == 0:
+                if len(trainer.datamodule.client_data(client)) == 0:
                     tuned[client] = starts(client)
                     continue
-                batches = self._client_batches(trainer, data, client)
+                batches = self._client_batches(trainer, client)
                 if trainer.fast_dev_run:  # a smoke run: one step per client
                     batches = itertools.islice(batches, 1)
                 tuned[client] = self._fit_head(trainer, pl_module, client, starts(client), batches, lr)
@@ -193,7 +192,7 @@ class FineTunedEvaluation(FederatedCallback):
         client = clients[0]
         names = self.tuned_names(trainer, pl_module)
         start = _own_values(self.federation(trainer).client_tensors(client), self._shared(trainer), names)
-        batch = next(self._client_batches(trainer, trainer.datamodule.client_data(client), client))
+        batch = next(self._client_batches(trainer, client))
         with self._training_mode(pl_module):
             self._loss(trainer, pl_module, self._client_state(trainer, pl_module, client, start), batch)
 
@@ -208,12 +207,19 @@ class FineTunedEvaluation(FederatedCallback):
             finally:
                 pl_module.train(was_training)
 
-    def _client_batches(self, trainer: L.Trainer, data: Any, client: int) -> Iterator[Any]:
-        batch_size = self.batch_size or int(trainer.datamodule.batch_size)
+    def _client_batches(self, trainer: L.Trainer, client: int) -> Iterator[Any]:
+        """``epochs`` shuffled passes over the client's training samples (the data set's transforms and the
+        data module's collation apply)."""
+        datamodule = trainer.datamodule
+        batch_size = self.batch_size or int(datamodule.batch_size)
         generator = torch.Generator().manual_seed(
             self.seed * 1_000_003 + (self.last_round + 1) * 10_007 + client
         )
-        return _batches(data, batch_size, self.epochs, generator)
+        size = len(datamodule.client_data(client))
+        for _ in range(self.epochs):
+            yield from datamodule.client_batches(
+                client, torch.randperm(size, generator=generator).split(batch_size)
+            )
 
     def _shared(self, trainer: L.Trainer) -> dict[str, Tensor]:
         return self.federation(trainer).global_view()
@@ -284,14 +290,9 @@ class FineTunedEvaluation(FederatedCallback):
         lr: float,
     ) -> dict[str, Tensor]:
         head = {n: t.detach().clone().requires_grad_(True) for n, t in start.items()}
-        groups = [  # weight decay on weights only, as the official fine-tuning (and its training) optimizer
-            {
-                "params": [t for n, t in head.items() if not n.endswith("bias")],
-                "weight_decay": self.weight_decay,
-            },
-            {"params": [t for n, t in head.items() if n.endswith("bias")], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.SGD([g for g in groups if g["params"]], lr=lr, momentum=self.momentum)
+        optimizer = torch.optim.SGD(
+            weight_decay_groups(head.items(), self.weight_decay), lr=lr, momentum=self.momentum
+        )
         state = self._client_state(trainer, pl_module, client, head)
         for batch in batches:
             optimizer.zero_grad(set_to_none=True)
@@ -316,15 +317,3 @@ def _training_lr(trainer: L.Trainer, pl_module: L.LightningModule) -> float:
     if trainer.optimizers:
         return float(trainer.optimizers[0].param_groups[0]["lr"])
     return configured_learning_rate(pl_module)  # validate/test configure no optimizer
-
-
-def _batches(data: Any, batch_size: int, epochs: int, generator: torch.Generator) -> Iterator[Any]:
-    """``epochs`` shuffled passes over a client's samples in batches (the data set's own transforms apply)."""
-    dataset, indices = data.dataset, data.indices
-    for _ in range(epochs):
-        order = indices[torch.randperm(len(indices), generator=generator)]
-        for chunk in order.split(batch_size):
-            if isinstance(dataset, TensorDataset):
-                yield tuple(t[chunk] for t in dataset.tensors)
-            else:
-                yield default_collate([dataset[int(i)] for i in chunk])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import lightning as L
@@ -155,6 +155,15 @@ class FederatedDataModule(L.LightningDataModule):
         if clients is None:
             raise ValueError(f"This data module has no {split!r} split.")
         return clients[client]
+
+    def client_batches(
+        self, client: int, index_batches: Iterable[torch.Tensor], split: str = "train"
+    ) -> Iterator[Any]:
+        """``client``'s samples of ``split`` in the given batches of positions (``0 .. n-1`` within the
+        client), collated as this data module's own loaders collate them (``collate_fn``, workers, pinned
+        memory): for a callback that runs its own passes over a client's data (``FineTunedEvaluation``)."""
+        data = self.client_data(client, split)
+        return self._fetcher.batches(data.dataset, [data.indices[b] for b in index_batches])
 
     def _derived(self, train: list[ClientData], test: list[ClientData] | None) -> FederatedDataModule:
         module = FederatedDataModule(
