@@ -216,6 +216,7 @@ class FedRepCLI(LightningCLI):
     def after_predict(self) -> None:
         """Write the predictions into the run folder: ``predictions.pt`` (every batch's output and client)
         and, for one value per sample, ``predictions.csv`` (client, sample of the client, prediction)."""
+        self._finish_wandb()
         folder = getattr(self, "run_folder", None)
         outputs = self.trainer.predict_loop.predictions
         if folder is None or not outputs or not self.trainer.is_global_zero:

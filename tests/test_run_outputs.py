@@ -247,6 +247,10 @@ def test_resume_test_and_predict_write_into_the_run_folder_without_losing_its_fi
         assert len(mine) == len(labels)
         assert sum(p == y for p, y in zip(mine, labels)) / len(labels) == pytest.approx(accuracy), client
 
+    import wandb
+
+    assert wandb.run is None  # predict finished its W&B run: the next command starts its own
+
 
 def test_a_missing_checkpoint_is_refused_before_any_folder_is_made(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
