@@ -188,6 +188,28 @@ for _algorithm in (
     register_algorithm(_algorithm)
 
 
+EPOCH_DEFAULTS = {"head_epochs": 10, "body_epochs": 1, "local_epochs": 1}
+"""The strategy's epoch shorthands and their defaults."""
+
+
+def epochs_read(algorithm: Algorithm, epochs: Mapping[str, int]) -> list[str]:
+    """Which of the epoch shorthands ``epochs`` change ``algorithm``'s default phases (FedRep reads
+    ``head_epochs`` and ``body_epochs``, the built-in others ``local_epochs``)."""
+    phases = algorithm.default_phases(**epochs)
+    return [n for n in epochs if algorithm.default_phases(**{**epochs, n: epochs[n] + 1}) != phases]
+
+
+def epoch_settings(algorithm: str | Algorithm, **epochs: int) -> dict[str, int]:
+    """The epoch shorthands among ``epochs`` that ``algorithm`` reads, for a sweep over algorithms with one
+    set of settings: ``FederatedStrategy(algorithm=a, **epoch_settings(a, head_epochs=2, local_epochs=2))``
+    (the strategy refuses a shorthand that has no effect)."""
+    unknown = set(epochs) - set(EPOCH_DEFAULTS)
+    if unknown:
+        raise TypeError(f"epoch_settings takes {sorted(EPOCH_DEFAULTS)}, got {sorted(unknown)}.")
+    read = epochs_read(get_algorithm(algorithm), {**EPOCH_DEFAULTS, **epochs})
+    return {name: value for name, value in epochs.items() if name in read}
+
+
 def get_algorithm(algorithm: str | Algorithm) -> Algorithm:
     """An algorithm object from a registered name (or the object itself), with an error listing names."""
     if isinstance(algorithm, Algorithm):

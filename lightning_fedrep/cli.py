@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 import lightning_fedrep  # noqa: F401  (registers the strategy names)
@@ -36,6 +37,7 @@ import lightning_fedrep.models  # noqa: F401  (short class names: --model MLPCla
 from lightning_fedrep import lightning_internals as internals
 from lightning_fedrep.callbacks.summary import RunSummary
 from lightning_fedrep.data.module import FederatedDataModule
+from lightning_fedrep.federation import FederationMismatch
 from lightning_fedrep.outputs import write_rows
 from lightning_fedrep.quiet import quiet_unactionable_messages
 from lightning_fedrep.runfolder import (
@@ -48,6 +50,7 @@ from lightning_fedrep.runfolder import (
     place_run,
     run_name,
 )
+from lightning_fedrep.strategy import FederatedStrategyMixin
 
 
 def wandb_credentials_present() -> bool:
@@ -103,8 +106,10 @@ def configuration_error(error: BaseException) -> str:
 
 
 class LogConfigCallback(SaveConfigCallback):
-    """Saves ``config.yaml`` in the run folder (Lightning's behaviour) and also sends the whole run
-    configuration (strategy, data, model, trainer) to every logger, so W&B shows it."""
+    """Saves ``config.yaml`` in the run folder and also sends the whole run configuration (strategy, data,
+    model, trainer) to every logger, so W&B shows it. (Lightning saves it in the first logger's
+    ``log_dir``, ``logs/fit`` for a TensorBoard or CSV logger: the command gives it an absolute
+    ``config_filename`` in the run folder, which ``os.path.join(log_dir, ...)`` keeps.)"""
 
     def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         config = self.config.as_dict() if hasattr(self.config, "as_dict") else dict(self.config)
@@ -135,7 +140,14 @@ class FedRepCLI(LightningCLI):
         if missing:
             refuse(f"{missing}; pass the path of a checkpoint file (or best/last).")
         folder = folder_of_checkpoint(config.get("ckpt_path"))
+        if folder is not None and _allows_new_federation(config):
+            rank_zero_info(
+                f"allow_new_federation=True: this command writes into a new run folder, not into the run of "
+                f"ckpt_path ({folder}), whose files another federation must not replace."
+            )
+            folder = None
         resumed = folder is not None
+        self._made_folders: list[Path] = []
         given = os.environ.get(RUN_FOLDER_VARIABLE)
         if given and (int(os.environ.get("LOCAL_RANK", "0")) > 0 or given == _RUN_FOLDER_GIVEN):
             folder = Path(given)  # a process Lightning's launcher started, or the user's choice
@@ -148,7 +160,10 @@ class FedRepCLI(LightningCLI):
                 resumed = (folder / "config.yaml").is_file()
                 folder.mkdir(parents=True, exist_ok=True)
             else:
+                first = root / run_name(config)
+                self._made_folders = [p for p in (first, *first.parents) if not p.exists()]
                 folder = new_run_folder(root, run_name(config))
+                self._made_folders.insert(0, folder)
         os.environ[RUN_FOLDER_VARIABLE] = str(folder)  # inherited by the processes the launcher starts
         folder = folder.resolve()
         place_run(config, folder, resumed, self.subcommand)
@@ -175,6 +190,32 @@ class FedRepCLI(LightningCLI):
             except SystemExit as stop:
                 raise stop from None
 
+    def _check_checkpoint(self) -> None:
+        """Refuse ``ckpt_path`` when it was saved by another federation than this command's data (and, for
+        ``fit``, strategy settings), on one line, before anything is written (the new run folder this
+        command made is removed); what the strategy would refuse once the data are loaded."""
+        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        path = config.get("ckpt_path")
+        strategy = self.trainer.strategy
+        if path is None or not Path(str(path)).is_file() or not isinstance(strategy, FederatedStrategyMixin):
+            return
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001  (not readable here: Lightning's own load says why)
+            return
+        try:
+            strategy.checkpoint_changes(checkpoint, self.datamodule, self.subcommand or "fit")
+        except FederationMismatch as error:
+            if os.environ.get("LIGHTNING_FEDREP_TRACEBACK") == "1":
+                raise
+            for made in getattr(self, "_made_folders", []):
+                if made.is_dir() and not any(made.iterdir()):
+                    made.rmdir()
+            try:
+                refuse(f"ckpt_path={str(path)!r}: {error}")
+            except SystemExit as stop:
+                raise stop from None
+
     def _attach_config(self) -> None:
         """Hand the configuration to ``RunSummary``; point checkpoints, the summary and the saved config at
         the run folder (callbacks given their own folder keep it)."""
@@ -193,7 +234,7 @@ class FedRepCLI(LightningCLI):
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(folder / CHECKPOINTS)
             if isinstance(callback, LogConfigCallback):
-                callback.config_filename = config_filename(folder, self.subcommand or "fit")
+                callback.config_filename = str(folder / config_filename(folder, self.subcommand or "fit"))
 
     def _finish_wandb(self) -> None:
         """End this command's W&B run, so a later command in the same process starts its own."""
@@ -211,6 +252,7 @@ class FedRepCLI(LightningCLI):
         self._finish_wandb()
 
     def before_predict(self) -> None:
+        self._check_checkpoint()
         self._attach_config()
 
     def after_predict(self) -> None:
@@ -222,7 +264,8 @@ class FedRepCLI(LightningCLI):
         if folder is None or not outputs or not self.trainer.is_global_zero:
             return
         clients = list(getattr(self.trainer.strategy, "prediction_clients", []))
-        torch.save({"predictions": outputs, "clients": clients}, folder / "predictions.pt")
+        mode = getattr(self.trainer.strategy, "prediction_mode", None)
+        torch.save({"predictions": outputs, "clients": clients, "mode": mode}, folder / "predictions.pt")
         if len(clients) == len(outputs) and all(
             isinstance(o, torch.Tensor) and o.dim() == 1 for o in outputs
         ):
@@ -232,16 +275,26 @@ class FedRepCLI(LightningCLI):
                     rows.append({"client": client, "sample": seen.get(client, 0), "prediction": value})
                     seen[client] = seen.get(client, 0) + 1
             write_rows(folder / "predictions.csv", rows, first=["client", "sample", "prediction"])
-        print(f"predictions in {folder / 'predictions.pt'}")
+        print(f"{mode or 'plain'} predictions in {folder / 'predictions.pt'}")
 
     def before_fit(self) -> None:
+        self._check_checkpoint()
         self._attach_config()
 
     def before_test(self) -> None:
+        self._check_checkpoint()
         self._attach_config()
 
     def before_validate(self) -> None:
+        self._check_checkpoint()
         self._attach_config()
+
+
+def _allows_new_federation(config: Any) -> bool:
+    """Whether the configured strategy sets ``allow_new_federation`` (a ``class_path`` with ``init_args``)."""
+    strategy = config.trainer.get("strategy")
+    args = strategy.get("init_args") if hasattr(strategy, "get") else None
+    return bool(args.get("allow_new_federation")) if hasattr(args, "get") else False
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> FedRepCLI:

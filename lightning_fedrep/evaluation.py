@@ -222,7 +222,8 @@ class EvaluationPass:
     ) -> None:
         try:
             with torch.no_grad(), precision_context():
-                sums = headline_sums(module(batch[0]), batch[1])
+                output = module(batch[0])
+                sums = headline_sums(output, batch[1])
         except Exception as error:  # the module's forward may not take ``x`` alone
             self.headline = False
             warnings.warn(
@@ -233,10 +234,29 @@ class EvaluationPass:
                 stacklevel=2,
             )
             return
-        for name, total in (sums or {}).items():
+        if sums is None:
+            self._turn_off_headline(output, batch[1], user_keys)
+            return
+        for name, total in sums.items():
             key = f"{self.stage}/{name}"
             if key not in user_keys:
                 self.metrics.add(key, client, total.item(), size)
+
+    def _turn_off_headline(self, output: Any, target: Any, user_keys: set[str]) -> None:
+        """``model(x)`` does not fit the target (a tuple, another shape): say so, unless the user's step
+        logs both headline keys itself, and stop computing them."""
+        self.headline = False
+        missing = [f"{self.stage}/{n}" for n in ("acc", "loss") if f"{self.stage}/{n}" not in user_keys]
+        if not missing:
+            return
+        warnings.warn(
+            f"{' and '.join(missing)} are not computed: model(x) returned {_describe(output)}, which does not "
+            f"fit the target ({_describe(target)}): they need a tensor of logits (batch, classes) for integer "
+            "labels, or of the target's size for real targets. Return that from forward, log your own "
+            "metrics in validation_step/test_step, or pass headline_metrics=False to silence this.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def summary(self, prefix: str = "") -> dict[str, float]:
         """Every metric's summary over clients: ``prefix + name + suffix`` for each of ``SUMMARY_SUFFIXES``."""
@@ -250,3 +270,37 @@ class EvaluationPass:
         """The ``prog_bar``/``logger`` flags the user logged ``key`` with (headline ``/acc``: progress bar)."""
         options = self.metrics.options.get(key, {})
         return {"prog_bar": options.get("prog_bar", key.endswith("/acc")), "logger": options.get("logger")}
+
+
+def _describe(value: Any) -> str:
+    """A short description of a model output or target, for messages."""
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, list | tuple):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+def coverage_note(stage: str, samples: dict[int, int], expected: dict[int, int], cause: str) -> str | None:
+    """What a pass evaluated when it is not every client's whole split, else ``None``.
+
+    ``samples``: the samples each client was evaluated on; ``expected``: every client with evaluation
+    data and its split's size; ``cause``: the setting that cut the pass (``"limit_val_batches=1"``).
+    """
+    evaluated = sorted(c for c in expected if samples.get(c, 0) > 0)
+    cut = [c for c in evaluated if samples[c] < expected[c]]
+    if len(evaluated) == len(expected) and not cut:
+        return None
+    shown = ", ".join(f"{c} ({samples[c]} of {expected[c]} samples)" for c in cut[:5])
+    shown += " ..." if len(cut) > 5 else ""
+    return (
+        f"{stage}/acc and every {stage} summary over clients are over {len(evaluated)} of {len(expected)} "
+        f"clients ({cause}): clients {_clients(evaluated)}"
+        + (f"; cut short: {shown}" if cut else "")
+        + f". They describe these clients, not the federation; evaluate every client's whole split "
+        f"(remove {cause.split('=')[0]}) for the federation's figures."
+    )
+
+
+def _clients(clients: list[int]) -> str:
+    return str(clients) if len(clients) <= 10 else f"{clients[:10]} ... ({len(clients)})"

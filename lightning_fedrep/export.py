@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fedrep.checkpoints import check_version, read_checkpoint
 from lightning_fedrep.clients import ClientStore
 from lightning_fedrep.strategy import CHECKPOINT_KEY
 
@@ -21,14 +22,19 @@ def personalized_state_dict(checkpoint: str | Path | dict[str, Any], client: int
     one for a client that never trained) and whatever it fine-tuned (``HeadFineTuning``). The result
     loads with ``MyModule(...).load_state_dict(...)``.
     """
+    source = "(given as a dict)"
     if not isinstance(checkpoint, dict):
-        checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        source = checkpoint
+        checkpoint = read_checkpoint(
+            source, lambda: torch.load(source, map_location="cpu", weights_only=True)
+        )
     if CHECKPOINT_KEY not in checkpoint:
         raise ValueError(
             f"This checkpoint has no '{CHECKPOINT_KEY}' entry; it was not written by a federated fit "
             "(FederatedStrategy), so it holds no per-client state."
         )
     state = checkpoint[CHECKPOINT_KEY]
+    check_version(state, source)
     clients = (state.get("federation") or {}).get("num_clients")
     if (
         isinstance(client, bool)

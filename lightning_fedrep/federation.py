@@ -46,6 +46,10 @@ class FederationConfig:
     seed: int = 0
     on_nonfinite: Literal["skip", "raise"] = "skip"
     on_client_error: Literal["raise", "skip"] = "raise"
+    first_state: Literal["initial", "average"] = "initial"
+    """Where a client that has not trained yet starts its local part: the module's ``"initial"`` values, or
+    the ``"average"`` of every local tensor over the last aggregated round's clients (the official code's
+    aliasing of ``w_locals`` to the global model, into which it averages every key, heads included)."""
 
     def __post_init__(self) -> None:
         for name, value in (("on_nonfinite", self.on_nonfinite), ("on_client_error", self.on_client_error)):
@@ -57,6 +61,8 @@ class FederationConfig:
             raise ValueError(
                 f"client_optimizer_state must be 'reset' or 'keep', got {self.client_optimizer_state!r}."
             )
+        if self.first_state not in ("initial", "average"):
+            raise ValueError(f"first_state must be 'initial' or 'average', got {self.first_state!r}.")
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,48 @@ class _LiveClient:
     fault: str = ""
 
 
+class FederationMismatch(ValueError):
+    """A checkpoint saved by another federation (other clients or planning settings) than the run's."""
+
+
+def clients_fingerprint(client_sizes: Sequence[int], partition: int) -> dict[str, Any]:
+    """The clients' part of a federation's fingerprint: their number, a checksum of their training-set
+    sizes, and ``partition``, a checksum of which samples each holds (``RoundLoader.partition_checksum``)."""
+    sizes = tuple(int(n) for n in client_sizes)
+    return {
+        "num_clients": len(sizes),
+        "client_sizes": zlib.crc32(str(sizes).encode()),
+        "partition": int(partition),
+    }
+
+
+def federation_fingerprint(
+    client_sizes: Sequence[int], partition: int, batch_size: int, algorithm: str, config: FederationConfig
+) -> dict[str, Any]:
+    """What a checkpoint records of its federation: the clients (:func:`clients_fingerprint`), the batch
+    size, the algorithm and how rounds are planned (seed, clients per round, phases)."""
+    return {
+        **clients_fingerprint(client_sizes, partition),
+        "batch_size": int(batch_size),
+        "algorithm": algorithm,
+        "seed": config.seed,
+        "clients_per_round": repr(config.clients_per_round),
+        "phases": repr(config.phases),
+    }
+
+
+def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
+    """``"<key> <saved> -> <current>"`` for each key of ``current`` the ``saved`` fingerprint records
+    with another value (``[]`` without a saved fingerprint)."""
+    if not saved:
+        return []
+    return [
+        f"{key} {saved[key]!r} -> {value!r}"
+        for key, value in current.items()
+        if key in saved and saved[key] != value
+    ]
+
+
 class Federation:
     """The federated state and the round state machine of one federated training.
 
@@ -163,6 +211,8 @@ class Federation:
         self.live_phase: Part | None = None
         self.timing = False
         """Measure each client's step times (``ClientResult.seconds``); set when a callback needs it."""
+        self.clock: Callable[[], float] = time.perf_counter
+        """What times the steps: wall-clock seconds; tests set a fake clock that their steps advance."""
         self.collective: Collective = Collective()
         """The processes the round's clients are sharded over (set by the distributed strategy)."""
         self._module: nn.Module | None = None
@@ -171,6 +221,8 @@ class Federation:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._plans: dict[int, RoundPlan] = {}
         self._average: WeightedAverage | None = None
+        self._local_average: WeightedAverage | None = None
+        """``first_state="average"``: the round's weighted sum of the participants' local tensors."""
         self._finished: list[ClientResult] = []
         self._live: _LiveClient | None = None
         self._eval_stash: list[Tensor] | None = None
@@ -320,33 +372,15 @@ class Federation:
     def fingerprint(self) -> dict[str, Any]:
         """What makes a checkpoint this federation's: its clients (count, sizes, which samples), the
         batch size, the algorithm and how rounds are planned (seed, clients per round, phases)."""
-        sizes = self._require_data()
-        return {
-            "num_clients": len(sizes),
-            "client_sizes": zlib.crc32(str(sizes).encode()),
-            "partition": self.partition,
-            "batch_size": self.batch_size,
-            "algorithm": self.algorithm.name,
-            "seed": self.config.seed,
-            "clients_per_round": repr(self.config.clients_per_round),
-            "phases": repr(self.config.phases),
-        }
+        return federation_fingerprint(
+            self._require_data(), self.partition, self.batch_size, self.algorithm.name, self.config
+        )
 
-    def federation_changes(self, num_clients: int | None = None) -> list[str]:
-        """How this run's federation differs from the one the loaded checkpoint was saved with (in
-        evaluation only the number of clients is known: ``num_clients``)."""
-        saved = self.saved_federation
-        if not saved:
-            return []
-        if num_clients is not None:
-            current = {"num_clients": num_clients}
-        else:
-            current = self.fingerprint()
-        return [
-            f"{key} {saved[key]!r} -> {value!r}"
-            for key, value in current.items()
-            if key in saved and saved[key] != value
-        ]
+    def federation_changes(self, current: Mapping[str, Any] | None = None) -> list[str]:
+        """How this run's federation differs from the one the loaded checkpoint was saved with: all of
+        :meth:`fingerprint`, or only the keys of ``current`` (in evaluation, the clients:
+        :func:`clients_fingerprint`)."""
+        return fingerprint_changes(self.saved_federation, self.fingerprint() if current is None else current)
 
     # ------------------------------------------------------------------ planning
     def plan(self, round_index: int, configure: Callable[[RoundPlan], RoundPlan] | None = None) -> RoundPlan:
@@ -375,7 +409,14 @@ class Federation:
         if self.store.sharded:
             self._lend_clients(plan)
         self._average = WeightedAverage(self.global_state) if self.shared_names and plan.aggregate else None
+        self._local_average = self._new_local_average(plan.aggregate)
         self._finished = []
+
+    def _new_local_average(self, aggregate: bool) -> WeightedAverage | None:
+        """A running average of the local part when untrained clients start from it (``first_state``)."""
+        if self.config.first_state != "average" or not aggregate or not self.local_names:
+            return None
+        return WeightedAverage(self.store.template)
 
     def load_client(self, client: int) -> None:
         """Make ``client`` live: the round's global shared part, its local part and, if kept, its
@@ -467,6 +508,8 @@ class Federation:
             return self._leave_out(client, steps, reason)
         if self._average is not None:
             self._average.add([tensors[n] for n in self.shared_names], self.weight_of(client))
+        if self._local_average is not None:
+            self._local_average.add([tensors[n] for n in self.local_names], self.weight_of(client))
         if self._before_round is not None and client not in self._before_round.clients:
             record = self.store.record(client)
             self._before_round.clients[client] = {
@@ -502,6 +545,7 @@ class Federation:
         torch.set_rng_state(before.rng)
         self.round_index, self.round_open = before.round_index, False
         self._average, self._finished, self._live, self.live_phase = None, [], None, None
+        self._local_average = None
         self._before_round = None
         self._write(self.shared_names, self.global_state)
         self._write(self.local_names, self.store.template)
@@ -545,6 +589,9 @@ class Federation:
             weight = self._average.weight
             self.global_state = self.algorithm.aggregate(self.global_state, self._average)
             aggregated = True
+        if self._local_average is not None and not self._local_average.empty:
+            # untrained clients read the template: it becomes the round's average of every local tensor
+            self.store.template = self._local_average.mean(self.store.template)
         elif self._average is not None and faults:
             warnings.warn(
                 f"Every client of round {self.round_index} was left out ({len(faults)} faults): the global state "
@@ -561,6 +608,7 @@ class Federation:
         self._write(self.shared_names, self.global_state)
         self.round_open = False
         self._average = None
+        self._local_average = None
         self._before_round = None
         result = RoundResult(
             self.round_index, self.plan(self.round_index), tuple(self._finished), aggregated, weight, faults
@@ -573,6 +621,8 @@ class Federation:
         what the others' clients did and now hold (one all-gather), so each holds every client."""
         if self._average is not None:
             self._average.load_flat(self.collective.all_reduce_sum(self._average.flat()))
+        if self._local_average is not None:
+            self._local_average.load_flat(self.collective.all_reduce_sum(self._local_average.flat()))
         store, me = self.store, self.collective.rank
         mine = [(asdict(r), to_cpu(store.record(r.client))) for r in self._finished]
         finished: dict[int, ClientResult] = {}
@@ -768,6 +818,7 @@ class Federation:
                 if self._eval_stash is not None
                 else [t.detach().clone() for t in self._tensors(self.shared_names + self.local_names)],
                 average=self._average.state_dict() if self._average is not None else None,
+                local_average=self._local_average.state_dict() if self._local_average is not None else None,
                 finished=[asdict(r) for r in self._finished],
                 live_counts=[live.steps, live.timed_steps, live.seconds] if live is not None else [],
                 live_fault=live.fault if live is not None else "",
@@ -818,6 +869,10 @@ class Federation:
         if round_state["average"] is not None:
             self._average = WeightedAverage(self.global_state)
             self._average.load_state_dict(round_state["average"])
+        self._local_average = None
+        if round_state.get("local_average") is not None:
+            self._local_average = WeightedAverage(self.store.template)
+            self._local_average.load_state_dict(round_state["local_average"])
         self._finished = [ClientResult(**r) for r in round_state.get("finished", [])]
         self._write(self.shared_names + self.local_names, round_state["live_tensors"])
         client = round_state["live_client"]
@@ -881,7 +936,7 @@ class Federation:
     def _clock(self) -> float:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        return time.perf_counter()
+        return self.clock()
 
     def _require_data(self) -> tuple[int, ...]:
         if self.client_sizes is None:

@@ -191,6 +191,15 @@ def broadcast_module_from_rank_zero(module: torch.nn.Module) -> None:
     _sync_module_states(module)
 
 
+def configured_optimizers(module: L.LightningModule) -> list[Any]:
+    """The optimizers ``module.configure_optimizers()`` returns (in any of the forms Lightning accepts), for
+    a call that configures none (validate, test)."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
+    return list(optimizers)
+
+
 def configured_learning_rate(module: L.LightningModule) -> float:
     """The learning rate of the first optimizer ``module.configure_optimizers()`` returns (in any of the
     forms Lightning accepts), for a call that configures none (validate, test)."""

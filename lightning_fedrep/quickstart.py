@@ -19,6 +19,7 @@ from pathlib import Path
 import lightning as L
 
 from lightning_fedrep import FederatedStrategy, RunSummary, report
+from lightning_fedrep.algorithms import epoch_settings
 from lightning_fedrep.data.digits import DigitsDataModule
 from lightning_fedrep.models import MLPClassifier
 from lightning_fedrep.quiet import quiet_unactionable_messages
@@ -32,7 +33,10 @@ def run(
     L.seed_everything(seed, verbose=False)
     data = DigitsDataModule(num_clients=20, classes_per_client=2, batch_size=10, seed=seed)
     strategy = FederatedStrategy(
-        algorithm=algorithm, clients_per_round=0.5, head_epochs=5, body_epochs=1, seed=seed
+        algorithm=algorithm,
+        clients_per_round=0.5,
+        seed=seed,
+        **epoch_settings(algorithm, head_epochs=5, body_epochs=1),
     )
     trainer = L.Trainer(
         strategy=strategy,

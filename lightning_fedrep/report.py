@@ -23,6 +23,8 @@ from typing import Any
 from lightning_fedrep.outputs import CLIENTS, HISTORY, PARTICIPATION, PARTITION, read_rows
 
 FIGURES = "figures"
+COUNTS = ("clients", "rounds", "samples")
+"""The y-axis labels of the figures that count things (their ticks are whole numbers)."""
 
 
 def _pyplot() -> Any:
@@ -52,11 +54,26 @@ def higher_is_better(metric: str) -> bool:
     return not words & {"loss", "error", "err", "mse", "mae", "ce", "nll", "rmse", "perplexity"}
 
 
-def run_label(run: Path) -> str:
-    """A run's name in a legend: its algorithm (from ``summary.json``) and its folder."""
+def run_label(run: Path, parents: int = 0) -> str:
+    """A run's name in a legend: its algorithm (from ``summary.json``) and its folder, with ``parents`` of
+    the folders above it (``exp1/fedrep``)."""
     summary = run / "summary.json"
     algorithm = json.loads(summary.read_text()).get("algorithm") if summary.is_file() else None
-    return f"{algorithm} ({run.name})" if algorithm and algorithm not in run.name else run.name
+    parts = run.resolve().parts
+    name = "/".join(parts[max(1, len(parts) - 1 - parents) :]) if len(parts) > 1 else str(run)
+    return f"{algorithm} ({name})" if algorithm and algorithm not in name else name
+
+
+def run_labels(runs: Sequence[Path]) -> list[str]:
+    """Every run's legend name (:func:`run_label`), told apart where they coincide: by as many parent
+    folders as it takes, then (the same folder given twice) by its position, ``#2``."""
+    labels = [run_label(run) for run in runs]
+    for parents in range(1, max(len(run.resolve().parts) for run in runs)):
+        repeated = {label for label in labels if labels.count(label) > 1}
+        if not repeated:
+            return labels
+        labels = [run_label(run, parents) if label in repeated else label for run, label in zip(runs, labels)]
+    return [label if labels[:i].count(label) == 0 else f"{label} #{i + 1}" for i, label in enumerate(labels)]
 
 
 def _columns(rows: list[dict[str, float]]) -> list[str]:
@@ -86,10 +103,12 @@ def _axes(plt: Any, title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if xlabel in ("round", "client"):
-        from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator
 
+    if xlabel in ("round", "client"):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if ylabel in COUNTS:  # no 0.5 of a client
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     return fig, ax
 
 
@@ -202,8 +221,8 @@ def overlay_figures(runs: Sequence[Path]) -> dict[str, Any]:
         if x == "sim/time" and not all(any(x in r for r in rows) for rows in histories.values()):
             continue
         fig, ax = _axes(plt, f"{metric} (client mean)", xlabel, metric)
-        for run, rows in histories.items():
-            _curve(ax, rows, x, metric, run_label(run), band=False)
+        for rows, label in zip(histories.values(), run_labels(list(histories))):
+            _curve(ax, rows, x, metric, label, band=False)
         ax.legend()
         fig.tight_layout()
         figures[stem] = fig
@@ -225,7 +244,10 @@ def save(figures: dict[str, Any], folder: Path) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:
     """``lightning-fedrep report RUN_DIR [RUN_DIR ...] [--out DIR]``."""
-    parser = argparse.ArgumentParser(prog="lightning-fedrep report", description=__doc__.splitlines()[0])
+    paragraphs = [" ".join(p.replace("``", "").split()) for p in __doc__.split("\n\n")]
+    parser = argparse.ArgumentParser(
+        prog="lightning-fedrep report", description=paragraphs[0], epilog=paragraphs[2]
+    )
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (each holding history.csv)")
     parser.add_argument(
         "--out",

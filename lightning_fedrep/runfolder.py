@@ -40,9 +40,18 @@ def folder_of_checkpoint(checkpoint: str | Path | None) -> Path | None:
     if checkpoint is None or str(checkpoint) in _NAMED_CHECKPOINTS:
         return None
     path = Path(checkpoint)
-    if path.is_file() and path.parent.name == CHECKPOINTS and (path.parent.parent / "config.yaml").is_file():
+    if path.is_file() and path.parent.name == CHECKPOINTS and has_config(path.parent.parent):
         return path.parent.parent
     return None
+
+
+def has_config(folder: Path) -> bool:
+    """Whether ``folder`` holds a run's ``config.yaml`` (or, for a run made before the command saved it in
+    the run folder with a TensorBoard or CSV logger, in a logger's folder: ``logs/fit``, ``lightning_logs/version_0``)."""
+    return (folder / "config.yaml").is_file() or any(
+        next(folder.glob(pattern), None) is not None
+        for pattern in (f"{LOGS}/*/config.yaml", "lightning_logs/*/config.yaml")
+    )
 
 
 def missing_checkpoint(checkpoint: str | Path | None) -> str | None:
@@ -133,7 +142,7 @@ def _first_free(folder: Path, first: str, nth: Callable[[int], str]) -> str:
 
 def config_filename(folder: Path, subcommand: str) -> str:
     """``config.yaml`` for a run's first call, ``config.<subcommand>[.n].yaml`` for later ones."""
-    if not (folder / "config.yaml").exists():
+    if not has_config(folder):
         return "config.yaml"
     return _first_free(folder, f"config.{subcommand}.yaml", lambda n: f"config.{subcommand}.{n}.yaml")
 

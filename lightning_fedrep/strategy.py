@@ -23,16 +23,50 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_fedrep import lightning_internals as internals
-from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase, get_algorithm, parse_phases
-from lightning_fedrep.arguments import check_bool, check_choice, check_clients_per_round, check_int
+from lightning_fedrep.algorithms import (
+    ALGORITHMS,
+    EPOCH_DEFAULTS,
+    Algorithm,
+    Phase,
+    get_algorithm,
+    parse_phases,
+)
+from lightning_fedrep.arguments import (
+    check_bool,
+    check_choice,
+    check_clients_per_round,
+    check_epoch_shorthands,
+    check_int,
+)
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
+from lightning_fedrep.checkpoints import (
+    CheckpointError,
+    check_federated_state,
+    check_version,
+    read_checkpoint,
+)
 from lightning_fedrep.collective import Collective, to_cpu
+from lightning_fedrep.data.labels import (
+    check_client_labels,
+    has_string_labels,
+    output_width,
+    string_labels_error,
+)
 from lightning_fedrep.data.loaders import ClientChunk, EvalLoader, RoundLoader
+from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.engine import LockstepEngine, LockstepPlan
 from lightning_fedrep.engine.evaluation import EVALUATION_CHUNK_SAMPLES, BatchedEvaluation, batched_evaluation
 from lightning_fedrep.engine.selection import build_engine, start_engine
-from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass
-from lightning_fedrep.federation import ClientFault, Federation, FederationConfig
+from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass, coverage_note
+from lightning_fedrep.federation import (
+    ClientFault,
+    Federation,
+    FederationConfig,
+    FederationMismatch,
+    clients_fingerprint,
+    federation_fingerprint,
+    fingerprint_changes,
+)
 from lightning_fedrep.history import LAST_ROUNDS
 from lightning_fedrep.hooks import FederatedCallback, LiveStep
 from lightning_fedrep.plan import RankShare, RoundPlan, plan_fingerprint, shard_round
@@ -65,6 +99,14 @@ class FederatedStrategyMixin:
         client_optimizer_state: ``"reset"`` gives every client a fresh optimizer state every round (the
             official FedRep recipe); ``"keep"`` keeps the optimizer state of each client's *local*
             part (its head, for FedRep) across rounds; the shared part's state restarts every round.
+        first_state: where a client that has not trained yet starts its local part (its head, for
+            FedRep; LG-FedAvg's local representation), and what it is evaluated with until it trains:
+            ``"initial"``, the module's initial values; ``"average"``, the weighted average of that part
+            over the last aggregated round's clients (the official FedRep/FLUTE/SRPFL code, whose clients
+            alias the global model into which every key, heads included, is averaged each round).
+        evaluate_clients: validation and test score only the first this many clients (ids ``0 .. N-1``);
+            ``None``: every client. The official ``main_local.py`` (Local Only) scores the first
+            ``min(100, n)`` clients with an unweighted mean (``val/acc``).
         buffers: ``"shared"``: buffers (BatchNorm statistics) follow the body, averaged when the
             algorithm shares the body; ``"local"`` keeps them per client for every algorithm (FedBN).
         allow_frozen: keep parameters that are frozen at setup fixed, instead of raising.
@@ -91,10 +133,12 @@ class FederatedStrategyMixin:
             checkpointed), and runs sequentially where the engine would gain nothing.
         engine_width: at most this many clients train together; ``None``: a round's clients, as many as
             ``engine_memory`` allows.
-        predict: whose model ``trainer.predict`` runs on a federated data module's batches (each client's
-            test samples): ``"new_client"``, the model a client that never trained gets (global body,
-            initial head); ``"personalized"``, each batch's client's own model.
-            ``prediction_clients`` lists the client of each batch.
+        predict: whose model ``trainer.predict`` runs: ``"personalized"``, each batch's client's own model
+            (needs a federated data module's batches: each client's test samples, client after client);
+            ``"new_client"``, the model a client that never trained gets (global body, initial head);
+            ``"auto"``, personalized where the batches carry their clients (a federated data module), else
+            new_client. A log line says which ran; ``prediction_mode`` holds it and
+            ``prediction_clients`` the client of each batch.
         engine_memory: bytes a lockstep group may take (tensors, gradients, optimizer state, one step's
             activations, cached features, per client); ``None``: half a GPU's free memory, a quarter of
             the host's RAM.
@@ -111,6 +155,8 @@ class FederatedStrategyMixin:
         phases: Sequence[Phase | dict] | None = None,
         weighting: Literal["samples", "uniform"] = "samples",
         client_optimizer_state: Literal["reset", "keep"] = "reset",
+        first_state: Literal["initial", "average"] = "initial",
+        evaluate_clients: int | None = None,
         buffers: Literal["shared", "local"] = "shared",
         allow_frozen: bool = False,
         seed: int = 0,
@@ -121,7 +167,7 @@ class FederatedStrategyMixin:
         engine: Literal["auto", "vectorized", "sequential"] = "auto",
         engine_width: int | None = None,
         engine_memory: int | None = None,
-        predict: Literal["new_client", "personalized"] = "new_client",
+        predict: Literal["auto", "new_client", "personalized"] = "auto",
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -139,8 +185,14 @@ class FederatedStrategyMixin:
         ):
             check_bool(name, flag)
         check_int("seed", seed)
-        check_choice("predict", predict, ("new_client", "personalized"))
+        check_choice("predict", predict, ("auto", "new_client", "personalized"))
+        check_choice("first_state", first_state, ("initial", "average"))
+        if evaluate_clients is not None:
+            check_int("evaluate_clients", evaluate_clients, minimum=1)
+        self.evaluate_clients = evaluate_clients
         self.predict = predict
+        self.prediction_mode: str | None = None
+        """Whose model the last ``trainer.predict`` ran: ``"personalized"`` or ``"new_client"``."""
         self.prediction_clients: list[int] = []
         """After ``trainer.predict`` on a federated data module: the client of each predicted batch, in
         the order of the returned predictions."""
@@ -149,6 +201,13 @@ class FederatedStrategyMixin:
         resolved = get_algorithm(algorithm)
         # a registered algorithm is shared by name: each strategy gets its own copy of its server state
         self.algorithm: Algorithm = copy.deepcopy(resolved) if isinstance(algorithm, str) else resolved
+        check_epoch_shorthands(
+            self.algorithm,
+            phases is not None,
+            {"head_epochs": head_epochs, "body_epochs": body_epochs, "local_epochs": local_epochs},
+            EPOCH_DEFAULTS,
+            owner=type(self).__name__,
+        )
         if buffers not in ("shared", "local"):
             raise ValueError(f"buffers must be 'shared' or 'local', got {buffers!r}.")
         if engine not in ("auto", "vectorized", "sequential"):
@@ -175,6 +234,7 @@ class FederatedStrategyMixin:
             clients_per_round=clients_per_round,
             weighting=weighting,
             client_optimizer_state=client_optimizer_state,
+            first_state=first_state,
             seed=seed,
             on_nonfinite=on_nonfinite,
             on_client_error=on_client_error,
@@ -198,6 +258,8 @@ class FederatedStrategyMixin:
         self._round_start_loops: dict[str, Any] | None = None
         self._validated_round = -1
         self._restored = False
+        self._labels_checked: set[str] = set()
+        self._checkpoint_path: Any = None
 
     # ------------------------------------------------------------------ public accessors
     @property
@@ -331,6 +393,7 @@ class FederatedStrategyMixin:
         """Called first in every ``fit``/``validate``/``test``: resolve the body/head split."""
         super().connect(model)
         self._restored = False
+        self._labels_checked: set[str] = set()
         internals.replace_default_progress_bar(model.trainer, FederatedProgressBar)
         if any(True for _ in model.parameters()):  # else the module builds its layers in configure_model
             self._resolve_layout(model)
@@ -414,17 +477,29 @@ class FederatedStrategyMixin:
         """Called for each data iterable Lightning loads: bind the training ``RoundLoader`` to the round
         plans; remember the evaluation loader."""
         if self.lightning_module.trainer.state.fn == "predict":
+            self._predict_loader = None
             if isinstance(dataloader, EvalLoader):
+                if self.federation is not None and self.federation.client_sizes is None:  # predict alone
+                    self._check_same_federation(
+                        self.federation.federation_changes(self._evaluated_clients(dataloader))
+                    )
                 dataloader.chunk(None)
                 self._predict_loader = dataloader
+                _warn_clients_without_data(dataloader)
             return dataloader
         if isinstance(dataloader, RoundLoader):
+            self._check_labels(dataloader)
             federation = self.require_federation()
             federation.bind_data(
                 dataloader.client_sizes(), dataloader.batch_size, dataloader.partition_checksum()
             )
             self._check_same_federation(federation.federation_changes())
             trainer = self.lightning_module.trainer
+            if self.round_plan(trainer.current_epoch).length == 0:  # before the engine's probe
+                raise ValueError(
+                    "The round plan is empty: every phase has a zero budget (head_epochs, body_epochs, "
+                    "local_epochs or phases=). Give at least one phase epochs or steps > 0."
+                )
             if self._engine is not None:
                 self._engine = start_engine(
                     self._engine,
@@ -437,16 +512,16 @@ class FederatedStrategyMixin:
                     collective=self.collective,
                 )
             dataloader.bind(lambda: self._training_schedule(trainer.current_epoch))
-            if self.round_plan(trainer.current_epoch).length == 0:
-                raise ValueError(
-                    "The round plan is empty: every phase has a zero budget. Give epochs or steps > 0."
-                )
             return dataloader
         if isinstance(dataloader, EvalLoader):
+            if self.evaluate_clients is not None:
+                dataloader.keep_first(self.evaluate_clients)
             self._eval_loader = dataloader
+            _warn_clients_without_data(dataloader)
+            self._check_labels(dataloader)
             if self.federation is not None and self.federation.client_sizes is None:  # validate/test alone
                 self._check_same_federation(
-                    self.federation.federation_changes(num_clients=dataloader.num_clients)
+                    self.federation.federation_changes(self._evaluated_clients(dataloader))
                 )
             if self.collective.distributed:
                 sharded = (
@@ -458,7 +533,11 @@ class FederatedStrategyMixin:
             self._batched_evaluation = None
             if self.engine != "sequential" and self.headline_metrics and self.federation is not None:
                 self._batched_evaluation = batched_evaluation(
-                    self.lightning_module, self.federation, dataloader, self.root_device
+                    self.lightning_module,
+                    self.federation,
+                    dataloader,
+                    self.root_device,
+                    self.lightning_module.trainer.precision_plugin.convert_input,
                 )
             smoke = self.lightning_module.trainer.fast_dev_run  # one chunk is the pass: keep it a batch
             chunk = dataloader.batch_size if smoke else EVALUATION_CHUNK_SAMPLES
@@ -470,13 +549,46 @@ class FederatedStrategyMixin:
             "lightning_fedrep.FederatedDataModule(train_set, test_set, partitioner=...) and pass it as datamodule=."
         )
 
+    def _check_labels(self, loader: RoundLoader | EvalLoader) -> None:
+        """Refuse string labels, and labels the model cannot score (at or above its number of outputs on a
+        probe batch, or the data module's ``num_classes``), naming the client: once per split and call."""
+        split = "train" if isinstance(loader, RoundLoader) else loader.stage
+        if split in self._labels_checked or not loader.clients:
+            return
+        self._labels_checked.add(split)
+        with torch.random.fork_rng(devices=[]):  # fetching a probe batch may draw from the global RNG
+            probe = (
+                next(iter(loader.client_batches(0, 0, 0, 1)), None)
+                if isinstance(loader, RoundLoader)
+                else loader.first_batch()
+            )
+        if isinstance(probe, list | tuple) and len(probe) == 2 and has_string_labels(probe[1]):
+            first = "client 0" if isinstance(loader, RoundLoader) else "the first client"
+            raise string_labels_error(f"The {split} data of {first}", probe[1][0])
+        num_classes = (  # headline_metrics=False: model(x) may not be class scores
+            output_width(self.lightning_module, probe, self.root_device) if self.headline_metrics else None
+        )
+        source = "the model outputs"
+        if num_classes is None:
+            declared = getattr(self.lightning_module.trainer.datamodule, "num_classes", None)
+            if isinstance(declared, int) and not isinstance(declared, bool):
+                num_classes, source = declared, "the data module declares"
+        if num_classes is None:
+            return
+        unchecked = check_client_labels(loader.clients, split, num_classes, source)
+        if unchecked:
+            rank_zero_info(
+                f"lightning_fedrep: {split} labels not checked against the {num_classes} classes: "
+                f"{', '.join(sorted(set(unchecked)))} stores no `targets` (one out of range fails at its step)."
+            )
+
     def _check_same_federation(self, changes: list[str]) -> None:
         """Refuse data or settings other than the checkpoint's (another federation's heads would be handed
         to these clients), unless ``allow_new_federation``: then these clients start from the global state."""
         if not changes:
             return
         if not self.allow_new_federation:
-            raise ValueError(
+            raise FederationMismatch(
                 f"The checkpoint was saved by another federation than this run's ({'; '.join(changes)}). Resume or "
                 "evaluate it with the same data module (clients, partition, batch size) and strategy settings "
                 "(algorithm, seed, clients_per_round, phases), or pass allow_new_federation=True to start these "
@@ -487,6 +599,46 @@ class FederatedStrategyMixin:
             "checkpoint's global state and the initial local part."
         )
         self.federation.adopt_new_federation()
+
+    def _evaluated_clients(self, loader: EvalLoader) -> dict[str, Any]:
+        """The clients a validate/test/predict alone evaluates, as a checkpoint's fingerprint records them:
+        the data module's training clients (number, sizes, partition); only their number for data that do
+        not come from a ``FederatedDataModule`` (a log line says so)."""
+        clients = _training_clients(self.lightning_module.trainer.datamodule)
+        if clients is None:
+            rank_zero_info(
+                "The evaluated data do not come from a FederatedDataModule with training clients: only their "
+                "number is compared with the checkpoint's federation, not their partition."
+            )
+            return {"num_clients": loader.num_clients}
+        return clients
+
+    def checkpoint_changes(self, checkpoint: dict[str, Any], datamodule: Any, stage: str) -> list[str]:
+        """How ``datamodule``'s clients (and, to resume a ``fit``, this strategy's settings) differ from the
+        federation ``checkpoint`` was saved by: what ``trainer.<stage>(ckpt_path=...)`` checks when the data
+        are loaded, answered before anything runs (the command asks it before it writes anything).
+
+        Raises:
+            FederationMismatch: they differ and ``allow_new_federation`` is not set.
+        """
+        saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("federation")
+        if not saved or not isinstance(datamodule, FederatedDataModule):
+            return []
+        if stage == "fit":
+            loader = datamodule.train_dataloader()
+            current = federation_fingerprint(
+                loader.client_sizes(),
+                loader.partition_checksum(),
+                loader.batch_size,
+                self.algorithm.name,
+                self.config,
+            )
+        else:
+            current = _training_clients(datamodule) or {"num_clients": datamodule.num_clients}
+        changes = fingerprint_changes(saved, current)
+        if changes and not self.allow_new_federation:
+            self._check_same_federation(changes)
+        return changes
 
     def _training_schedule(self, round_index: int) -> RoundPlan | LockstepPlan | RankSchedule:
         plan = self.round_plan(round_index)
@@ -737,8 +889,19 @@ class FederatedStrategyMixin:
 
     @override
     def on_predict_start(self) -> None:
-        """Called before predicting: the model a new client gets (global shared part, initial local part);
-        for a client's personalized predictions use ``client_model(i)``."""
+        """Called before predicting (after the data is loaded): decide whose model predicts (``predict``),
+        say it in a log line, and load the model a new client gets (global shared part, initial local part)."""
+        federated = self._predict_loader is not None
+        mode = ("personalized" if federated else "new_client") if self.predict == "auto" else self.predict
+        if mode == "personalized" and not federated:
+            raise ValueError(
+                "predict='personalized' predicts each batch with its client's own model, but these batches carry "
+                "no client (they do not come from a FederatedDataModule). Predict with datamodule=<the federated "
+                "data module> (each client's test samples), use strategy.client_model(i) for client i's model, or "
+                "pass predict='new_client' (or 'auto')."
+            )
+        self.prediction_mode = mode
+        rank_zero_info(f"trainer.predict (predict={self.predict!r}): {_PREDICTION_MODES[mode]}.")
         if self.federation is not None and self.federation.has_state:
             self.federation.load_personalized(-1)
         self.prediction_clients = []
@@ -754,7 +917,7 @@ class FederatedStrategyMixin:
             batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
             client = loader.client_of(batch_idx)
             self.prediction_clients.append(client)
-            if self.predict == "personalized" and client != self._predicting_client:
+            if self.prediction_mode == "personalized" and client != self._predicting_client:
                 self.require_federation().load_personalized(client)
                 self._predicting_client = client
         return super().predict_step(*args, **kwargs)
@@ -808,6 +971,8 @@ class FederatedStrategyMixin:
             self.client_metrics["sanity" if trainer.sanity_checking else evaluation.stage] = (
                 evaluation.metrics
             )
+        if not trainer.sanity_checking:
+            self._warn_partial_pass(evaluation)
         broken = sorted(
             {
                 c
@@ -860,6 +1025,21 @@ class FederatedStrategyMixin:
                 sync_dist=self.collective.distributed,
                 **options,
             )
+
+    def _warn_partial_pass(self, evaluation: EvaluationPass) -> None:
+        """Say which clients a pass cut short (``limit_val_batches``, ``fast_dev_run``) evaluated: its
+        summaries describe them, not the federation."""
+        loader, trainer = self._eval_loader, self.lightning_module.trainer
+        limit = "limit_val_batches" if evaluation.stage == "val" else "limit_test_batches"
+        batches = trainer.num_val_batches if evaluation.stage == "val" else trainer.num_test_batches
+        ran = batches[0] if batches else None
+        if loader is None or ran is None or ran >= len(loader):
+            return
+        cause = "fast_dev_run" if trainer.fast_dev_run else f"{limit}={getattr(trainer, limit)}"
+        expected = {c: len(data) for c, data in enumerate(loader.clients) if len(data)}
+        note = coverage_note(evaluation.stage, dict(evaluation.metrics.samples), expected, cause)
+        if note is not None:
+            rank_zero_warn(note)
 
     def _gather_evaluation(self, evaluation: EvaluationPass) -> None:
         """Every process's per-client sums in one table on every process (one all-gather)."""
@@ -937,8 +1117,14 @@ class FederatedStrategyMixin:
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Called first when restoring from ``ckpt_path``: keep the federation's state for the loads below."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        load = super().load_checkpoint
+        checkpoint = read_checkpoint(
+            checkpoint_path, lambda: load(checkpoint_path, weights_only=weights_only)
+        )
         self._pending = checkpoint.get(CHECKPOINT_KEY)
+        self._checkpoint_path = checkpoint_path
+        if self._pending is not None:
+            check_version(self._pending, checkpoint_path)
         if self._pending is not None and "interrupted_on_rank" in self._pending:
             raise ValueError(
                 f"{checkpoint_path} was written by rank {self._pending['interrupted_on_rank']} alone when a run on "
@@ -946,6 +1132,7 @@ class FederatedStrategyMixin:
                 "from a checkpoint written at the end of a round (or mid-round by ModelCheckpoint)."
             )
         if self._pending is None:
+            _refuse_plain_checkpoint_in_fit(self.lightning_module, checkpoint, checkpoint_path)
             rank_zero_info(
                 "The checkpoint has no federated state; every client starts from the module's head."
             )
@@ -959,6 +1146,14 @@ class FederatedStrategyMixin:
         if self.federation is None:
             self._resolve_layout(self.lightning_module)
         if self._pending is not None:
+            module = self.lightning_module
+            check_federated_state(
+                self._pending,
+                {**dict(module.named_buffers()), **dict(module.named_parameters())},
+                self.federation.shared_names,
+                self.federation.local_names,
+                self._checkpoint_path,
+            )
             self.federation.load_state_dict(self._pending, self.lightning_module.device)
 
     @override
@@ -1015,6 +1210,62 @@ class FederatedStrategyMixin:
         return state
 
 
+def _training_clients(datamodule: Any) -> dict[str, Any] | None:
+    """The fingerprint of a ``FederatedDataModule``'s training clients (``None`` for other data, or a
+    data module without training data)."""
+    if not isinstance(datamodule, FederatedDataModule):
+        return None
+    try:
+        loader = datamodule.train_dataloader()
+    except ValueError:  # evaluation data only
+        return None
+    return clients_fingerprint(loader.client_sizes(), loader.partition_checksum())
+
+
+_PREDICTION_MODES = {
+    "personalized": "personalized predictions, each batch on its client's own model (the global body and the "
+    "client's head); strategy.prediction_clients gives each batch's client",
+    "new_client": "new-client predictions, every batch on the model a client that never trained gets (the "
+    "global body and the initial head), not on the clients' personalized models",
+}
+
+
+def _warn_clients_without_data(loader: EvalLoader) -> None:
+    """Clients without samples in an evaluation (or prediction) split are left out: say which."""
+    empty = [c for c, data in enumerate(loader.clients) if not len(data)]
+    if not empty:
+        return
+    shown = str(empty) if len(empty) <= 10 else f"{empty[:10]} ..."
+    what = (
+        "get no predictions"
+        if loader.stage == "predict"
+        else f"are left out of {loader.stage}/acc and every {loader.stage} summary over clients"
+    )
+    rank_zero_warn(
+        f"{loader.stage}: {len(empty)} of {loader.num_clients} clients have no {loader.stage} samples and {what}: "
+        f"clients {shown}. Give every client evaluation data (more test samples, val_fraction, another "
+        "partition) to evaluate the whole federation."
+    )
+
+
+def _refuse_plain_checkpoint_in_fit(
+    module: L.LightningModule | None, checkpoint: dict[str, Any], path: Any
+) -> None:
+    """A checkpoint of a plain (non-federated) fit resumed into a federated fit would carry its epoch counter
+    over as rounds already done (``max_epochs=3`` after 1 epoch: 2 rounds); refuse it, saying how to start
+    from its weights. Evaluating it (``validate``/``test``) is fine: every client gets its model."""
+    if module is None or module._trainer is None or module.trainer.state.fn != "fit":
+        return
+    epochs = checkpoint.get("epoch", 0)
+    raise CheckpointError(
+        f"The checkpoint {path} has no federated state: it was written by a fit without a federated strategy "
+        f"(after {epochs} epoch(s)), and resuming it would count those epochs as federated rounds already done. "
+        "To start a federated training from its weights, load them into the module and fit without ckpt_path: "
+        "model = MyModule.load_from_checkpoint(path) (or model.load_state_dict(torch.load(path)['state_dict'])), "
+        "then trainer.fit(model, datamodule=...)."
+    )
+
+
 def _check_head(head: Any) -> None:
     valid = head is None or isinstance(head, str | re.Pattern)
     if isinstance(head, Sequence) and not isinstance(head, str):
@@ -1037,7 +1288,7 @@ class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
 
     Takes every federated setting of :class:`FederatedStrategyMixin` (``head``, ``algorithm``,
     ``clients_per_round``, ``head_epochs``, ``body_epochs``, ``local_epochs``, ``phases``, ``weighting``,
-    ``client_optimizer_state``, ``buffers``, ``allow_frozen``, ``seed``, ``headline_metrics``, ``engine``,
+    ``client_optimizer_state``, ``first_state``, ``evaluate_clients``, ``buffers``, ``allow_frozen``, ``seed``, ``headline_metrics``, ``engine``,
     ``engine_width``, ``engine_memory``), and:
 
     Args:

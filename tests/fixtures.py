@@ -18,7 +18,6 @@ from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule
 from lightning_fedrep.data.partition import ShardPartitioner
-from lightning_fedrep.plan import round_generator
 
 
 class TinyNet(L.LightningModule):
@@ -97,6 +96,46 @@ def quiet_trainer(**kwargs) -> L.Trainer:
     return L.Trainer(**defaults)
 
 
+# ----------------------------------------------------------------------------- the seeding and sampling rules, restated
+
+# The reference loops use these restatements, never the library's ``round_generator``/``sample_clients``,
+# so a sampler or seeding bug cannot hide in both (``tests/test_claims.py`` checks the library's sampler
+# equals ``reference_clients`` and is uniform). Tests that still call library code for a rule they rely on,
+# and why (no independent reference is possible or the helper is itself the unit under test):
+# ``plan_round``/``shard_round``/``plan_fingerprint`` (test_sharding, test_federation: unit tests of those
+# functions against hand-computed step counts), ``WeightedAverage`` (its own unit tests against hand sums),
+# ``summarize`` (test_evaluation: closed form), ``principal_angle_distance``/``method_of_moments_init``
+# (measurement and initialisation applied to both the library's run and the reference, not the rule under
+# test; ``benchmarks/fedrep/reference_linear.py`` has its own distance), the data modules and models
+# (inputs, not rules), and the collapse metrics (rewritten separately).
+
+
+def reference_generator(seed: int, *keys: int) -> torch.Generator:
+    """The seeding rule of every draw (sampling, shuffles, validation splits), restated: start from
+    ``seed mod 2**32``, fold in each key ``k`` as ``v -> (1_000_003 * v + k + 1) mod (2**61 - 1)``, and
+    seed a CPU ``torch.Generator`` with ``v``."""
+    value = seed % 2**32
+    for key in keys:
+        value = (1_000_003 * value + key + 1) % (2**61 - 1)
+    generator = torch.Generator()
+    generator.manual_seed(value)
+    return generator
+
+
+def reference_clients(num_clients: int, count: int | float, seed: int, round_index: int) -> list[int]:
+    """Client sampling as the README states it, restated: ``count`` of ``num_clients`` clients uniformly
+    without replacement, seeded by ``(seed, round)`` — the first ``count`` entries of a random permutation
+    drawn with ``reference_generator(seed, round)`` — in increasing order (all clients when ``count`` is
+    all of them)."""
+    if isinstance(count, float):  # a fraction of the clients, rounded to the nearest count
+        count = max(1, int(round(count * num_clients)))
+    assert isinstance(count, int) and 1 <= count <= num_clients, "give a client count or a fraction"
+    if count == num_clients:
+        return list(range(num_clients))
+    permutation = torch.randperm(num_clients, generator=reference_generator(seed, round_index))
+    return sorted(int(c) for c in permutation[:count])
+
+
 # ----------------------------------------------------------------------------- reference loops' batches
 
 HEAD = ("classifier.weight", "classifier.bias")
@@ -109,7 +148,7 @@ def client_batches(dm, seed, round_index, client, num_steps):
     per_epoch = math.ceil(len(data) / dm.batch_size)
     for step in range(num_steps):
         epoch_pass, j = divmod(step, per_epoch)
-        perm = torch.randperm(len(data), generator=round_generator(seed, round_index, client, epoch_pass))
+        perm = torch.randperm(len(data), generator=reference_generator(seed, round_index, client, epoch_pass))
         idx = data.indices[perm[j * dm.batch_size : (j + 1) * dm.batch_size]]
         yield x[idx], y[idx]
 

@@ -8,14 +8,20 @@ that the README's table is what this module prints:
 A case is Python code run with the names below: ``train``/``test`` are small data sets, ``fit(...)``
 runs one round of the tiny model on an 8-client federation (``strategy=``, ``datamodule=``,
 ``callbacks=``, Trainer flags), so "when" says whether it fails at construction or at the fit's set-up
-(before any training step).
+(before any training step); ``evaluate(datamodule, call)`` runs ``trainer.test`` (or ``call``) of a
+checkpoint of such a fit on ``datamodule``.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import torch  # noqa: F401  (a case's code uses it)
+from torch.utils.data import TensorDataset
 
 from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     AdaptiveParticipation,
@@ -59,6 +65,29 @@ def fit(strategy: Any = None, datamodule: Any = None, callbacks: Any = (), **fla
     trainer.fit(TinyNet(), datamodule=datamodule or tiny_datamodule())
 
 
+def evaluate(datamodule: Any, call: str = "test") -> None:
+    """``trainer.<call>(ckpt_path=...)`` on ``datamodule`` of a checkpoint of one round on 8 clients."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "8_clients.ckpt"
+        trainer = quiet_trainer(strategy=FedRepStrategy(head="classifier"), max_epochs=1, limit_val_batches=0)
+        trainer.fit(TinyNet(), datamodule=tiny_datamodule())
+        trainer.save_checkpoint(path)
+        run = getattr(quiet_trainer(strategy=FedRepStrategy(head="classifier")), call)
+        run(TinyNet(), datamodule=datamodule, ckpt_path=path)
+
+
+def shifted(dataset: TensorDataset, by: int) -> TensorDataset:
+    """``dataset`` with every label raised by ``by``."""
+    return TensorDataset(dataset.tensors[0], dataset.tensors[1] + by)
+
+
+def named(dataset: TensorDataset) -> TensorDataset:
+    """``dataset`` with class names as labels (its ``targets``)."""
+    relabelled = TensorDataset(*dataset.tensors)
+    relabelled.targets = [("north", "east", "south", "west")[int(y)] for y in dataset.tensors[1]]
+    return relabelled
+
+
 S = 'fit(FedRepStrategy(head="classifier", '
 
 CASES = [
@@ -78,9 +107,12 @@ CASES = [
     Refused("FedRepStrategy(seed=0.5)", TypeError, "seed"),
     Refused('FedRepStrategy(weighting="size")', ValueError, "weighting"),
     Refused('FedRepStrategy(client_optimizer_state="persist")', ValueError, "client_optimizer_state"),
+    Refused('FedRepStrategy(first_state="global")', ValueError, "first_state"),
+    Refused("FedRepStrategy(evaluate_clients=0)", ValueError, "evaluate_clients"),
     Refused('FedRepStrategy(buffers="mine")', ValueError, "buffers"),
     Refused('FedRepStrategy(on_nonfinite="ignore")', ValueError, "on_nonfinite"),
     Refused('FedRepStrategy(on_client_error="retry")', ValueError, "on_client_error"),
+    Refused('FedRepStrategy(predict="everyone")', ValueError, "predict"),
     Refused('FedRepStrategy(allow_frozen="yes")', TypeError, "allow_frozen"),
     Refused('FedRepStrategy(engine="fast")', ValueError, "engine"),
     Refused("FedRepStrategy(engine_width=0)", ValueError, "engine_width"),
@@ -89,10 +121,16 @@ CASES = [
     Refused('FedRepStrategy(phases=[{"train": "head", "epochs": 1, "steps": 2}])', ValueError, "phases"),
     Refused('FedRepStrategy(phases=[{"train": "head", "epoch": 1}])', TypeError, "phases"),
     Refused("FedRepStrategy(phases=[])", ValueError, "phases"),
+    Refused('FedRepStrategy(algorithm="fedavg", head_epochs=5)', ValueError, "head_epochs"),
+    Refused("FedRepStrategy(local_epochs=3)", ValueError, "local_epochs"),
+    Refused(
+        'FedRepStrategy(phases=[{"train": "all", "epochs": 1}], head_epochs=2)', ValueError, "head_epochs"
+    ),
     Refused('FederatedDDPStrategy(client_store="mine")', ValueError, "client_store"),
     Refused("FederatedDDPStrategy(timeout=0)", ValueError, "timeout"),
     Refused(S + "clients_per_round=1e-9))", ValueError, "clients_per_round", "set-up"),
     Refused(S + "clients_per_round=9))", ValueError, "clients_per_round", "set-up"),
+    Refused(S + "head_epochs=0, body_epochs=0))", ValueError, "head_epochs", "set-up"),
     Refused('fit(FedRepStrategy(head="body.1"))', SplitError, "head", "set-up"),
     Refused('fit(FedRepStrategy(head="classifer"))', SplitError, "head", "set-up"),
     Refused("fit(devices=2)", ValueError, "devices", "set-up"),
@@ -100,6 +138,8 @@ CASES = [
     Refused("fit(accumulate_grad_batches=2)", ValueError, "accumulate_grad_batches", "set-up"),
     Refused("fit(limit_train_batches=0.5)", ValueError, "limit_train_batches", "set-up"),
     Refused("fit(overfit_batches=2)", ValueError, "overfit_batches", "set-up"),
+    Refused("evaluate(tiny_datamodule(classes_per_client=4))", ValueError, "partition", "set-up"),
+    Refused('evaluate(tiny_datamodule(num_clients=4), "predict")', ValueError, "num_clients", "set-up"),
     # data
     Refused(
         "FederatedDataModule(train, test, ShardPartitioner(4, 2), batch_size=0)", ValueError, "batch_size"
@@ -123,14 +163,32 @@ CASES = [
         "FederatedDataModule(train, test, ShardPartitioner(4, 2), num_workers=-1)", ValueError, "num_workers"
     ),
     Refused('FederatedDataModule(train, test, partitioner="shards")', TypeError, "partitioner"),
+    Refused(
+        "FederatedDataModule(train, test, ShardPartitioner(4, 2), max_train_samples=0)",
+        ValueError,
+        "max_train_samples",
+    ),
     Refused("ShardPartitioner(num_clients=0, classes_per_client=2)", ValueError, "num_clients"),
     Refused("ShardPartitioner(num_clients=4, classes_per_client=0)", ValueError, "classes_per_client"),
+    Refused('ShardPartitioner(4, 2, assignment="multiset")', ValueError, "assignment"),
     Refused("DirichletPartitioner(4, alpha=0)", ValueError, "alpha"),
     Refused("DirichletPartitioner(4, alpha=nan)", ValueError, "alpha"),
     Refused("IIDPartitioner(num_clients=2.5)", ValueError, "num_clients"),
     Refused("DigitsDataModule(test_fraction=1.0)", ValueError, "test_fraction"),
     Refused("LowRankLinearDataModule(dim=20, rank=30)", ValueError, "rank"),
     Refused("LowRankLinearDataModule(noise_std=nan)", ValueError, "noise_std"),
+    Refused(
+        "fit(datamodule=FederatedDataModule(shifted(train, 4), shifted(test, 4), ShardPartitioner(8, 2)))",
+        ValueError,
+        "label",
+        "set-up",
+    ),
+    Refused(
+        "fit(datamodule=FederatedDataModule(named(train), test, ShardPartitioner(8, 2)))",
+        TypeError,
+        "train_set",
+        "set-up",
+    ),
     # callbacks
     Refused("HeadFineTuning(epochs=0)", ValueError, "epochs"),
     Refused('HeadFineTuning(mode="body")', ValueError, "mode"),
@@ -156,6 +214,8 @@ CASES = [
     Refused('FineTunedEvaluation(start="global")', ValueError, "start"),
     Refused("FineTunedEvaluation(lr=0)", ValueError, "lr"),
     Refused('FineTunedEvaluation(stages=["fit"])', ValueError, "stages"),
+    Refused('FineTunedEvaluation(optimizer="adam")', ValueError, "optimizer"),
+    Refused("FineTunedEvaluation(optimizer=torch.optim.Adam, lr=0.1)", ValueError, "lr"),
     Refused("fit(callbacks=[FineTunedEvaluation()])", ValueError, "fedrep_loss", "set-up"),
     Refused('fit(callbacks=[OrthonormalBody("classifier.bias")])', ValueError, "parameter", "set-up"),
     Refused('EMNISTDataModule(split="letters", first_classes=27)', ValueError, "first_classes"),

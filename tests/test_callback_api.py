@@ -23,8 +23,14 @@ from lightning_fedrep import (
     personalized_state_dict,
 )
 from lightning_fedrep.participation import AdaptiveParticipation, FixedExponential
-from lightning_fedrep.plan import sample_clients
-from tests.fixtures import MarkedTinyNet, TinyNet, client_batches, quiet_trainer, tiny_datamodule
+from tests.fixtures import (
+    MarkedTinyNet,
+    TinyNet,
+    client_batches,
+    quiet_trainer,
+    reference_clients,
+    tiny_datamodule,
+)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_fedrep"
 
@@ -52,7 +58,7 @@ class Trained(FederatedCallback):
 
 
 def test_two_callbacks_that_change_the_plan_compose_in_callback_order():
-    pools = {r: sample_clients(8, 6, 3, r) for r in range(3)}
+    pools = {r: reference_clients(8, 6, 3, r) for r in range(3)}
     for order, expected in (
         ("even-then-two", {r: [c for c in p if c % 2 == 0][:2] for r, p in pools.items()}),
         ("two-then-even", {r: [c for c in p[:2] if c % 2 == 0] for r, p in pools.items()}),
@@ -149,7 +155,7 @@ def plain_fedprox(init, dm, rounds, per_round, seed, mu):
     global_state = {k: v.clone() for k, v in init.state_dict().items()}
     for r in range(rounds):
         total, weight = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in global_state.items()}, 0.0
-        for cid in sample_clients(dm.num_clients, per_round, seed, r):
+        for cid in reference_clients(dm.num_clients, per_round, seed, r):
             model = copy.deepcopy(init)
             model.load_state_dict(global_state)
             opt = model.configure_optimizers()

@@ -199,62 +199,75 @@ def r_torch_reference(w, mask):
 
 @pytest.mark.parametrize("schedule", ["all", "head_then_body"])
 def test_penalties_and_server_step_match_plain_pytorch(schedule):
-    """One round, one client, full batch, plain SGD: the strategy + NeuralCollapse give the same weights
-    as a hand-written step on CE + λR + μ||W||^2 (+ ν||φ||^2 when the body trains), then the server step."""
+    """One round, two participants, full batch, plain SGD: the strategy + NeuralCollapse give the same
+    weights as a hand-written step on CE + λR + μ||W||^2 (+ ν||φ||^2 when the body trains) per client,
+    the sample-weighted mean of the two bodies, then the server step ``W_i - lr/|S_t| ∇R(W_i)`` (the
+    official ``ServerUpdateNC2``: the mean of R over the participants). Catches a server step that sums
+    R over the participants instead of averaging it (``normalizer = 1`` in ``_apply_server_step``), which
+    a one-participant round cannot tell apart."""
     lam, mu, nu, server_lr = 0.3, 0.01, 0.002, 0.5
     torch.manual_seed(0)
     model = MarkedTinyNet(lr=0.1, momentum=0.0, weight_decay=0.0)
-    reference = copy.deepcopy(model)
+    init = copy.deepcopy(model)
     dm = tiny_datamodule(num_clients=8, classes_per_client=2, batch_size=64)
     phases = (
         [Phase("all", steps=1)] if schedule == "all" else [Phase("head", steps=1), Phase("body", steps=1)]
     )
-    strategy = FedRepStrategy(phases=phases, clients_per_round=1, seed=3)
+    strategy = FedRepStrategy(phases=phases, clients_per_round=2, seed=3)
     callback = NeuralCollapse(lam=lam, mu=mu, nu=nu, server_step=True, server_lr=server_lr, log_metrics=False)
     quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0, callbacks=[callback]).fit(
         model, datamodule=dm
     )
-    (client,) = strategy.round_plan(0).clients
-
-    data = dm.client_data(client)
-    x, y = data.dataset.tensors[0][data.indices], data.dataset.tensors[1][data.indices]
-    mask = torch.zeros(4)
-    mask[y.unique()] = 1
-    assert torch.equal(callback.masks[client], mask)
+    participants = list(strategy.round_plan(0).clients)
+    assert len(participants) == 2
     head = ["classifier.weight", "classifier.bias"]
 
-    def sgd_step(trains):
+    def local_training(client):
+        reference = copy.deepcopy(init)
+        data = dm.client_data(client)
+        x, y = data.dataset.tensors[0][data.indices], data.dataset.tensors[1][data.indices]
+        mask = torch.zeros(4)
+        mask[y.unique()] = 1
+        assert torch.equal(callback.masks[client], mask)
         params = dict(reference.named_parameters())
-        loss = F.cross_entropy(reference(x), y)
-        w = params["classifier.weight"]
-        loss = loss + lam * r_torch_reference(w, mask) + mu * (w**2).sum()
-        if trains != "head":
-            loss = loss + nu * (reference.body(x) ** 2).sum()
-        names = [n for n in params if (n in head) == (trains == "head") or trains == "all"]
-        grads = torch.autograd.grad(loss, [params[n] for n in names])
-        with torch.no_grad():
-            for n, g in zip(names, grads):
-                params[n] -= 0.1 * g
+        for trains in ["all"] if schedule == "all" else ["head", "body"]:
+            loss = F.cross_entropy(reference(x), y)
+            w = params["classifier.weight"]
+            loss = loss + lam * r_torch_reference(w, mask) + mu * (w**2).sum()
+            if trains != "head":
+                loss = loss + nu * (reference.body(x) ** 2).sum()
+            names = [n for n in params if (n in head) == (trains == "head") or trains == "all"]
+            grads = torch.autograd.grad(loss, [params[n] for n in names])
+            with torch.no_grad():
+                for n, g in zip(names, grads):
+                    params[n] -= 0.1 * g
+        return reference, mask, len(y)
 
-    for phase in ["all"] if schedule == "all" else ["head", "body"]:
-        sgd_step(phase)
-    w = reference.classifier.weight.detach().clone().requires_grad_(True)
-    (g,) = torch.autograd.grad(r_torch_reference(w, mask), w)
-    expected_head = w.detach() - server_lr * g  # one participant: 1/|S_t| = 1
+    trained = {c: local_training(c) for c in participants}
+    total = sum(n for _, _, n in trained.values())
+    for name, value in strategy.global_tensors().items():  # the bodies' sample-weighted mean
+        expected = sum(
+            dict(ref.named_parameters())[name].detach() * n / total for ref, _, n in trained.values()
+        )
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
 
-    got = strategy.client_tensors(client)
-    torch.testing.assert_close(got["classifier.weight"], expected_head, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(
-        got["classifier.bias"], reference.classifier.bias.detach(), rtol=1e-5, atol=1e-6
-    )
-    body = {n: p for n, p in reference.named_parameters() if n not in head}
-    for name, value in strategy.global_tensors().items():
-        torch.testing.assert_close(value, body[name].detach(), rtol=1e-5, atol=1e-6)
-    others = [c for c in range(8) if c != client]
-    template = strategy.client_tensors(others[0])
-    for c in others[1:]:  # heads of clients that did not participate are untouched (all equal the init)
+    def server_step(w, mask):  # one GD step on (1/|S_t|) Σ_i R(W_i): R is separable, so lr/|S_t| per head
+        w = w.detach().clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(r_torch_reference(w, mask), w)
+        return w.detach() - server_lr / len(participants) * g
+
+    for client, (reference, mask, _) in trained.items():
+        got = strategy.client_tensors(client)
+        expected_head = server_step(reference.classifier.weight, mask)
+        torch.testing.assert_close(got["classifier.weight"], expected_head, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(  # biases are not part of the server step
+            got["classifier.bias"], reference.classifier.bias.detach(), rtol=1e-5, atol=1e-6
+        )
+    for c in set(range(8)) - set(participants):  # heads of clients that did not participate: the init
         for name in head:
-            torch.testing.assert_close(strategy.client_tensors(c)[name], template[name], rtol=0, atol=0)
+            torch.testing.assert_close(
+                strategy.client_tensors(c)[name], dict(init.named_parameters())[name].detach(), rtol=0, atol=0
+            )
     assert callback.server_round == 0
 
     # a run resumed from a checkpoint saved between validation and the server step catches the step up
@@ -262,15 +275,15 @@ def test_penalties_and_server_step_match_plain_pytorch(schedule):
     assert state["server_round"] == 0
     state["server_round"] = -1
     callback.load_state_dict(state)
-    before = strategy.client_tensors(client)["classifier.weight"].requires_grad_(True)
-    (g,) = torch.autograd.grad(r_torch_reference(before, mask), before)
+    before = {c: strategy.client_tensors(c)["classifier.weight"] for c in participants}
     callback.on_train_epoch_start(SimpleNamespace(current_epoch=1, strategy=strategy), model)
-    torch.testing.assert_close(
-        strategy.client_tensors(client)["classifier.weight"],
-        before.detach() - server_lr * g,
-        rtol=1e-5,
-        atol=1e-6,
-    )
+    for client, (_, mask, _) in trained.items():
+        torch.testing.assert_close(
+            strategy.client_tensors(client)["classifier.weight"],
+            server_step(before[client], mask),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     assert callback.server_round == 0
 
 
@@ -353,6 +366,35 @@ def test_masks_come_from_the_data_and_bad_classifier_is_refused():
         ).fit(TinyNet(), datamodule=tiny_datamodule(num_clients=4))
 
 
+def class_means_np(h, y):
+    classes = np.unique(y)
+    return classes, np.stack([h[y == c].mean(0) for c in classes])
+
+
+def nc1_np(h, y):
+    """NC1 (Papyan et al. 2020): ``tr(Σ_W Σ_B^+) / C``, Σ_W the within-class covariance over all samples,
+    Σ_B the covariance of the C class means around their mean."""
+    classes, means = class_means_np(h, y)
+    within = h - means[np.searchsorted(classes, y)]
+    sigma_w = within.T @ within / len(h)
+    between = means - means.mean(0)
+    sigma_b = between.T @ between / len(classes)
+    return float(np.trace(sigma_w @ np.linalg.pinv(sigma_b, rcond=1e-10, hermitian=True)) / len(classes))
+
+
+def nc3_np(heads, masks, h, y):
+    """NC3 (self-duality), per client: ``||W_i/||W_i||_F - M_i/||M_i||_F||_F^2`` over the client's classes,
+    ``M_i`` the globally centred class means; the mean over clients."""
+    classes, means = class_means_np(h, y)
+    centred = means - means.mean(0)
+    values = []
+    for w, mask in zip(heads, masks):
+        rows = [i for i, c in enumerate(classes) if mask[c] > 0]
+        a, b = w[classes[rows]], centred[rows]
+        values.append(np.sum((a / np.linalg.norm(a) - b / np.linalg.norm(b)) ** 2))
+    return float(np.mean(values))
+
+
 class MapStyleImages(torch.utils.data.Dataset):
     """A torchvision-like data set: ``targets`` list, ``(tensor, int)`` items (no TensorDataset fast path)."""
 
@@ -368,7 +410,10 @@ class MapStyleImages(torch.utils.data.Dataset):
 
 def test_metrics_on_a_map_style_dataset_match_the_formulas():
     """Masks from ``targets``, features through a DataLoader: the logged metrics equal the formulas applied
-    to each client's model (global body + its head) on its samples, computed here by hand."""
+    to each client's model (global body + its head) on its samples, restated here with numpy (NC1, NC3:
+    ``nc1_np``/``nc3_np``, Papyan et al.'s definitions the FLUTE paper's App. B.3 cites). Catches an NC1
+    not divided by the number of classes (``return torch.trace(sigma_w @ pinv)`` in ``collapse.nc1``) and
+    an NC3 on uncentred class means (``centred = means`` in ``collapse.nc3``)."""
     train, test = gaussian_mixture(seed=1, train=200, test=100)
     dm = FederatedDataModule(
         MapStyleImages(*train.tensors),
@@ -401,8 +446,8 @@ def test_metrics_on_a_map_style_dataset_match_the_formulas():
     expected = {
         "nc/global_nc2": np.mean([r_np(h.numpy(), m.numpy()) for h, m in zip(heads, masks)]),
         "nc/local_nc2": np.mean([r_np(h.numpy(), m.numpy(), int(m.sum())) for h, m in zip(heads, masks)]),
-        "nc/nc1": float(nc1(feats, labels)),
-        "nc/nc3": float(nc3(heads, masks, feats, labels)),
+        "nc/nc1": nc1_np(feats.numpy(), labels.numpy()),
+        "nc/nc3": nc3_np(heads.numpy(), masks.numpy(), feats.numpy(), labels.numpy()),
     }
     got = callback.history[-1]
     assert got["round"] == 1

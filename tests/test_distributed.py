@@ -54,15 +54,26 @@ def fit(out: Path, *args: str) -> list[dict]:
     return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def assert_same_federation(expected: dict, actual: dict, atol: float = 1e-6) -> None:
+ENGINE_ATOL = 1e-7
+"""How far the vectorized engine's tensors on 2 processes may be from one process's (its lockstep groups
+differ, so float32 sums round differently: 6e-8 measured); the sequential path is compared exactly."""
+
+
+def assert_same_federation(expected: dict, actual: dict, atol: float = 0.0) -> None:
+    """The same global tensors, client tensors, history and per-client accuracy: bit-identical with
+    ``atol=0`` (the sequential path), else tensors within ``atol`` and the history's losses within 1e-5."""
     assert actual["global"].keys() == expected["global"].keys()
     for name, tensor in expected["global"].items():
-        torch.testing.assert_close(actual["global"][name], tensor, atol=atol, rtol=1e-5)
+        torch.testing.assert_close(actual["global"][name], tensor, atol=atol, rtol=0.0)
     assert actual["clients"].keys() == expected["clients"].keys()
     for client, tensors in expected["clients"].items():
         for name, tensor in tensors.items():
-            torch.testing.assert_close(actual["clients"][client][name], tensor, atol=atol, rtol=1e-5)
+            torch.testing.assert_close(actual["clients"][client][name], tensor, atol=atol, rtol=0.0)
     assert [row["round"] for row in actual["history"]] == [row["round"] for row in expected["history"]]
+    if atol == 0.0:
+        assert actual["history"] == expected["history"]
+        assert actual["val_acc"] == expected["val_acc"]
+        return
     for got, want in zip(actual["history"], expected["history"]):
         assert got["val/acc"] == pytest.approx(want["val/acc"], abs=1e-9)
         assert got["val/loss"] == pytest.approx(want["val/loss"], abs=1e-5)
@@ -87,7 +98,7 @@ def test_two_processes_on_the_engine_equal_one_process(runs, fedrep_reference):
     ranks = fit(runs / "fedrep_two", "--devices", "2", "--rounds", "4", "--engine", "vectorized")
     for held in ranks:  # every rank holds the whole federation
         assert held["world_size"] == 2
-        assert_same_federation(fedrep_reference, held)
+        assert_same_federation(fedrep_reference, held, atol=ENGINE_ATOL)
     assert ranks[0]["global_step"] < fedrep_reference["global_step"]  # each rank ran only its share
 
 
@@ -117,7 +128,7 @@ def test_fedavg_with_partial_participation_and_fine_tuning_on_two_processes_equa
         assert [held["held"] for held in ranks] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     for held in ranks:
         assert_same_federation(single, held)
-        assert held["results"]["finetune"] == pytest.approx(single["results"]["finetune"], abs=1e-6)
+        assert held["results"]["finetune"] == single["results"]["finetune"]
         # fine-tuned bodies differ per client: each rank received the others' fine-tuned tensors
         bodies = [held["clients"][c]["body.0.weight"] for c in held["clients"]]
         assert not torch.equal(bodies[0], bodies[1])
@@ -166,7 +177,7 @@ def test_a_mid_round_checkpoint_resumes_on_as_many_processes_and_is_refused_on_o
         str(checkpoint),
     )
     for held in ranks:
-        assert_same_federation(fedrep_reference, held)
+        assert_same_federation(fedrep_reference, held, atol=ENGINE_ATOL if engine == "vectorized" else 0.0)
     if engine == "sequential":
         return
     code, output = run(
@@ -241,11 +252,11 @@ def test_a_sharded_store_trains_resumes_and_checkpoints_the_whole_federation(run
     middle = Path(f"{out}_ckpt") / "step=15.ckpt"
     for held in fit(runs / "sharded_mid", *sharded, "--rounds", "4", "--resume", str(middle)):
         assert held["held"] in ([0, 2, 4, 6], [1, 3, 5, 7])
-        assert_same_federation(fedrep_reference, held)
+        assert_same_federation(fedrep_reference, held, atol=ENGINE_ATOL)
     (one,) = fit(
         runs / "sharded_on_one", "--devices", "1", "--rounds", "4", "--resume", str(runs / "sharded.ckpt")
     )
-    assert_same_federation(fedrep_reference, one)
+    assert_same_federation(fedrep_reference, one, atol=ENGINE_ATOL)
 
 
 def test_a_sharded_store_refuses_callbacks_that_read_every_client(runs):

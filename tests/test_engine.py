@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, Phase
+from lightning_fedrep.algorithms import epoch_settings
 from lightning_fedrep.engine import module_reasons, trainer_reasons
 from tests.fixtures import quiet_trainer
 
@@ -106,7 +107,11 @@ def make_strategy(engine, **kwargs) -> FederatedStrategy:
     options = dict(
         head="classifier", clients_per_round=4, head_epochs=2, body_epochs=1, local_epochs=2, seed=5
     )
-    return FederatedStrategy(engine=engine, **{**options, **kwargs})
+    settings = {**options, **kwargs}
+    epochs = {n: settings.pop(n) for n in ("head_epochs", "body_epochs", "local_epochs")}
+    if settings.get("phases") is None:  # only the shorthands the algorithm reads (the others are refused)
+        settings.update(epoch_settings(settings.get("algorithm", "fedrep"), **epochs))
+    return FederatedStrategy(engine=engine, **settings)
 
 
 def fit(engine, model=Net, sizes=UNEQUAL, rounds=3, trainer=None, ckpt_path=None, **strategy_kwargs):

@@ -46,8 +46,7 @@ def fit(engine, phases=None, callback=None, model_cls=DeclaredNet, rounds=3, dat
     strategy = FederatedStrategy(
         head="classifier",
         clients_per_round=4,
-        head_epochs=2,
-        body_epochs=1,
+        **({"head_epochs": 2} if phases is None else {}),
         phases=phases,
         seed=5,
         engine=engine,

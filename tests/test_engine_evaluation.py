@@ -8,6 +8,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
+from lightning_fedrep.algorithms import epoch_settings
 from lightning_fedrep.callbacks import HeadFineTuning
 from tests.fixtures import TinyNet, quiet_trainer
 
@@ -69,7 +70,11 @@ def client_sets(regression=False, seed=0):
 def trained_checkpoint(tmp_path, model_cls, algorithm="fedrep", callbacks=(), regression=False):
     torch.manual_seed(0)
     strategy = FederatedStrategy(
-        head="classifier", algorithm=algorithm, clients_per_round=3, head_epochs=1, body_epochs=1, seed=1
+        head="classifier",
+        algorithm=algorithm,
+        clients_per_round=3,
+        seed=1,
+        **epoch_settings(algorithm, head_epochs=1, body_epochs=1),
     )
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     trainer = quiet_trainer(

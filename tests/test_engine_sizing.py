@@ -80,17 +80,43 @@ def test_activation_bytes_counts_what_autograd_saves():
     assert sizing.group_width(budget=10, per_client=30) == 1
 
 
-def test_faster_lane_width_picks_the_cheaper_way():
+class FakeClock:
+    """A clock that reads ``now``; the timed work advances it, so timings are exact on a loaded machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def work(self, *seconds: float):
+        """A step whose i-th call costs ``seconds[i]`` on this clock."""
+        costs = iter(seconds)
+
+        def step() -> None:
+            self.now += next(costs)
+
+        return step
+
+
+@pytest.mark.parametrize(("wide_costs", "faster"), [((50.0, 3.0, 2.5), True), ((50.0, 3.0, 2.75), False)])
+def test_faster_lane_width_times_best_of_repeats_after_a_warm_up(wide_costs, faster):
+    """Restated rule: one untimed warm-up of each, then the best of ``repeats`` timings; the wide step wins
+    ties. Catches timing the warm-up (``wide()``/``all_narrow()`` before the loop dropped: 50 s counted),
+    ``max`` for ``min`` (3.0 not 2.5) and ``<`` for ``<=`` (the tie lost)."""
+    clock = FakeClock()
+    wide = clock.work(*wide_costs)
+    narrow = [clock.work(40.0, 1.0, 1.5), clock.work(40.0, 1.5, 1.0)]  # 2.5 s for both, twice
+    chosen, wide_s, narrow_s = sizing.faster_lane_width(wide, narrow, torch.device("cpu"), 2, clock=clock)
+    assert (chosen, wide_s, narrow_s) == (faster, wide_costs[2], 2.5)
+
+
+def test_faster_lane_width_defaults_to_the_wall_clock():
+    """The public default stays ``time.perf_counter`` (catches a default that times nothing)."""
+    import inspect
     import time
 
-    def slow():
-        time.sleep(0.004)
-
-    def fast():
-        time.sleep(0.0005)
-
-    assert sizing.faster_lane_width(fast, [fast, fast], torch.device("cpu"), repeats=2)[0]
-    assert not sizing.faster_lane_width(slow, [fast, fast], torch.device("cpu"), repeats=2)[0]
+    assert inspect.signature(sizing.faster_lane_width).parameters["clock"].default is time.perf_counter
 
 
 def test_resumed_run_keeps_the_measured_widths(tmp_path, monkeypatch):

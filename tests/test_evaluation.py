@@ -1,6 +1,7 @@
 """Personalized evaluation: each client's own model on its own split, summarised over clients."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -8,7 +9,14 @@ from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy
 from lightning_fedrep.evaluation import summarize
-from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
+from tests.fixtures import (
+    HEAD,
+    TinyNet,
+    client_batches,
+    quiet_trainer,
+    reference_clients,
+    tiny_datamodule,
+)
 
 
 def trained(rounds=3, **trainer_kw):
@@ -84,20 +92,59 @@ def test_unsampled_clients_keep_their_heads():
         torch.testing.assert_close(head, strategy.federation.store.template[0])
 
 
+def plain_fedrep_work(init, dm, client, head_steps, body_steps):
+    """One client's FedRep work in round 0 written out: fresh SGD, head-only steps, then body-only steps."""
+    model = copy.deepcopy(init)
+    optimizer = model.configure_optimizers()
+    batches = client_batches(dm, dm.seed, 0, client, head_steps + body_steps)
+    for trains, steps in (("head", head_steps), ("body", body_steps)):
+        for name, p in model.named_parameters():
+            p.requires_grad_((name in HEAD) == (trains == "head"))
+        for _ in range(steps):
+            x, y = next(batches)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
 def test_max_steps_mid_round_averages_the_clients_that_trained():
+    """``max_steps`` stops round 0 three steps into the second client's body phase: the global body is
+    the sample-weighted mean of the first client's body (2 head + 1 body epochs) and the second's (2 head
+    epochs + 3 body steps), as a plain loop computes them; the two others keep the initial head. Catches
+    the client cut short averaged with its round-start body instead of the body it trained (the line
+    ``self.federation._write(self.federation.shared_names, self.federation.global_state)`` planted before
+    ``self._close_round()`` in ``FederatedStrategy.on_train_end``; a stop in a head phase cannot see it)."""
     torch.manual_seed(0)
     model = TinyNet()
+    init = copy.deepcopy(model)
     dm = tiny_datamodule(num_clients=8, seed=2)
+    dm.setup()
     strategy = FedRepStrategy(head="classifier", clients_per_round=4, head_epochs=2, seed=1)
-    length = None
-    trainer = quiet_trainer(strategy=strategy, max_steps=10, limit_val_batches=0)
+    first, second, *others = strategy_clients = reference_clients(dm.num_clients, 4, 1, 0)  # seed 1, round 0
+    per_epoch = {c: math.ceil(dm.client_num_samples(c) / dm.batch_size) for c in strategy_clients}
+    max_steps = 3 * per_epoch[first] + 2 * per_epoch[second] + 3
+    trainer = quiet_trainer(strategy=strategy, max_steps=max_steps, limit_val_batches=0)
     with pytest.warns(UserWarning, match="stopped inside round 0"):
         trainer.fit(model, datamodule=dm)
-    length = strategy.round_plan(0).length
-    assert trainer.global_step == 10 < length
+    assert list(strategy.round_plan(0).clients) == strategy_clients
+    assert trainer.global_step == max_steps < strategy.round_plan(0).length
     assert not strategy.federation.round_open
-    first = strategy.round_plan(0).work[0]
-    assert set(strategy.federation.store.local) == {first.client} or first.steps < 10
+    states = {
+        first: plain_fedrep_work(init, dm, first, 2 * per_epoch[first], per_epoch[first]),
+        second: plain_fedrep_work(init, dm, second, 2 * per_epoch[second], 3),
+    }
+    sizes = {c: float(dm.client_num_samples(c)) for c in states}
+    for name, value in strategy.global_tensors().items():
+        expected = sum(states[c][name] * sizes[c] for c in states) / sum(sizes.values())
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=name)
+    for client in range(dm.num_clients):
+        expected = states.get(client, init.state_dict())
+        for name in HEAD:
+            torch.testing.assert_close(
+                strategy.client_state_dict(client)[name], expected[name], rtol=1e-5, atol=1e-6
+            )
+    assert set(strategy.federation.store.local) == {first, second}
 
 
 def test_val_split_is_used_when_present():

@@ -4,12 +4,14 @@ is scored, from the average of the last round's heads or from its own; checked a
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lightning_fedrep import FedRepStrategy, FineTunedEvaluation
+from lightning_fedrep.algorithms import epoch_settings
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
 
 HEAD = ("classifier.weight", "classifier.bias")
@@ -51,7 +53,8 @@ def fit(callback, algorithm="fedrep", engine="auto", rounds=2):
     torch.manual_seed(0)
     dm = tiny_datamodule(num_clients=6, batch_size=8)
     strategy = FedRepStrategy(
-        algorithm=algorithm, head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, seed=4,
+        algorithm=algorithm, head="classifier", clients_per_round=2, seed=4,
+        **epoch_settings(algorithm, head_epochs=1, body_epochs=1),
         engine=engine,
     )  # fmt: skip
     model = LossNet()
@@ -63,7 +66,7 @@ def fit(callback, algorithm="fedrep", engine="auto", rounds=2):
 
 @pytest.mark.parametrize("engine", ["sequential", "auto"])
 def test_every_client_is_scored_after_fine_tuning_the_average_of_the_last_rounds_heads(engine):
-    callback = FineTunedEvaluation(epochs=3, lr=0.2, batch_size=10_000)
+    callback = FineTunedEvaluation(epochs=3, lr=0.2, batch_size=10_000, optimizer="sgd")
     trainer, strategy, dm, initial = fit(callback, engine=engine)
     federation = strategy.federation
     body = {n: t for n, t in federation.global_tensors().items() if n not in HEAD}
@@ -85,7 +88,7 @@ def test_every_client_is_scored_after_fine_tuning_the_average_of_the_last_rounds
 
 
 def test_the_stored_start_fine_tunes_each_clients_own_head_and_leaves_it_stored():
-    callback = FineTunedEvaluation(epochs=2, start="stored", lr=0.1, batch_size=10_000)
+    callback = FineTunedEvaluation(epochs=2, start="stored", lr=0.1, batch_size=10_000, optimizer="sgd")
     trainer, strategy, dm, initial = fit(callback)
     federation = strategy.federation
     body = {n: t for n, t in federation.global_tensors().items() if n not in HEAD}
@@ -100,7 +103,7 @@ def test_the_stored_start_fine_tunes_each_clients_own_head_and_leaves_it_stored(
 
 
 def test_fedavg_fine_tunes_the_global_head_per_client_and_keeps_the_global_model():
-    callback = FineTunedEvaluation(epochs=2, lr=0.1, batch_size=10_000)
+    callback = FineTunedEvaluation(epochs=2, lr=0.1, batch_size=10_000, optimizer="sgd")
     trainer, strategy, dm, initial = fit(callback, algorithm="fedavg")
     federation = strategy.federation
     global_tensors = federation.global_tensors()
@@ -129,6 +132,8 @@ def test_without_a_declared_loss_it_is_refused_before_training():
         ({"start": "global"}, "start"),
         ({"loss": "hinge"}, "loss"),
         ({"stages": ["fit"]}, "stages"),
+        ({"optimizer": "adam"}, "optimizer"),
+        ({"optimizer": torch.optim.Adam, "lr": 0.1}, "lr"),
     ],
 )
 def test_bad_arguments_are_refused_naming_them(kwargs, name):
@@ -230,3 +235,110 @@ def test_it_runs_under_bf16_true_precision():
     )
     trainer.fit(LossNet(), datamodule=tiny_datamodule(num_clients=4))
     assert len(strategy.client_metrics["val"].per_client("val/acc")) == 4
+
+
+# ----------------------------------------------------------------------------- the fine-tuning optimizer
+
+
+class AdamNet(LossNet):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.02, betas=(0.8, 0.95), weight_decay=1e-3)
+
+
+def reference_adam_head(model, body, head, dm, client, epochs):
+    """Head-only Adam (the module's class and hyper-parameters) on the client's whole training set per step;
+    returns the fitted head's accuracy and mean cross-entropy on the client's evaluation data."""
+    net = copy.deepcopy(model)
+    net.load_state_dict({**net.state_dict(), **body, **head})
+    for p in net.parameters():
+        p.requires_grad_(False)
+    params = [net.classifier.weight.requires_grad_(True), net.classifier.bias.requires_grad_(True)]
+    optimizer = torch.optim.Adam(params, lr=0.02, betas=(0.8, 0.95), weight_decay=1e-3)
+    x, y = client_tensors(dm, client, "train")
+    for _ in range(epochs):
+        optimizer.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        optimizer.step()
+    x, y = client_tensors(dm, client, "test")
+    with torch.no_grad():
+        logits = net(x)
+    return (logits.argmax(-1) == y).float().mean().item(), F.cross_entropy(logits, y).item()
+
+
+def test_an_adam_module_fine_tunes_with_adam_and_its_hyper_parameters_and_says_so(caplog):
+    """Catches fine-tuning an Adam module with SGD at Adam's learning rate: make ``optimizer="sgd"`` the
+    default (the old behaviour) and every client's loss differs from a plain PyTorch Adam loop's."""
+    import logging
+
+    torch.manual_seed(0)
+    dm = tiny_datamodule(num_clients=6, batch_size=8)
+    strategy = FedRepStrategy(
+        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, seed=4, engine="sequential"
+    )
+    model = AdamNet()
+    initial = copy.deepcopy(model)
+    callback = FineTunedEvaluation(epochs=3, start="stored", batch_size=10_000)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1, callbacks=[callback])
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer.fit(model, datamodule=dm)
+    federation = strategy.federation
+    body = {n: t for n, t in federation.global_tensors().items() if n not in HEAD}
+    metrics = strategy.client_metrics["val"]
+    for client in range(6):
+        head = {n: federation.client_tensors(client)[n] for n in HEAD}
+        accuracy, loss = reference_adam_head(initial, body, head, dm, client, epochs=3)
+        assert metrics.per_client("val/loss")[client] == pytest.approx(loss, rel=1e-5), client
+        assert metrics.per_client("val/acc")[client] == pytest.approx(accuracy, abs=1e-6), client
+    lines = [r.getMessage() for r in caplog.records if "FineTunedEvaluation fine-tunes" in r.getMessage()]
+    assert len(lines) == 1 and "with Adam (lr=0.02, betas=(0.8, 0.95)" in lines[0], lines
+    assert "AdamNet.configure_optimizers()" in lines[0]
+
+
+def test_a_declared_optimizer_and_an_override_reaching_a_missing_hyper_parameter():
+    """A callable ``params -> Optimizer`` is what fine-tunes; ``momentum=`` on an Adam module is refused
+    when fit starts, naming ``momentum`` (it would otherwise be dropped without a word)."""
+    import functools
+
+    dm = tiny_datamodule(num_clients=4)
+    declared = FineTunedEvaluation(epochs=1, optimizer=functools.partial(torch.optim.Adagrad, lr=0.1))
+    strategy = FedRepStrategy(head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1, callbacks=[declared])
+    trainer.fit(LossNet(), datamodule=dm)
+    head = {n: torch.zeros(()) for n in HEAD}
+    assert isinstance(
+        declared.fine_tuning_optimizer(trainer, trainer.lightning_module).build(head), torch.optim.Adagrad
+    )
+    strategy = FedRepStrategy(head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1, callbacks=[FineTunedEvaluation(momentum=0.9)])
+    with pytest.raises(ValueError, match=r"momentum=0.9.*Adam has none"):
+        trainer.fit(AdamNet(), datamodule=dm)
+    assert trainer.global_step == 0
+
+
+SRPFL_RECIPES = sorted(
+    p
+    for p in (Path(__file__).resolve().parents[1] / "recipes" / "srpfl").glob("*.yaml")
+    if "FineTunedEvaluation" in p.read_text()
+)
+
+
+@pytest.mark.parametrize("recipe", SRPFL_RECIPES, ids=lambda p: p.name)
+def test_the_srpfl_recipes_fine_tune_with_the_official_sgd(recipe):
+    """The SRPFL code fine-tunes with SGD(momentum 0.5, weight decay 1e-4 on weights, none on biases) at the
+    training rate: a recipe that leaves ``optimizer`` to the module must configure exactly that optimizer."""
+    import importlib
+
+    import yaml
+
+    config = yaml.safe_load(recipe.read_text())
+    (tuned,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("FineTunedEvaluation")]
+    assert tuned.get("init_args", {}).get("optimizer", "module") == "module"
+    module_path, name = config["model"]["class_path"].rsplit(".", 1)
+    model = getattr(importlib.import_module(module_path), name)(**config["model"].get("init_args", {}))
+    optimizer = model.configure_optimizers()
+    assert type(optimizer) is torch.optim.SGD
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        assert group["momentum"] == 0.5 and group["lr"] == config["model"]["init_args"]["lr"]
+        for p in group["params"]:
+            assert group["weight_decay"] == (0.0 if names[id(p)].endswith("bias") else 1e-4), names[id(p)]

@@ -300,19 +300,20 @@ def finish_round(fed, module, optimizer, plan, start):
 
 
 class FakeClock:
+    """A step clock (``Federation.clock``) that reads ``now``; the test advances it."""
+
     def __init__(self):
         self.now = 0.0
 
-    def perf_counter(self):
+    def __call__(self):
         return self.now
 
 
-def test_client_timing_excludes_the_first_step_after_loading_and_the_last_of_the_round(monkeypatch):
+def test_client_timing_excludes_the_first_step_after_loading_and_the_last_of_the_round():
     clock = FakeClock()
-    monkeypatch.setattr(federation_module, "time", clock)
     module = Net()
     fed, optimizer = make_federation(module, phases=(Phase("all", steps=3),))
-    fed.timing = True
+    fed.timing, fed.clock = True, clock
     plan = fed.plan(0)
     fed.open_round(plan)
     results = []

@@ -13,7 +13,7 @@ import torch
 from benchmarks.fedrep import fig3
 from benchmarks.fedrep.reference_linear import fedrep_linear_reference
 from lightning_fedrep.data.subspace import method_of_moments_init, principal_angle_distance
-from lightning_fedrep.plan import sample_clients
+from tests.fixtures import reference_clients
 
 
 def _random_clients(clients: int, samples: int, dim: int, seed: int = 0):
@@ -116,7 +116,7 @@ def test_fedrep_loop_matches_the_independent_algorithm2_reference():
     problem = fig3.make_problem(setting, clients=50, seed=3)
     init = method_of_moments_init(problem.train, 2)
     run = fig3.run_method("fedrep", problem, init, 15, body_lr=0.3, participation=5, seed=3)
-    reference = fedrep_linear_reference(problem, init, 15, 5, 0.3, lambda t: sample_clients(50, 5, 3, t))
+    reference = fedrep_linear_reference(problem, init, 15, 5, 0.3, lambda t: reference_clients(50, 5, 3, t))
     assert len(run.distances) == 16
     assert run.distances[0] == pytest.approx(principal_angle_distance(init, problem.ground_truth_body))
     np.testing.assert_allclose(run.distances[1:], reference, rtol=2e-3)
@@ -138,7 +138,7 @@ def test_gd_variants_keep_client_heads_and_divergence_is_reported():
     problem = fig3.make_problem(setting, clients=30, seed=5)
     init = method_of_moments_init(problem.train, 2)
     run = fig3.run_method("gd-gd", problem, init, 5, body_lr=0.3, head_lr=0.3, participation=3, seed=5)
-    visited = sorted({c for t in range(5) for c in sample_clients(30, 3, 5, t)})
+    visited = sorted({c for t in range(5) for c in reference_clients(30, 3, 5, t)})
     untouched = [c for c in range(30) if c not in visited]
     assert bool((run.heads[visited].abs().sum(dim=1) > 0).all())
     assert bool((run.heads[untouched] == 0).all())  # heads start at zero and live on the clients
@@ -211,6 +211,46 @@ def test_check_claims_passes_and_fails_on_constructed_curves():
     slope, r2, end = fig3.log_rate(with_floor)
     assert slope == pytest.approx(-0.1, rel=1e-6) and r2 == pytest.approx(1.0)
     assert end == math.ceil(math.log(0.5 / 3e-4) / 0.1)  # stops where it reaches 3x its floor
+
+
+def test_the_figure_draws_each_cells_median_and_min_max_band_per_panel():
+    """One panel per ``n`` (log scale), one line per method holding the numpy median over seeds, and a band
+    whose corners are the min and max over seeds. Catches an empty panel (``ax.semilogy`` dropped), the
+    mean for the median (``median_curve``), a band to the median (``highs`` = the median curve), linear
+    axes (``semilogy`` -> ``plot``) and a method drawn in the wrong panel."""
+    import matplotlib.pyplot as plt
+
+    def cell(method, n, *curves):
+        runs = [fig3.Run(method, 0.1, None, list(c), torch.zeros(1), torch.zeros(1)) for c in curves]
+        return fig3.Cell(method, n, 0.1, None, runs)
+
+    curves = {
+        ("fedrep", 10): ([1.0, 0.5, 0.25], [0.8, 0.4, 0.1], [0.9, 0.2, 0.05]),
+        ("10gd-gd", 10): ([1.0, 0.7, 0.6], [0.9, 0.8, 0.5]),
+        ("gd-gd", 10): ([1.0, 0.9, 0.85],),  # one seed: a line, no band
+        ("fedrep", 40): ([0.6, 0.3, 0.01], [0.7, 0.2, 0.02], [0.5, 0.1, 0.03]),
+        ("10gd-gd", 40): ([0.6, 0.5, 0.4], [0.7, 0.6, 0.35], [0.65, 0.55, 0.3]),
+    }
+    cells = {key: cell(*key, *runs) for key, runs in curves.items()}
+    figure = fig3.figure(cells, (10, 40), fig3.Setting())
+    try:
+        assert [ax.get_title() for ax in figure.axes] == ["n = 10", "n = 40"]
+        for ax, n in zip(figure.axes, (10, 40)):
+            methods = [m for m in fig3.METHODS if (m, n) in curves]
+            assert ax.get_yscale() == "log"
+            assert [line.get_label() for line in ax.get_lines()] == [fig3.LABELS[m] for m in methods]
+            bands = iter(ax.collections)
+            for method, line in zip(methods, ax.get_lines()):
+                runs = np.array(curves[(method, n)])
+                assert list(line.get_xdata()) == [0, 1, 2]
+                np.testing.assert_allclose(line.get_ydata(), np.median(runs, axis=0), rtol=1e-12)
+                if len(runs) > 1:
+                    corners = {(float(t), float(y)) for t, y in next(bands).get_paths()[0].vertices}
+                    expected = set(enumerate(runs.min(0).tolist())) | set(enumerate(runs.max(0).tolist()))
+                    assert corners == {(float(t), y) for t, y in expected}, (method, n)
+            assert next(bands, None) is None
+    finally:
+        plt.close(figure)
 
 
 def test_script_quick_run_prints_the_table_claims_and_figure(tmp_path, capsys):

@@ -1,10 +1,15 @@
 """HeadFineTuning (FedAvg + FT, FedRep's final head round) and the new-client protocol."""
 
+import copy
+import math
+
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy
+from lightning_fedrep.algorithms import epoch_settings
 from lightning_fedrep.callbacks import HeadFineTuning
 from lightning_fedrep.newclients import evaluate_new_clients
 from tests.fixtures import HEAD, MarkedTinyNet, TinyNet, client_batches, quiet_trainer, tiny_datamodule
@@ -17,7 +22,11 @@ def fit(finetune=None, algorithm="fedavg"):
     model = TinyNet()
     dm = tiny_datamodule(num_clients=6, seed=4)
     strategy = FedRepStrategy(
-        head="classifier", algorithm=algorithm, clients_per_round=3, head_epochs=1, seed=2
+        head="classifier",
+        algorithm=algorithm,
+        clients_per_round=3,
+        seed=2,
+        **epoch_settings(algorithm, head_epochs=1),
     )
     trainer = quiet_trainer(strategy=strategy, max_epochs=ROUNDS, callbacks=[finetune] if finetune else [])
     trainer.fit(model, datamodule=dm)
@@ -94,7 +103,37 @@ def test_head_mode_needs_a_head():
         trainer.fit(TinyNet(), datamodule=tiny_datamodule())
 
 
+class KeepStrategy(Callback):
+    """Keeps the strategy of the fit it is passed to (``evaluate_new_clients`` returns only the summary)."""
+
+    def on_fit_end(self, trainer, pl_module):
+        self.strategy = trainer.strategy
+
+
+def plain_new_client(start, dm, client, epochs):
+    """A new client's head fitted over the frozen body, in plain PyTorch (the module's own SGD), and its
+    test accuracy."""
+    model = copy.deepcopy(start)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in HEAD)
+    optimizer = model.configure_optimizers()
+    steps = epochs * math.ceil(dm.client_num_samples(client) / dm.batch_size)
+    for x, y in client_batches(dm, dm.seed, 0, client, steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    test = dm.client_data(client, "test")
+    x, y = test.dataset.tensors[0][test.indices], test.dataset.tensors[1][test.indices]
+    with torch.no_grad():
+        accuracy = (model(x).argmax(1) == y).double().mean().item()
+    return model.state_dict(), accuracy
+
+
 def test_new_clients_fit_a_head_over_the_frozen_body():
+    """Each new client's fitted head, and the returned mean test accuracy, equal a plain-PyTorch head fit
+    (the module's SGD, 5 epochs of the client's 8 samples or of all its samples) over the frozen body of
+    the federation's new-client model. Catches ``samples`` ignored (``data = datamodule`` in
+    ``evaluate_new_clients``) and the body trained too (``mode="full"`` there)."""
     torch.manual_seed(0)
     dm = tiny_datamodule(num_clients=8, seed=4)
     dm.setup()
@@ -103,12 +142,21 @@ def test_new_clients_fit_a_head_over_the_frozen_body():
     strategy = FedRepStrategy(clients_per_round=3, head_epochs=2, seed=1)
     quiet_trainer(strategy=strategy, max_epochs=3).fit(MarkedTinyNet(), datamodule=federation)
     start = strategy.new_client_model()
-    body_before = {k: v.clone() for k, v in start.state_dict().items() if k not in HEAD}
-    few = evaluate_new_clients(start, new, epochs=5, samples=8)
-    more = evaluate_new_clients(start, new, epochs=5)
-    assert 0.0 <= few["test/acc"] <= 1.0 and more["test/acc"] >= few["test/acc"] - 0.1
-    for k, v in start.state_dict().items():  # the model handed in is not modified
-        if k not in HEAD:
-            assert torch.equal(v, body_before[k])
-    sub = new.with_train_samples(8)
+    before = copy.deepcopy(start.state_dict())
+    sub = new.with_train_samples(8, seed=0)  # the subset evaluate_new_clients(seed=0) draws
     assert all(sub.client_num_samples(c) == min(8, new.client_num_samples(c)) for c in range(2))
+    for samples, data in ((8, sub), (None, new)):
+        kept = KeepStrategy()
+        summary = evaluate_new_clients(start, new, epochs=5, samples=samples, seed=0, callbacks=[kept])
+        accuracies = []
+        for client in range(2):
+            expected, accuracy = plain_new_client(start, data, client, epochs=5)
+            got = kept.strategy.client_state_dict(client)
+            for name, value in expected.items():
+                torch.testing.assert_close(
+                    got[name], value, rtol=1e-5, atol=1e-6, msg=f"{samples} {client} {name}"
+                )
+            accuracies.append(accuracy)
+        assert summary["test/acc"] == pytest.approx(sum(accuracies) / 2, abs=1e-6), samples
+    for name, value in start.state_dict().items():  # the model handed in is not modified
+        assert torch.equal(value, before[name]), name

@@ -4,11 +4,14 @@ federation raise."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy, personalized_state_dict
-from tests.fixtures import HEAD, TinyNet, quiet_trainer, tiny_datamodule
+from tests.fixtures import HEAD, TinyNet, client_batches, quiet_trainer, reference_clients, tiny_datamodule
 
 
 def strategy(**kwargs):
@@ -54,23 +57,61 @@ def test_testing_with_another_number_of_clients_is_refused(checkpoint):
     trainer.test(TinyNet(), datamodule=tiny_datamodule(num_clients=8), ckpt_path=checkpoint)  # its own: fine
 
 
+def plain_fedrep_client(state, dm, client, round_index):
+    """One FedRep client's round written out: fresh SGD from ``state``, 1 head-only then 1 body-only epoch."""
+    model = TinyNet()
+    model.load_state_dict(state)
+    optimizer = model.configure_optimizers()
+    per_epoch = math.ceil(dm.client_num_samples(client) / dm.batch_size)
+    batches = client_batches(dm, dm.seed, round_index, client, 2 * per_epoch)
+    for trains in ("head", "body"):
+        for name, p in model.named_parameters():
+            p.requires_grad_((name in HEAD) == (trains == "head"))
+        for _ in range(per_epoch):
+            x, y = next(batches)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
 def test_a_new_federation_when_allowed_starts_its_clients_from_the_global_state(checkpoint):
+    """A 4-client federation resumed from the 8-client checkpoint, 2 clients a round: in round 2 the two
+    sampled clients train from the checkpoint's global body and the *initial* head (a plain loop gives
+    their heads and the averaged body), and the two others hold exactly the initial head, not the old
+    federation's heads of the same ids. Catches the old federation's heads handed to the new clients
+    (``self.store.local.clear()`` removed from ``Federation.adopt_new_federation``)."""
+    saved_model = torch.load(checkpoint, weights_only=True)["state_dict"]
     torch.manual_seed(0)
-    init = TinyNet()
-    s = strategy(allow_new_federation=True, clients_per_round=1.0)
+    initial_head = {k: v for k, v in TinyNet().state_dict().items() if k in HEAD}  # the checkpoint's init
+    torch.manual_seed(1)
+    s = strategy(allow_new_federation=True)
     with pytest.warns(UserWarning, match="allow_new_federation=True: a new federation"):
         quiet_trainer(strategy=s, max_epochs=3, limit_val_batches=0).fit(
-            init, datamodule=tiny_datamodule(num_clients=4), ckpt_path=checkpoint
+            TinyNet(), datamodule=tiny_datamodule(num_clients=4), ckpt_path=checkpoint
         )
-    saved = torch.load(checkpoint, weights_only=True)["lightning_fedrep"]
     assert s.federation.num_clients == 4 and s.federation.round_index == 2
-    assert set(s.federation.store.local) == {
-        0,
-        1,
-        2,
-        3,
-    }  # trained in round 2 from the template, not old heads
-    assert saved["clients"]["template"][0].shape == s.federation.store.template[0].shape
+    dm = tiny_datamodule(num_clients=4)
+    dm.setup()
+    trained = reference_clients(4, 2, 0, 2)
+    assert list(s.round_plan(2).clients) == trained
+    start = {**{k: v for k, v in saved_model.items() if k not in HEAD}, **initial_head}
+    states = {c: plain_fedrep_client(start, dm, c, round_index=2) for c in trained}
+    sizes = {c: float(dm.client_num_samples(c)) for c in trained}
+    for name, value in s.global_tensors().items():
+        expected = sum(states[c][name] * sizes[c] for c in trained) / sum(sizes.values())
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=name)
+    for client in range(4):
+        expected = states[client] if client in trained else initial_head
+        for name in HEAD:
+            torch.testing.assert_close(
+                s.client_state_dict(client)[name],
+                expected[name],
+                rtol=1e-5,
+                atol=1e-6,
+                msg=f"{client} {name}",
+            )
+    assert set(s.federation.store.local) == set(trained)
 
 
 def test_client_ids_outside_the_federation_raise(checkpoint):

@@ -8,8 +8,8 @@ import torch
 from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy
-from lightning_fedrep.plan import sample_clients
-from tests.fixtures import HEAD, TinyNet, client_batches, quiet_trainer, tiny_datamodule
+from lightning_fedrep.algorithms import epoch_settings
+from tests.fixtures import HEAD, TinyNet, client_batches, quiet_trainer, reference_clients, tiny_datamodule
 
 
 def plain_fedrep(
@@ -22,7 +22,7 @@ def plain_fedrep(
     opt_states = {}
     for r in range(rounds):
         total, weight = None, 0.0
-        for cid in sample_clients(dm.num_clients, per_round, seed, r):
+        for cid in reference_clients(dm.num_clients, per_round, seed, r):
             if (r, cid) in excluded:
                 continue
             model = copy.deepcopy(init)
@@ -80,9 +80,7 @@ def test_strategy_matches_plain_loop(algorithm, keep_opt):
         head="classifier",
         algorithm=algorithm,
         clients_per_round=per_round,
-        head_epochs=2,
-        body_epochs=1,
-        local_epochs=2,
+        **epoch_settings(algorithm, head_epochs=2, body_epochs=1, local_epochs=2),
         client_optimizer_state="keep" if keep_opt else "reset",
         seed=seed,
     )
@@ -111,7 +109,7 @@ def plain_joint(init, dm, rounds, per_round, epochs, seed, shared):
     local = {}
     for r in range(rounds):
         total, weight = {k: torch.zeros_like(v) for k, v in global_part.items()}, 0.0
-        for cid in sample_clients(dm.num_clients, per_round, seed, r):
+        for cid in reference_clients(dm.num_clients, per_round, seed, r):
             model = copy.deepcopy(init)
             state = {k: v.clone() for k, v in start.items()}
             state.update(local.get(cid, {}))

@@ -7,8 +7,7 @@ from lightning_fedrep import FederatedDataModule, FedRepStrategy, Phase
 from lightning_fedrep.data.low_rank import make_low_rank_problem
 from lightning_fedrep.data.subspace import method_of_moments_init, principal_angle_distance
 from lightning_fedrep.models import LowRankLinear
-from lightning_fedrep.plan import sample_clients
-from tests.fixtures import quiet_trainer
+from tests.fixtures import quiet_trainer, reference_clients
 
 SEED = 7
 
@@ -35,7 +34,7 @@ def test_strategy_matches_algorithm2_reference():
     rounds = 15
     model, _, _ = run_strategy(problem, init, rounds)
     reference = fedrep_linear_reference(
-        problem, init, rounds, 10, 0.1, lambda r: sample_clients(100, 10, SEED, r)
+        problem, init, rounds, 10, 0.1, lambda r: reference_clients(100, 10, SEED, r)
     )
     got = principal_angle_distance(model.body.weight.detach().T, problem.ground_truth_body)
     assert got == pytest.approx(reference[-1], rel=1e-3)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 
 import numpy as np
 import pytest
@@ -28,8 +27,14 @@ from lightning_fedrep.participation import (
     TwoClassExponential,
     exponential_order_statistic_mean,
 )
-from lightning_fedrep.plan import plan_round, round_generator, sample_clients
-from tests.fixtures import MarkedTinyNet, quiet_trainer, tiny_datamodule
+from lightning_fedrep.plan import plan_round
+from tests.fixtures import (
+    MarkedTinyNet,
+    quiet_trainer,
+    reference_clients,
+    reference_generator,
+    tiny_datamodule,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -205,7 +210,7 @@ def test_remark_3_1_round_time_is_nth_order_statistic():
     run = AdaptiveParticipation(3, 2, latency=latency).simulate(12, 16, clients_per_round=12, seed=9)
     for record in run.rounds:
         r, n = record["round"], record["participants"]
-        pool = sample_clients(16, 12, 9, r)
+        pool = reference_clients(16, 12, 9, r)
         draws = latency.sample(r, 16)[pool]
         assert record["latency"] == pytest.approx(float(draws.sort().values[n - 1]), rel=1e-12)
         assert run.decisions[r] == sorted(pool[i] for i in draws.argsort()[:n].tolist())
@@ -334,30 +339,54 @@ def test_resume_mid_round_repeats_decisions_and_clock(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ measured mode
-DELAY = 0.05  # seconds; a tiny step here takes a few ms, so at least ten times a normal step
+DELAY = 0.05  # seconds per step of a slow client on the fake clock
+FAST = 0.002  # seconds per step of the others
 
 
-class SlowClients(MarkedTinyNet):
-    """A module whose training step sleeps when the live client is one of ``slow``."""
+class FakeClock:
+    """Stands in for the federation's step clock (``Federation.clock``): it reads ``now``, which the steps
+    advance, so measured mode is tested without sleeps or wall-clock noise."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class OnFakeClock(MarkedTinyNet):
+    """A module whose steps are timed on ``self.clock`` (injected into the federation when fit starts)."""
+
+    clock: FakeClock
+
+    def on_fit_start(self):
+        self.trainer.strategy.federation.clock = self.clock
+
+
+class SlowClients(OnFakeClock):
+    """A module whose training step costs ``DELAY`` on the fake clock when the live client is one of ``slow``,
+    else ``FAST``."""
 
     slow: tuple[int, ...] = ()
 
     def training_step(self, batch, batch_idx):
-        if self.trainer.strategy.current_client in self.slow:
-            time.sleep(DELAY)
+        self.clock.now += DELAY if self.trainer.strategy.current_client in self.slow else FAST
         return super().training_step(batch, batch_idx)
 
 
 def slow_model(*slow):
     model = SlowClients()
     model.slow = slow
+    model.clock = FakeClock()
     return model
 
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 def test_measured_mode_excludes_slow_clients_until_n_covers_them(tmp_path):
-    """Clients 1 and 4 sleep in every step. Never-measured clients go first (rounds 0-2 explore 2 each);
-    once measured, the slow ones are left out of the 4-client stage and come back when n = 8."""
+    """Clients 1 and 4 take ``DELAY`` per step on the fake clock, the others ``FAST``. Never-measured clients go
+    first (rounds 0-2 explore 2 each); once measured, the slow ones are left out of the 4-client stage and come
+    back when n = 8. Catches ranking by client id instead of estimate (``_select`` ignoring ``estimates``:
+    1 and 4 in the 4-client stage) and a round's latency from its fastest client (``max`` -> ``min``)."""
     participation = AdaptiveParticipation(2, 3)  # measured (no latency model)
     saver = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1, filename="{step}")
     strategy, _, plans = tiny_fit(
@@ -367,12 +396,11 @@ def test_measured_mode_excludes_slow_clients_until_n_covers_them(tmp_path):
     for r in (3, 4, 5):  # n = 4: clients 6, 7 (unmeasured, then fast) and two fast ones; never 1 or 4
         assert len(plans.clients[r]) == 4 and not {1, 4} & set(plans.clients[r]), plans.clients
     assert plans.clients[6] == plans.clients[7] == list(range(8))
-    estimates = participation.estimates
-    fast = [v for c, v in estimates.items() if c not in (1, 4)]
-    assert min(estimates[1], estimates[4]) >= DELAY and min(estimates[1], estimates[4]) > max(fast)
+    expected = {c: DELAY if c in (1, 4) else FAST for c in range(8)}  # the same every round: the EMA keeps it
+    assert participation.estimates == pytest.approx(expected, rel=1e-9)
     # a round with every client waits for the slow ones' 4 steps; the 4-client stage does not
-    assert participation.rounds[6]["latency"] >= 4 * DELAY > 0
-    assert participation.rounds[3]["latency"] < participation.rounds[6]["latency"]
+    assert participation.rounds[6]["latency"] == pytest.approx(4 * DELAY, rel=1e-9)
+    assert participation.rounds[3]["latency"] == pytest.approx(4 * FAST, rel=1e-9)
 
     # Resume from mid-round 3 with *other* slow clients: the decisions taken before the checkpoint (round 3
     # included) are the saved ones, not re-made from new timings; later stages adapt to the new timings.
@@ -391,21 +419,9 @@ def test_measured_mode_excludes_slow_clients_until_n_covers_them(tmp_path):
         assert not {6, 7} & set(resumed_plans.clients[5])
 
 
-class FakeClock:
-    """Stands in for ``time`` in the callback's module: ``perf_counter`` reads a counter the model advances."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self):
-        return self.now
-
-
-class ClockedNet(MarkedTinyNet):
+class ClockedNet(OnFakeClock):
     """Each step costs ``(client + 1) * (round + 1)`` ms on the fake clock; a client's first step of a round
     also costs 1 s (loading it) and the round's last step 10 s (aggregation): both must not be timed."""
-
-    clock: FakeClock
 
     def training_step(self, batch, batch_idx):
         strategy, r = self.trainer.strategy, self.trainer.current_epoch
@@ -416,14 +432,13 @@ class ClockedNet(MarkedTinyNet):
 
 
 @pytest.mark.parametrize("on_top", [False, True])
-def test_measured_mode_times_only_steady_steps(tmp_path, monkeypatch, on_top):
+def test_measured_mode_times_only_steady_steps(tmp_path, on_top):
     """Exact arithmetic of the measurement on a fake clock: first step after a switch and the round's last
     step excluded, a moving average of seconds per step, the clock = slowest planned steps x its seconds.
-    ``on_top``: a simulated latency model multiplies the measured seconds per step (clock and ranking)."""
-    import lightning_fedrep.federation as module
-
+    ``on_top``: a simulated latency model multiplies the measured seconds per step (clock and ranking).
+    Catches timing a client's first step (``not live.fresh`` dropped in ``Federation.begin_step``: its 1 s
+    load counted) and steps timed on the wall clock instead of ``Federation.clock``."""
     clock = FakeClock()
-    monkeypatch.setattr(module, "time", clock)
     model = ClockedNet()
     model.clock = clock
     factors = FixedExponential(seed=2).sample(0, 8).tolist() if on_top else [1.0] * 8
@@ -483,7 +498,7 @@ def test_fresh_samples_every_round_deterministic_and_resumable():
     assert len(round0) == plans[0].length == 9
     for r, batches in ((0, round0), (1, round1)):
         for j, client in enumerate([0, 2, 4]):
-            x, y = dm.problem.draw(client, 4, round_generator(3, r, client))
+            x, y = dm.problem.draw(client, 4, reference_generator(3, r, client))
             for x_b, y_b in batches[3 * j : 3 * j + 3]:  # every step of the client: its m round samples
                 assert torch.equal(x_b[torch.argsort(x_b[:, 0])], x[torch.argsort(x[:, 0])])
                 assert torch.equal(y_b[torch.argsort(x_b[:, 0])], y[torch.argsort(x[:, 0])])

@@ -155,3 +155,91 @@ def test_the_recipes_readme_lists_every_recipe_as_its_header_says():
         number = paper.split("%")[0].split(" ±")[0]
         if number[:1].isdigit():
             assert number in header, (path, number)
+
+
+# The FLUTE code's settings (RenpuLiu/flute; restated from shared/reference/flute.md §4.2-4.4, §6.3-6.4):
+# per data set, the joint (body + head) epochs of FLUTE (``--local_rep_ep``); FLUTE* adds 10 head-only epochs,
+# which the code runs first. Table 1 (§7.1): (FLUTE, FLUTE*) mean ± std % per column (N clients, S classes).
+FLUTE_JOINT_EPOCHS = {"cifar10": 1, "cifar100": 5}
+FLUTE_TABLE_1 = {
+    ("cifar10", 50, 2): ("87.012 ± 0.453", "87.713 ± 1.365"),
+    ("cifar10", 50, 5): ("76.478 ± 0.484", "76.543 ± 0.921"),
+    ("cifar10", 100, 2): ("86.128 ± 1.007", "88.567 ± 0.457"),
+    ("cifar10", 100, 5): ("76.918 ± 0.712", "78.255 ± 0.688"),
+    ("cifar100", 100, 5): ("77.750 ± 0.615", "79.560 ± 0.627"),
+    ("cifar100", 100, 10): ("70.598 ± 0.282", "70.844 ± 0.419"),
+    ("cifar100", 100, 20): ("59.243 ± 0.334", "59.714 ± 0.448"),
+    ("cifar100", 100, 40): ("48.169 ± 0.597", "48.170 ± 0.440"),
+}
+
+
+@pytest.mark.parametrize("variant", ["flute", "flute_star"])
+@pytest.mark.parametrize("column", sorted(FLUTE_TABLE_1), ids=lambda c: f"{c[0]}_{c[1]}_{c[2]}")
+def test_flute_recipes_follow_the_official_code(column, variant):
+    """Each FLUTE / FLUTE* recipe against the official code's settings and the paper's Table 1, restated
+    here (not read from ``recipes/flute/generate.py``): 100 rounds, participation 0.1, validation every
+    round, SGD lr 0.01 / momentum 0.5 / weight decay 1e-4, batch 10, the loss weights 0.25 / 0.0025 /
+    0.0005, the server NC step at lr 0.5 over the participants, the joint epochs (1 on CIFAR-10, 5 on
+    CIFAR-100), FLUTE*'s 10 head-only epochs first, the pre-dropout features of the CIFAR-100 CNN, and the
+    paper's number in the header. Catches any one setting changed in ``generate.py``'s table, e.g.
+    ``joint_epochs=1`` for CIFAR-100 or FLUTE*'s head epochs appended after the joint ones."""
+    dataset, n, s = column
+    path = RECIPES / "flute" / f"{dataset}_{n}_{s}_{variant}.yaml"
+    text = path.read_text()
+    recipe = yaml.safe_load(text)
+    trainer = recipe["trainer"]
+    assert trainer["max_epochs"] == 100 and trainer["check_val_every_n_epoch"] == 1  # --epochs 100
+    strategy = trainer["strategy"]["init_args"]
+    assert strategy["algorithm"] in ("fedrep", "fedper")  # body averaged, heads local
+    assert strategy["clients_per_round"] == 0.1  # --frac 0.1
+    joint = FLUTE_JOINT_EPOCHS[dataset]
+    expected = [("all", joint)] if variant == "flute" else [("head", 10), ("all", joint)]
+    assert [(p["train"], p["epochs"]) for p in strategy["phases"]] == expected
+    callbacks = {c["class_path"].rsplit(".", 1)[-1]: c.get("init_args", {}) for c in trainer["callbacks"]}
+    collapse = callbacks["NeuralCollapse"]
+    assert (collapse["lam"], collapse["mu"], collapse["nu"]) == (0.25, 0.0025, 0.0005)  # r1, r2, r3
+    assert collapse["server_step"] is True and collapse["server_lr"] == 0.5  # --server_update 1, lr 0.5
+    assert collapse.get("server_weighting", "participants") == "participants"  # 1/|S_t|
+    assert collapse["local_classes"] == s
+    assert collapse.get("features_module") == ("drop" if dataset == "cifar100" else None)
+    model = recipe["model"]
+    models = {"cifar10": "CIFAR10CNN", "cifar100": "CIFAR100CNN"}
+    assert model["class_path"].rsplit(".", 1)[-1] == models[dataset]
+    assert (model["init_args"]["lr"], model["init_args"]["momentum"], model["init_args"]["weight_decay"]) == (
+        0.01,
+        0.5,
+        1e-4,
+    )
+    data = recipe["data"]["init_args"]
+    assert (data["num_clients"], data["classes_per_client"], data["batch_size"]) == (n, s, 10)
+    flute, star = FLUTE_TABLE_1[column]
+    label, number = ("FLUTE", flute) if variant == "flute" else ("FLUTE*", star)
+    assert f"Paper: {label} {number} %" in text and f"(FLUTE {flute}, FLUTE* {star})" in text
+    assert f"(N={n} clients, S={s} classes per client)" in text
+
+
+def test_flute_recipes_are_the_sixteen_of_table_1():
+    expected = {f"{d}_{n}_{s}_{v}.yaml" for d, n, s in FLUTE_TABLE_1 for v in ("flute", "flute_star")}
+    assert {p.name for p in (RECIPES / "flute").glob("*.yaml")} == expected
+
+
+def test_the_cifar100_cnn_feeds_its_head_through_the_dropout_named_drop():
+    """``features_module="drop"`` penalises the input of ``drop``: the official ``CNNCifar100``'s post-ReLU
+    fc2 output (restated here layer by layer), before the Dropout(0.6) that feeds fc3, in training mode.
+    Catches the ReLU after fc2 dropped (``return self.fc2(x)`` in ``CIFAR100CNN.forward_features``): the
+    penalised features would not be the official code's."""
+    from lightning_fedrep.models import CIFAR100CNN
+
+    torch.manual_seed(0)
+    model = CIFAR100CNN()
+    assert isinstance(model.drop, torch.nn.Dropout) and model.drop.p == 0.6
+    seen = {}
+    model.drop.register_forward_pre_hook(lambda module, args: seen.setdefault("drop", args[0]))
+    x = torch.randn(4, 3, 32, 32)
+    model.train()
+    model(x)
+    m = model
+    h = F.max_pool2d(F.relu(m.conv1(x)), 2)
+    h = F.max_pool2d(F.relu(m.conv2(h)), 2).flatten(1)
+    expected = F.relu(m.fc2(F.relu(m.fc1(h))))
+    torch.testing.assert_close(seen["drop"], expected)

@@ -30,6 +30,130 @@ def assert_png(path: Path) -> None:
     assert data[:8] == PNG and len(data) > 5000, path  # a drawn figure, not an empty canvas
 
 
+def column(table: list[dict[str, str]], name: str) -> list[float]:
+    """The non-empty values of ``name`` in rows read by the ``csv`` module (not the library's reader)."""
+    return [float(r[name]) for r in table if r.get(name)]
+
+
+def only_axes(figure):
+    """The figure's data axes (a heatmap's colour bar is an axes too)."""
+    return figure.axes[0]
+
+
+def assert_curve_figure(figure, run: Path, x: str, metric: str = "val/acc") -> None:
+    """A run's ``<metric>`` vs ``x`` figure draws history.csv: the client mean, the 10th percentile and the band
+    from the worst client up to the mean, each named in the legend."""
+    history = [r for r in rows(run / "history.csv") if r.get(metric) and r.get(x)]
+    xs = column(history, x)
+    ax = only_axes(figure)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"client mean", "10th percentile"}
+    assert list(lines["client mean"].get_xdata()) == xs and list(lines["10th percentile"].get_xdata()) == xs
+    assert list(lines["client mean"].get_ydata()) == column(history, metric)
+    assert list(lines["10th percentile"].get_ydata()) == column(history, f"{metric}_p10")
+    (band,) = ax.collections
+    assert band.get_label() == "worst client .. mean"
+    corners = {(float(a), float(b)) for a, b in band.get_paths()[0].vertices}
+    mean, low = column(history, metric), column(history, f"{metric}_min")
+    assert corners == set(zip(xs, mean)) | set(zip(xs, low))
+    legend = {t.get_text() for t in ax.get_legend().get_texts()}
+    assert legend == {"client mean", "10th percentile", "worst client .. mean"}
+    assert ax.get_ylabel() == metric
+
+
+def assert_run_figures_draw_the_tables(run: Path) -> None:
+    """Each figure of ``run_figures(run)`` holds the values of the run folder's tables (not just axes)."""
+    import numpy as np
+
+    from lightning_fedrep.report import run_figures
+
+    figures = run_figures(run)
+    try:
+        assert_curve_figure(figures["accuracy_vs_round"], run, "round")
+        history = rows(run / "history.csv")
+        if column(history, "sim/time"):
+            assert_curve_figure(figures["accuracy_vs_time"], run, "sim/time")
+        collapse = sorted(k for k in history[0] if k.startswith("nc/"))
+        if collapse:
+            lines = only_axes(figures["neural_collapse"]).get_lines()
+            assert [line.get_label() for line in lines] == collapse
+            for key, line in zip(collapse, lines):
+                assert list(line.get_ydata()) == column(history, key), key
+        clients = rows(run / "clients.csv")
+        rounds = sorted({int(r["round"]) for r in clients})
+        ids = sorted({int(r["client"]) for r in clients})
+        grid = np.full((len(ids), len(rounds)), np.nan)
+        for r in clients:
+            grid[ids.index(int(r["client"])), rounds.index(int(r["round"]))] = float(r["val/acc"])
+        (image,) = only_axes(figures["client_round_heatmap"]).images
+        np.testing.assert_array_equal(np.ma.filled(image.get_array(), np.nan), grid)  # clients x rounds
+
+        last = column(rows(run / "clients_val.csv"), "val/acc")
+        bars = only_axes(figures["client_histogram"]).patches
+        counts, edges = np.histogram(last, bins=len(bars))
+        assert [b.get_height() for b in bars] == counts.tolist()
+        np.testing.assert_allclose([b.get_x() for b in bars], edges[:-1], rtol=0, atol=1e-12)
+
+        sampled = {int(r["client"]): float(r["rounds"]) for r in rows(run / "participation.csv")}
+        drawn = {
+            round(b.get_x() + b.get_width() / 2): b.get_height()
+            for b in only_axes(figures["participation"]).patches
+        }
+        assert drawn == sampled
+
+        partition = rows(run / "partition.csv")
+        ax = only_axes(figures["partition"])
+        for container in ax.containers:  # one stack layer per label, one bar per client
+            label = int(container.get_label())
+            expected = {int(r["client"]): float(r["samples"]) for r in partition if int(r["label"]) == label}
+            got = {round(b.get_x() + b.get_width() / 2): b.get_height() for b in container.patches}
+            assert {c: h for c, h in got.items() if h} == expected, label
+        assert len(ax.containers) == len({r["label"] for r in partition})
+    finally:
+        import matplotlib.pyplot as plt
+
+        for figure in figures.values():
+            plt.close(figure)
+
+
+def assert_overlay_draws_each_run(
+    runs: list[Path], x: str = "round", stem: str = "accuracy_vs_round"
+) -> None:
+    """The overlay holds one line per run, in order, each with that run's history.csv values and a label that
+    names the run, no two labels alike."""
+    import matplotlib.pyplot as plt
+
+    from lightning_fedrep.report import overlay_figures
+
+    figures = overlay_figures(runs)
+    try:
+        lines = only_axes(figures[stem]).get_lines()
+        assert len(lines) == len(runs)
+        labels = [line.get_label() for line in lines]
+        assert len(set(labels)) == len(runs)
+        for run, line, label in zip(runs, lines, labels):
+            history = [r for r in rows(run / "history.csv") if r.get("val/acc") and r.get(x)]
+            assert run.name in label, (run, label)
+            assert list(line.get_xdata()) == column(history, x)
+            assert list(line.get_ydata()) == column(history, "val/acc")
+        legend = [t.get_text() for t in only_axes(figures[stem]).get_legend().get_texts()]
+        assert legend == labels
+    finally:
+        for figure in figures.values():
+            plt.close(figure)
+
+
+def wandb_records(path: Path, last: bytes, timeout: float = 120.0) -> bytes:
+    """The W&B offline file once it holds ``last``: W&B's service writes the records after ``finish()``
+    returns (the file holds only its 7-byte header at first), so reading it at once flakes."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while last not in (data := path.read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return data
+
+
 def fit_recipe(tmp_path, *extra):
     cli = build_cli(
         [
@@ -53,7 +177,7 @@ def test_the_digits_recipe_leaves_one_complete_run_folder(tmp_path, monkeypatch)
     assert run.parent == Path("runs/digits/digits-fedrep").resolve() or run.parent.name == "digits-fedrep"
     assert (run / "config.yaml").is_file() and list((run / "checkpoints").glob("*.ckpt"))
     (wandb_run,) = (run / "wandb").glob("offline-run-*/run-*.wandb")  # W&B's files in the run folder
-    logged = wandb_run.read_bytes()
+    logged = wandb_records(wandb_run, b"figures/accuracy_vs_round")
     assert (
         b"val/*" in logged and b"figures/accuracy_vs_round" in logged
     )  # metrics by round, figures as images
@@ -86,6 +210,7 @@ def test_the_digits_recipe_leaves_one_complete_run_folder(tmp_path, monkeypatch)
         "partition",
     ):
         assert_png(run / "figures" / f"{name}.png")
+    assert_run_figures_draw_the_tables(run)
 
     config = (run / "config.yaml").read_text()
     _, second = fit_recipe(tmp_path)  # a second run in the same root: its own folder
@@ -102,6 +227,7 @@ def test_the_digits_recipe_leaves_one_complete_run_folder(tmp_path, monkeypatch)
     out = tmp_path / "report"
     main(["report", str(run), str(second), "--out", str(out)])
     assert_png(out / "accuracy_vs_round.png")
+    assert_overlay_draws_each_run([run, second])
     main(["report", str(run), "--out", str(tmp_path / "again")])
     assert_png(tmp_path / "again" / "client_round_heatmap.png")
 
@@ -418,3 +544,63 @@ def test_rounds_between_validations_keep_their_recorded_columns_and_draw_time_an
     assert strategy.results()["final"]["val/acc"] == pytest.approx(float(history[3]["val/acc"]))
     for name in ("accuracy_vs_time", "neural_collapse", "accuracy_vs_round"):
         assert_png(tmp_path / "figures" / f"{name}.png")
+    assert_run_figures_draw_the_tables(tmp_path)
+
+
+def write_table(path: Path, table: list[dict]) -> None:
+    """A CSV file written with the ``csv`` module (every row has every column; ``""`` for none)."""
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+
+
+def write_run(run: Path, shift: float) -> None:
+    """A run folder's tables: 6 rounds (round 2 not validated), 4 clients, simulated time and an NC metric."""
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"algorithm": "fedrep"}))
+    mean = [0.5, 0.62, None, 0.58, 0.8, 0.77]
+    write_table(
+        run / "history.csv",
+        [
+            {
+                "round": r,
+                "val/acc": "" if m is None else m + shift,
+                "val/acc_p10": "" if m is None else m + shift - 0.1,
+                "val/acc_min": "" if m is None else m + shift - 0.25 + 0.01 * r,
+                "sim/time": 1.5 * r * r + 0.25,
+                "nc/global_nc2": 1.0 / (r + 1),
+            }
+            for r, m in enumerate(mean)
+        ],
+    )
+    write_table(
+        run / "clients.csv",
+        [
+            {"round": r, "client": c, "val/acc": round(0.1 * c + 0.05 * r + shift, 6)}
+            for r in (0, 1, 3, 4, 5)
+            for c in range(4)
+        ],
+    )
+    write_table(
+        run / "clients_val.csv", [{"client": c, "val/acc": v} for c, v in enumerate((0.3, 0.9, 0.95, 1.0))]
+    )
+    write_table(run / "participation.csv", [{"client": c, "rounds": r} for c, r in enumerate((3, 0, 5, 2))])
+    write_table(
+        run / "partition.csv",
+        [{"client": c, "label": k, "samples": 10 * c + k + 1} for c in range(4) for k in (c % 3, 3 + c % 2)],
+    )
+
+
+def test_the_figures_draw_the_run_folders_values_and_the_overlay_one_line_per_run(tmp_path):
+    """Inspects the matplotlib objects, not PNG sizes. Catches an axes-only figure (``ax.plot`` dropped in
+    ``_curve``), a curve drawn from another column (``metric`` -> ``f"{metric}_p10"``), a band to the p10
+    instead of the worst client (``low = f"{metric}_p10"``), a transposed heatmap (``grid`` built rounds x
+    clients), participation bars out of place, and an overlay that draws only the first run (``for run, rows
+    in list(histories.items())[:1]``) or names two runs alike (``run_label`` -> the algorithm only)."""
+    first, second = tmp_path / "fedrep-a", tmp_path / "fedrep-b"
+    write_run(first, 0.0)
+    write_run(second, 0.1)
+    assert_run_figures_draw_the_tables(first)
+    assert_overlay_draws_each_run([first, second])
+    assert_overlay_draws_each_run([first, second], "sim/time", "accuracy_vs_time")

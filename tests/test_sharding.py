@@ -79,6 +79,12 @@ def test_sharded_averages_summed_as_one_vector_equal_the_single_process_average(
     assert combined.weight == single.weight
     for a, b in zip(combined.mean(like), single.mean(like)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+    # and both are the weighted mean written out (integer tensors rounded back)
+    total = sum(weight for _, weight in clients)
+    for index, ref in enumerate(like):
+        mean = sum(weight * tensors[index].double() for tensors, weight in clients) / total
+        expected = (mean if ref.is_floating_point() else mean.round()).to(ref.dtype)
+        torch.testing.assert_close(combined.mean(like)[index], expected, rtol=1e-6, atol=0)
 
 
 # ---------------------------------------------------------------------- rank schedules and idle steps

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import make_trainer, quiet  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, IIDPartitioner  # noqa: E402
-from lightning_fedrep.algorithms import get_algorithm  # noqa: E402
+from lightning_fedrep.algorithms import epoch_settings, get_algorithm  # noqa: E402
 from lightning_fedrep.models import MLPClassifier  # noqa: E402
 from lightning_fedrep.models._optim import fedrep_sgd  # noqa: E402
 
@@ -63,9 +63,7 @@ def strategy_round(dm: FederatedDataModule, algorithm: str, engine: str) -> Fede
     strategy = FederatedStrategy(
         algorithm=algorithm,
         clients_per_round=dm.num_clients,
-        head_epochs=HEAD_EPOCHS,
-        body_epochs=BODY_EPOCHS,
-        local_epochs=1,
+        **epoch_settings(algorithm, head_epochs=HEAD_EPOCHS, body_epochs=BODY_EPOCHS, local_epochs=1),
         engine=engine,
     )
     make_trainer(1, strategy=strategy).fit(MLPClassifier(), datamodule=dm)

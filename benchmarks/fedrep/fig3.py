@@ -73,6 +73,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -539,8 +540,17 @@ def check_claims(
 def write_figure(
     cells: dict[tuple[str, int], Cell], clients: Sequence[int], path: str, setting: Setting
 ) -> None:
-    """Fig. 3 as the paper draws it: one panel per ``n``, ``dist(B_t, B*)`` (log scale) against ``t``;
-    lines are the median over seeds, bands the min-max."""
+    """Write :func:`figure` to ``path`` (PNG/PDF)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(cells, clients, setting)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(cells: dict[tuple[str, int], Cell], clients: Sequence[int], setting: Setting) -> Any:
+    """Fig. 3 as the paper draws it (a matplotlib ``Figure``): one panel per ``n``, ``dist(B_t, B*)``
+    (log scale) against ``t``; lines are the median over seeds, bands the min-max."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -565,8 +575,7 @@ def write_figure(
     axes[0][-1].legend()
     fig.suptitle(f"d={setting.dim}, k={setting.rank}, m={setting.samples}, r={setting.participation:g}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def library_check(

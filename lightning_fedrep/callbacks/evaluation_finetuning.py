@@ -3,23 +3,72 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_fedrep.arguments import check_choice, check_int, check_real
 from lightning_fedrep.engine.contract import NAMED_LOSSES, declared_loss
 from lightning_fedrep.federation import RoundResult
 from lightning_fedrep.hooks import FederatedCallback
-from lightning_fedrep.lightning_internals import configured_learning_rate
+from lightning_fedrep.lightning_internals import configured_learning_rate, configured_optimizers
 from lightning_fedrep.models._optim import weight_decay_groups
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+OptimizerFactory = Callable[[list[Tensor]], Optimizer]
+
+OFFICIAL_MOMENTUM = 0.5
+OFFICIAL_WEIGHT_DECAY = 1e-4
+"""The SRPFL code's fine-tuning SGD (``optimizer="sgd"``): momentum 0.5, weight decay 1e-4 on weights."""
+
+_FLAGS = (
+    "foreach",
+    "maximize",
+    "capturable",
+    "differentiable",
+    "fused",
+    "initial_lr",
+    "decoupled_weight_decay",
+)
+"""Optimizer group entries that are implementation switches, not hyper-parameters (left out of the log line)."""
+
+
+@dataclass(frozen=True)
+class FineTuningOptimizer:
+    """How each client's head is fine-tuned: an optimizer class and one hyper-parameter group per set of
+    tuned parameter names (``factory`` instead, for an optimizer the user declares as a callable)."""
+
+    source: str
+    optimizer_class: type[Optimizer] | None = None
+    groups: tuple[tuple[dict[str, Any], tuple[str, ...]], ...] = ()
+    factory: OptimizerFactory | None = None
+
+    def build(self, head: dict[str, Tensor]) -> Optimizer:
+        """A fresh optimizer over ``head``'s tensors."""
+        if self.factory is not None:
+            return self.factory(list(head.values()))
+        groups = [{**hyper, "params": [head[n] for n in names]} for hyper, names in self.groups]
+        return _construct(self.optimizer_class, groups)
+
+    def describe(self) -> str:
+        """One line: the class and its hyper-parameters per group of tuned parameters, and where they come from."""
+        if self.factory is not None:
+            return f"the declared optimizer {getattr(self.factory, '__name__', repr(self.factory))} ({self.source})"
+        groups = "; ".join(
+            ", ".join(f"{k}={v}" for k, v in hyper.items() if k not in _FLAGS and v is not None)
+            + f" for {', '.join(names)}"
+            for hyper, names in self.groups
+        )
+        return f"{self.optimizer_class.__name__} ({groups}) {self.source}"
 
 
 class FineTunedEvaluation(FederatedCallback):
@@ -29,7 +78,9 @@ class FineTunedEvaluation(FederatedCallback):
 
     This is the SRPFL paper's evaluation (the official code's ``--FT_epoch 10``: head-only SGD, momentum 0.5,
     weight decay 1e-4, batch 10, the training learning rate), under which clients that never took part in a
-    round still fit their own head on the learned representation. Add it to any recipe's
+    round still fit their own head on the learned representation. The fine-tuning optimizer is by default
+    the module's own (its class and each head parameter's hyper-parameters from ``configure_optimizers``;
+    for the SRPFL recipes' models that is the official SGD), and a log line says which one runs. Add it to any recipe's
     ``trainer.callbacks``; it needs the module's per-sample loss (``fedrep_loss`` or ``loss=``) and batches it can
     split into ``(inputs, target)`` (``unpack=`` otherwise), and checks both on one batch when fit starts.
 
@@ -39,8 +90,14 @@ class FineTunedEvaluation(FederatedCallback):
             clients, weighted by their training samples as the aggregation (the official code's averaged
             model; for an algorithm that averages the head, the global head); ``"stored"``: the client's own
             stored head.
-        lr: the SGD learning rate; ``None`` takes the module's first optimizer's (the training) rate.
-        momentum, weight_decay: SGD's (weight decay on weights, not biases, as the official code).
+        optimizer: ``"module"``: the class and hyper-parameters of the optimizer that holds each tuned
+            parameter in the module's ``configure_optimizers`` (the current learning rate during fit);
+            ``"sgd"``: the SRPFL code's SGD (momentum 0.5, weight decay 1e-4 on weights, not biases, the
+            training learning rate); or a callable ``params -> Optimizer`` (e.g.
+            ``functools.partial(torch.optim.Adam, lr=1e-3)``). A fresh optimizer per client and evaluation.
+        lr: overrides the learning rate of ``"module"``/``"sgd"``; ``None`` keeps the training rate.
+        momentum, weight_decay: override those of ``"module"`` (refused where its class has none) or
+            ``"sgd"`` (``None``: 0.5 and 1e-4).
         batch_size: the fine-tuning batch size; ``None`` takes the data module's.
         loss: the per-sample loss (``"cross_entropy"``, ``"mse"`` or a callable ``(output, target) ->
             per-sample losses``); ``None`` uses the module's declared ``fedrep_loss``.
@@ -64,21 +121,25 @@ class FineTunedEvaluation(FederatedCallback):
         epochs: int = 10,
         start: Literal["average", "stored"] = "average",
         lr: float | None = None,
-        momentum: float = 0.5,
-        weight_decay: float = 1e-4,
+        momentum: float | None = None,
+        weight_decay: float | None = None,
         batch_size: int | None = None,
         loss: str | LossFn | None = None,
         stages: tuple[str, ...] | list[str] = ("val", "test"),
         seed: int = 0,
         unpack: Callable[[Any], tuple[Any, Any]] | None = None,
+        optimizer: Literal["module", "sgd"] | OptimizerFactory = "module",
     ):
         owner = "FineTunedEvaluation"
         check_int("epochs", epochs, minimum=1, owner=owner)
         check_choice("start", start, ("average", "stored"), owner=owner)
         if lr is not None:
             check_real("lr", lr, 0.0, low_open=True, owner=owner)
-        check_real("momentum", momentum, 0.0, owner=owner)
-        check_real("weight_decay", weight_decay, 0.0, owner=owner)
+        if momentum is not None:
+            check_real("momentum", momentum, 0.0, owner=owner)
+        if weight_decay is not None:
+            check_real("weight_decay", weight_decay, 0.0, owner=owner)
+        _check_optimizer(optimizer, lr, momentum, weight_decay)
         if batch_size is not None:
             check_int("batch_size", batch_size, minimum=1, owner=owner)
         if isinstance(loss, str) and loss not in NAMED_LOSSES:
@@ -93,6 +154,8 @@ class FineTunedEvaluation(FederatedCallback):
         check_int("seed", seed, owner=owner)
         self.epochs = epochs
         self.start = start
+        self.optimizer = optimizer
+        self._described = ""
         self.lr = lr
         self.momentum = momentum
         self.weight_decay = weight_decay
@@ -170,7 +233,7 @@ class FineTunedEvaluation(FederatedCallback):
         names = self.tuned_names(trainer, pl_module)
         clients = self.strategy(trainer).evaluated_clients
         starts = self._starting_heads(trainer, names, clients)
-        lr = self.lr if self.lr is not None else _training_lr(trainer, pl_module)
+        optimizer = self.fine_tuning_optimizer(trainer, pl_module)
         tuned: dict[int, dict[str, Tensor]] = {}
         with self._training_mode(pl_module):
             for client in clients:
@@ -180,7 +243,7 @@ class FineTunedEvaluation(FederatedCallback):
                 batches = self._client_batches(trainer, client)
                 if trainer.fast_dev_run:  # a smoke run: one step per client
                     batches = itertools.islice(batches, 1)
-                tuned[client] = self._fit_head(trainer, pl_module, client, starts(client), batches, lr)
+                tuned[client] = self._fit_head(trainer, pl_module, client, starts(client), batches, optimizer)
         federation.set_evaluation_tensors(tuned)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -189,12 +252,92 @@ class FineTunedEvaluation(FederatedCallback):
         clients = [c for c in range(trainer.datamodule.num_clients) if len(trainer.datamodule.client_data(c))]
         if "val" not in self.stages or not clients:
             return
+        self.fine_tuning_optimizer(trainer, pl_module)
         client = clients[0]
         names = self.tuned_names(trainer, pl_module)
         start = _own_values(self.federation(trainer).client_tensors(client), self._shared(trainer), names)
         batch = next(self._client_batches(trainer, client))
         with self._training_mode(pl_module):
             self._loss(trainer, pl_module, self._client_state(trainer, pl_module, client, start), batch)
+
+    def fine_tuning_optimizer(self, trainer: L.Trainer, pl_module: L.LightningModule) -> FineTuningOptimizer:
+        """The optimizer each client's head fine-tunes with (``optimizer``); a log line names it."""
+        names = self.tuned_names(trainer, pl_module)
+        if callable(self.optimizer):
+            chosen = FineTuningOptimizer("optimizer=<callable>", factory=self.optimizer)
+        elif self.optimizer == "sgd":
+            chosen = self._official_sgd(trainer, pl_module, names)
+        else:
+            chosen = self._module_optimizer(trainer, pl_module, names)
+        description = chosen.describe()
+        if description != self._described:
+            self._described = description
+            rank_zero_info(f"FineTunedEvaluation fine-tunes each client's head with {description}.")
+        return chosen
+
+    def _official_sgd(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, names: list[str]
+    ) -> FineTuningOptimizer:
+        lr = self.lr if self.lr is not None else _training_lr(trainer, pl_module)
+        momentum = OFFICIAL_MOMENTUM if self.momentum is None else self.momentum
+        decay = OFFICIAL_WEIGHT_DECAY if self.weight_decay is None else self.weight_decay
+        groups = tuple(
+            ({"lr": lr, "momentum": momentum, "weight_decay": group["weight_decay"]}, tuple(group["params"]))
+            for group in weight_decay_groups([(n, n) for n in names], decay)
+        )
+        return FineTuningOptimizer(
+            "(optimizer='sgd': the SRPFL code's fine-tuning SGD)", torch.optim.SGD, groups
+        )
+
+    def _module_optimizer(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, names: list[str]
+    ) -> FineTuningOptimizer:
+        """The class and each tuned parameter's group hyper-parameters of the module's optimizer."""
+        optimizers = list(trainer.optimizers) or configured_optimizers(pl_module)
+        found: dict[int, tuple[Optimizer, dict[str, Any], list[str]]] = {}
+        for name in names:
+            parameter = pl_module.get_parameter(name)
+            located = [
+                (o, g) for o in optimizers for g in o.param_groups if any(p is parameter for p in g["params"])
+            ]
+            if not located:
+                raise ValueError(
+                    f"FineTunedEvaluation(optimizer='module') fine-tunes {name} with the optimizer that trains it, "
+                    f"but no optimizer of {type(pl_module).__name__}.configure_optimizers() holds it. Pass "
+                    "optimizer='sgd' (the SRPFL code's) or a callable params -> Optimizer."
+                )
+            optimizer, group = located[0]
+            found.setdefault(id(group), (optimizer, group, []))[2].append(name)
+        classes = {type(o) for o, _, _ in found.values()}
+        if len(classes) > 1:
+            listed = ", ".join(sorted(c.__name__ for c in classes))
+            raise ValueError(
+                f"FineTunedEvaluation(optimizer='module'): the head's parameters are trained by several optimizer "
+                f"classes ({listed}); pass optimizer='sgd' or a callable params -> Optimizer."
+            )
+        groups = tuple(
+            (
+                self._overridden({k: v for k, v in group.items() if k != "params"}, type(optimizer)),
+                tuple(tuned),
+            )
+            for optimizer, group, tuned in found.values()
+        )
+        source = f"(optimizer='module': {type(pl_module).__name__}.configure_optimizers())"
+        return FineTuningOptimizer(source, classes.pop(), groups)
+
+    def _overridden(self, hyper: dict[str, Any], optimizer_class: type) -> dict[str, Any]:
+        """The module's group hyper-parameters with this callback's ``lr``/``momentum``/``weight_decay``."""
+        for key, value in (("lr", self.lr), ("momentum", self.momentum), ("weight_decay", self.weight_decay)):
+            if value is None:
+                continue
+            if key not in hyper:
+                raise ValueError(
+                    f"FineTunedEvaluation({key}={value}) overrides the module's optimizer's {key}, but "
+                    f"{optimizer_class.__name__} has none. Leave {key} unset, or pass optimizer='sgd' or a "
+                    "callable params -> Optimizer."
+                )
+            hyper[key] = value
+        return hyper
 
     @contextlib.contextmanager
     def _training_mode(self, pl_module: L.LightningModule) -> Iterator[None]:
@@ -287,18 +430,47 @@ class FineTunedEvaluation(FederatedCallback):
         client: int,
         start: dict[str, Tensor],
         batches: Iterator[Any],
-        lr: float,
+        chosen: FineTuningOptimizer,
     ) -> dict[str, Tensor]:
         head = {n: t.detach().clone().requires_grad_(True) for n, t in start.items()}
-        optimizer = torch.optim.SGD(
-            weight_decay_groups(head.items(), self.weight_decay), lr=lr, momentum=self.momentum
-        )
+        optimizer = chosen.build(head)
         state = self._client_state(trainer, pl_module, client, head)
         for batch in batches:
             optimizer.zero_grad(set_to_none=True)
             self._loss(trainer, pl_module, state, batch).backward()
             optimizer.step()
         return {n: t.detach() for n, t in head.items()}
+
+
+def _check_optimizer(optimizer: Any, lr: Any, momentum: Any, weight_decay: Any) -> None:
+    if isinstance(optimizer, str) and optimizer in ("module", "sgd"):
+        return
+    if isinstance(optimizer, str) or not callable(optimizer):
+        raise ValueError(
+            "FineTunedEvaluation(optimizer=...) must be 'module' (the module's optimizer class and "
+            "hyper-parameters), 'sgd' (the SRPFL code's fine-tuning SGD) or a callable params -> Optimizer, "
+            f"got {optimizer!r}."
+        )
+    given = [
+        n for n, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)) if v is not None
+    ]
+    if given:
+        raise ValueError(
+            f"FineTunedEvaluation({', '.join(given)}=...) overrides the 'module' or 'sgd' optimizer; a callable "
+            "optimizer takes its own (e.g. functools.partial(torch.optim.Adam, lr=1e-3)). Set them there."
+        )
+
+
+def _construct(optimizer_class: type[Optimizer], groups: list[dict[str, Any]]) -> Optimizer:
+    """``optimizer_class(groups)``; every group carries all hyper-parameters, and a required constructor
+    argument (``lr`` of some optimizers) is taken from the first group."""
+    parameters = inspect.signature(optimizer_class).parameters
+    required = {
+        n: groups[0][n]
+        for n, p in parameters.items()
+        if p.default is inspect.Parameter.empty and n in groups[0] and n != "params"
+    }
+    return optimizer_class(groups, **required)
 
 
 def _inputs_and_target(batch: Any) -> tuple[Any, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import TensorDataset
@@ -36,7 +36,8 @@ def load_digits_tensors(test_fraction: float = 0.2, seed: int = 0) -> tuple[Tens
 
 
 class DigitsDataModule(FederatedDataModule):
-    """The digits split over clients, by default FedRep-style: ``classes_per_client`` classes each."""
+    """The digits split over clients, by default FedRep-style: ``classes_per_client`` classes each
+    (``assignment``: how :class:`ShardPartitioner` deals them, ``"distinct"`` or ``"official"``)."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class DigitsDataModule(FederatedDataModule):
         batch_size: int = 10,
         test_fraction: float = 0.2,
         seed: int = 0,
+        assignment: Literal["distinct", "official"] = "distinct",
         **kwargs: Any,
     ):
         check_real(
@@ -61,7 +63,7 @@ class DigitsDataModule(FederatedDataModule):
         super().__init__(
             train,
             test,
-            partitioner=partitioner or ShardPartitioner(num_clients, classes_per_client),
+            partitioner=partitioner or ShardPartitioner(num_clients, classes_per_client, assignment),
             batch_size=batch_size,
             seed=seed,
             **kwargs,

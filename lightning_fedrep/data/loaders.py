@@ -259,6 +259,13 @@ class EvalLoader:
         """The first evaluation batch (a probe), or ``None`` without evaluation data."""
         return next(self._batches(range(len(self.clients))), None)
 
+    def keep_first(self, count: int) -> None:
+        """Evaluate only the first ``count`` clients (ids ``0 .. count-1``, unchanged); call before
+        :meth:`shard` and :meth:`chunk`."""
+        self.clients = self.clients[:count]
+        self._shards = [list(range(len(self.clients)))]
+        self._layout()
+
     def chunk(self, max_samples: int | None) -> None:
         """Yield :class:`ClientChunk` items of consecutive clients holding at most ``max_samples``
         samples (a larger client alone); ``None`` goes back to one batch per step."""

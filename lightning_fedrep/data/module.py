@@ -10,19 +10,23 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_fedrep.arguments import check_bool, check_int, check_real
+from lightning_fedrep.data.labels import has_string_labels, string_labels_error
 from lightning_fedrep.data.loaders import ClientData, EvalLoader, RoundLoader, _BatchFetcher
 from lightning_fedrep.data.partition import Partitioner
 from lightning_fedrep.plan import round_generator
 
 
-def dataset_labels(dataset: Dataset) -> torch.Tensor:
+def dataset_labels(dataset: Dataset, name: str = "The data set") -> torch.Tensor:
     """Integer labels of a map-style data set: ``targets`` (torchvision), a TensorDataset's second
-    tensor, or ``dataset[i][1]`` for each sample as a last resort."""
+    tensor, or ``dataset[i][1]`` for each sample as a last resort. String labels are refused, naming the
+    data set (``name``)."""
     targets = getattr(dataset, "targets", None)
     if targets is None and isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1:
         targets = dataset.tensors[1]
     if targets is None:
         targets = [dataset[i][1] for i in range(len(dataset))]
+    if has_string_labels(targets):
+        raise string_labels_error(name, targets[0])
     labels = torch.as_tensor(targets)
     if labels.is_floating_point() or labels.dim() != 1:
         raise ValueError(
@@ -43,6 +47,10 @@ class FederatedDataModule(L.LightningDataModule):
 
     ``train_dataloader`` returns one :class:`RoundLoader` (the strategy drives it round by round) and
     ``val_dataloader``/``test_dataloader`` one :class:`EvalLoader` over all clients.
+
+    ``max_train_samples`` caps each client's training samples (after any validation split), keeping a
+    seeded random subset of that size (the official code's ``m_tr``, default 500, which keeps the *first*
+    ``m_tr`` samples of a client's shards in the order they were dealt); test splits are not capped.
     """
 
     def __init__(
@@ -57,9 +65,12 @@ class FederatedDataModule(L.LightningDataModule):
         pin_memory: bool = False,
         collate_fn: Callable | None = None,
         seed: int = 0,
+        max_train_samples: int | None = None,
     ):
         super().__init__()
         owner = type(self).__name__
+        if max_train_samples is not None:
+            check_int("max_train_samples", max_train_samples, minimum=1, owner=owner)
         check_int("batch_size", batch_size, minimum=1, owner=owner)
         check_int("eval_batch_size", eval_batch_size, minimum=1, owner=owner)
         check_real("val_fraction", val_fraction, low=0.0, high=1.0, high_open=True, owner=owner)
@@ -78,6 +89,7 @@ class FederatedDataModule(L.LightningDataModule):
         self.eval_batch_size = eval_batch_size
         self.val_fraction = val_fraction
         self.seed = seed
+        self.max_train_samples = max_train_samples
         self._fetcher = _BatchFetcher(num_workers, pin_memory, collate_fn)
         self._train: list[ClientData] | None = None
         self._val: list[ClientData] | None = None
@@ -119,7 +131,16 @@ class FederatedDataModule(L.LightningDataModule):
                 val.append(ClientData(data.dataset, data.indices[perm[:n_val]].sort().values))
                 kept.append(ClientData(data.dataset, data.indices[perm[n_val:]].sort().values))
             train, self._val = kept, val
+        if self.max_train_samples is not None:
+            train = [self._capped(cid, data, self.max_train_samples) for cid, data in enumerate(train)]
         self._train, self._test = train, test
+
+    def _capped(self, client: int, data: ClientData, samples: int) -> ClientData:
+        """A seeded random subset of at most ``samples`` of one client's training samples."""
+        if len(data) <= samples:
+            return data
+        perm = torch.randperm(len(data), generator=round_generator(self.seed, -4, client))
+        return ClientData(data.dataset, data.indices[perm[:samples]].sort().values)
 
     def setup(self, stage: str | None = None) -> None:
         """Partition the data sets over clients (once; later calls keep the partition)."""
@@ -130,8 +151,11 @@ class FederatedDataModule(L.LightningDataModule):
                 "FederatedDataModule needs train_set and partitioner (e.g. ShardPartitioner(num_clients=100, "
                 "classes_per_client=2)), or use FederatedDataModule.from_client_datasets(...)."
             )
-        train_labels = dataset_labels(self.train_set)
-        test_labels = dataset_labels(self.test_set) if self.test_set is not None else None
+        owner = type(self).__name__
+        train_labels = dataset_labels(self.train_set, f"{owner}(train_set=...)")
+        test_labels = (
+            dataset_labels(self.test_set, f"{owner}(test_set=...)") if self.test_set is not None else None
+        )
         split = self.partitioner.split(train_labels, test_labels, self.seed)
         self._set_clients(
             [ClientData(self.train_set, idx) for idx in split.train],

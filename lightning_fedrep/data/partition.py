@@ -15,16 +15,20 @@ Three schemes are provided:
   proportions drawn from ``Dir(alpha)``; each client's test labels follow its train labels.
 * :class:`IIDPartitioner`: a uniformly random, equal-size split.
 
-Classes are the distinct values present in the *train* labels. Test samples whose class does not occur
-in the train labels are assigned to no client.
+Classes are the distinct values present in the *train* labels. :class:`ShardPartitioner` and
+:class:`DirichletPartitioner` give each client test samples of its own training classes, as the official
+FedRep sampling deals the test set with the training class assignment; test samples of a class that
+occurs in no training label therefore belong to no client, and a warning names those classes and how
+many test samples they drop.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -148,6 +152,25 @@ def _prepare(
     return classes, train_ids, test_ids, test, np.random.default_rng(seed)
 
 
+def _warn_test_only_classes(partitioner: str, test_labels: np.ndarray, test_ids: np.ndarray) -> None:
+    """Say which test classes occur in no training label: their test samples are assigned to no client."""
+    unknown = test_ids < 0
+    if not unknown.any():
+        return
+    classes, counts = np.unique(test_labels[unknown], return_counts=True)
+    listed = ", ".join(
+        f"class {c} ({n} samples)" for c, n in zip(classes[:10].tolist(), counts[:10].tolist())
+    )
+    warnings.warn(
+        f"{partitioner}: {int(unknown.sum())} of {test_labels.size} test samples are assigned to no client: "
+        f"their classes occur in no training label ({listed}{' ...' if classes.size > 10 else ''}). Each client "
+        "is tested on its own training classes, as the official FedRep sampling deals the test set; to keep "
+        "these samples, give the training set samples of those classes (or use IIDPartitioner).",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def _group_by_class(
     class_ids: np.ndarray, num_classes: int, rng: np.random.Generator | None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -199,11 +222,21 @@ class ShardPartitioner(Partitioner):
     as evenly as possible, i.e. ``(N * S) % C`` randomly chosen classes get one holder more than the
     others. If ``N * S < C`` some classes get no holder, and their samples are assigned to nobody.
 
-    Every client holds exactly ``S`` *distinct* classes. (The official code shuffles the multiset of
-    class slots and can give a client the same class twice; here clients are filled one by one, in random
-    order, each drawing ``S`` distinct classes with probability proportional to the class's remaining
-    slots, and taking first any class that must go to every remaining client, so a valid assignment is
-    always found when ``S <= C``.)
+    ``assignment`` says how the class slots are dealt:
+
+    * ``"distinct"`` (default): every client holds exactly ``S`` *distinct* classes. Clients are filled
+      one by one, in random order, each drawing ``S`` distinct classes with probability proportional to
+      the class's remaining slots, and taking first any class that must go to every remaining client, so
+      a valid assignment is always found when ``S <= C``.
+    * ``"official"``: the official ``sampling.py`` (FedRep, FLUTE, SRPFL): the *multiset* of class slots
+      (each class repeated ``N * S / C`` times) is shuffled and dealt ``S`` per client, so a client can
+      draw the same class twice and then holds two shards of it (fewer than ``S`` distinct classes: at
+      ``S = 5`` of 10 classes about 4.1 on average; at ``S = 2`` about 10% of clients hold one class).
+      Each class's samples are cut, in data set order, into ``N * S / C`` shards of ``n_c // (N S / C)``
+      samples, the ``n_c % (N S / C)`` leftover samples going one each to the first shards, and each slot
+      takes a random shard; the test set is cut the same way with the same assignment. (The official
+      code needs ``N * S`` to be a multiple of ``C``; otherwise the extra slots go to random classes, as
+      for ``"distinct"``.)
 
     Each class's train samples are shuffled and cut into one shard per holder, with sizes differing by
     at most one (leftovers go to the first shards; nothing is dropped). So when the classes are balanced
@@ -214,8 +247,11 @@ class ShardPartitioner(Partitioner):
     test shard of a class is empty when the test set has fewer samples of that class than it has holders.
     """
 
-    def __init__(self, num_clients: int, classes_per_client: int) -> None:
-        """Create a partitioner for ``num_clients`` clients holding ``classes_per_client`` classes each."""
+    def __init__(
+        self, num_clients: int, classes_per_client: int, assignment: Literal["distinct", "official"] = "distinct"
+    ) -> None:
+        """Create a partitioner for ``num_clients`` clients holding ``classes_per_client`` classes each
+        (``assignment``: ``"distinct"`` classes per client, or the ``"official"`` code's shuffled multiset)."""
         self.num_clients = _check_num_clients(num_clients)
         if isinstance(classes_per_client, bool) or not isinstance(classes_per_client, (int, np.integer)):
             raise ValueError(
@@ -224,15 +260,25 @@ class ShardPartitioner(Partitioner):
         if classes_per_client < 1:
             raise ValueError(f"classes_per_client must be at least 1, got {classes_per_client}.")
         self.classes_per_client = int(classes_per_client)
+        if assignment not in ("distinct", "official"):
+            raise ValueError(
+                f"ShardPartitioner(assignment={assignment!r}) must be 'distinct' (S distinct classes per client) "
+                "or 'official' (the official sampling.py's shuffled multiset of class slots)."
+            )
+        self.assignment = assignment
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_clients={self.num_clients}, classes_per_client={self.classes_per_client})"
+        return (
+            f"{type(self).__name__}(num_clients={self.num_clients}, classes_per_client={self.classes_per_client}, "
+            f"assignment={self.assignment!r})"
+        )
 
     def assign_classes(self, num_classes: int, seed: int) -> torch.Tensor:
         """Return the ``(num_clients, classes_per_client)`` int64 class assignment that :meth:`split` uses.
 
         Entry ``[i, j]`` is a position in the sorted distinct train labels (not the label value itself);
-        each row is sorted and has no repeats. Useful to inspect or log who holds which classes.
+        each row is sorted, and has no repeats unless ``assignment="official"``. Useful to inspect or log
+        who holds which classes.
         """
         if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}.")
@@ -241,6 +287,8 @@ class ShardPartitioner(Partitioner):
 
     def _assign(self, num_classes: int, rng: np.random.Generator) -> np.ndarray:
         n, s, c = self.num_clients, self.classes_per_client, num_classes
+        if self.assignment == "official":
+            return self._assign_official(c, rng)
         if s > c:
             raise ValueError(
                 f"classes_per_client={s} exceeds the number of classes present in the train labels ({c}); "
@@ -264,9 +312,17 @@ class ShardPartitioner(Partitioner):
             remaining[row] -= 1
         return assignment
 
+    def _assign_official(self, num_classes: int, rng: np.random.Generator) -> np.ndarray:
+        """The official ``rand_set_all``: the shuffled multiset of class slots, ``S`` per client (rows sorted)."""
+        n, s, c = self.num_clients, self.classes_per_client, num_classes
+        holders = np.full(c, (n * s) // c, dtype=np.int64)
+        holders[rng.choice(c, size=(n * s) % c, replace=False)] += 1
+        slots = rng.permutation(np.repeat(np.arange(c), holders))
+        return np.sort(slots.reshape(n, s), axis=1)
+
     def split(self, train_labels: torch.Tensor, test_labels: torch.Tensor | None, seed: int) -> ClientSplit:
         """Assign each client ``classes_per_client`` classes and one shard of each, in train and test."""
-        classes, train_ids, test_ids, _, rng = _prepare(train_labels, test_labels, seed)
+        classes, train_ids, test_ids, test, rng = _prepare(train_labels, test_labels, seed)
         num_classes = len(classes)
         if self.num_clients > train_ids.size:
             raise ValueError(
@@ -283,7 +339,8 @@ class ShardPartitioner(Partitioner):
         holders = np.split(client_of_slot[slot_order], np.cumsum(holder_counts)[:-1])
         holders = [rng.permutation(h) for h in holders]
 
-        train_order, train_starts = _group_by_class(train_ids, num_classes, rng)
+        shuffle = None if self.assignment == "official" else rng  # official: shards in data set order
+        train_order, train_starts = _group_by_class(train_ids, num_classes, shuffle)
         class_sizes = np.diff(train_starts)
         too_small = np.flatnonzero((holder_counts > class_sizes) & (holder_counts > 0))
         if too_small.size:
@@ -293,26 +350,44 @@ class ShardPartitioner(Partitioner):
                 f"{holder_counts[c]} shards (one per client holding it); use fewer clients or a smaller "
                 f"classes_per_client."
             )
-        train_owner = self._deal(train_ids.size, train_order, train_starts, holders)
+        train_owner = self._deal(train_ids.size, train_order, train_starts, holders, self.assignment)
         train = _indices_per_owner(train_owner, self.num_clients)
 
         if test_ids is None:
             return ClientSplit(train=train, test=_empty_split(self.num_clients))
-        test_order, test_starts = _group_by_class(test_ids, num_classes, rng)
-        test_owner = self._deal(test_ids.size, test_order, test_starts, holders)
+        _warn_test_only_classes(repr(self), test, test_ids)
+        test_order, test_starts = _group_by_class(test_ids, num_classes, shuffle)
+        if self.assignment == "official":  # each test slot pops its own random shard
+            holders = [rng.permutation(h) for h in holders]
+        test_owner = self._deal(test_ids.size, test_order, test_starts, holders, self.assignment)
         return ClientSplit(train=train, test=_indices_per_owner(test_owner, self.num_clients))
 
     @staticmethod
     def _deal(
-        num_samples: int, order: np.ndarray, starts: np.ndarray, holders: Sequence[np.ndarray]
+        num_samples: int,
+        order: np.ndarray,
+        starts: np.ndarray,
+        holders: Sequence[np.ndarray],
+        assignment: str = "distinct",
     ) -> np.ndarray:
-        """Cut each class block into one near-equal shard per holder; return the owner of each sample."""
+        """Cut each class block into one near-equal shard per holder; return the owner of each sample.
+
+        ``"distinct"``: contiguous shards, the first ``size % holders`` one longer. ``"official"``: shard
+        ``i`` is the ``i``-th run of ``size // holders`` samples plus, for ``i < size % holders``, the
+        ``i``-th leftover sample from the block's end (the official ``noniid``'s cut).
+        """
         owner = np.full(num_samples, -1, dtype=np.int64)
         for c, class_holders in enumerate(holders):
             if class_holders.size == 0:
                 continue
             block = order[starts[c] : starts[c + 1]]
-            owner[block] = np.repeat(class_holders, _even_sizes(block.size, class_holders.size))
+            k = class_holders.size
+            if assignment == "official":
+                run, position = block.size // k, np.arange(block.size)
+                shard = np.where(position < k * run, position // max(run, 1), position - k * run)
+                owner[block] = class_holders[shard]
+            else:
+                owner[block] = np.repeat(class_holders, _even_sizes(block.size, k))
         return owner
 
 
@@ -368,7 +443,7 @@ class DirichletPartitioner(Partitioner):
 
     def split(self, train_labels: torch.Tensor, test_labels: torch.Tensor | None, seed: int) -> ClientSplit:
         """Draw per-class client proportions and cut the train and test samples of each class by them."""
-        classes, train_ids, test_ids, _, rng = _prepare(train_labels, test_labels, seed)
+        classes, train_ids, test_ids, test, rng = _prepare(train_labels, test_labels, seed)
         n, num_classes = self.num_clients, len(classes)
         needed = n * self.min_samples_per_client
         if needed > train_ids.size or n > train_ids.size:
@@ -399,6 +474,7 @@ class DirichletPartitioner(Partitioner):
         train = _indices_per_owner(self._deal(train_ids.size, train_order, counts), n)
         if test_ids is None:
             return ClientSplit(train=train, test=_empty_split(n))
+        _warn_test_only_classes(repr(self), test, test_ids)
         test_order, test_starts = _group_by_class(test_ids, num_classes, rng)
         test_counts = self._counts(proportions, np.diff(test_starts))
         return ClientSplit(

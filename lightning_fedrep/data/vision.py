@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from torch.utils.data import Dataset
 
@@ -87,6 +87,10 @@ class TorchvisionDataModule(FederatedDataModule):
         val_fraction: fraction of each client's training samples kept for validation.
         num_workers: ``DataLoader`` workers used to load and transform the images.
         seed: seed of the partition, of the validation split and of the data order.
+        assignment: how the default :class:`ShardPartitioner` deals classes: ``"distinct"`` (S distinct
+            classes per client) or ``"official"`` (the official code's shuffled multiset of class slots).
+        max_train_samples: at most this many training samples per client (the official ``m_tr``; see
+            :class:`FederatedDataModule`); ``None`` keeps them all.
     """
 
     display_name: ClassVar[str] = ""
@@ -107,15 +111,18 @@ class TorchvisionDataModule(FederatedDataModule):
         val_fraction: float = 0.0,
         num_workers: int = 0,
         seed: int = 0,
+        assignment: Literal["distinct", "official"] = "distinct",
+        max_train_samples: int | None = None,
     ):
         check_bool("download", download, owner=type(self).__name__)
         super().__init__(
-            partitioner=partitioner or ShardPartitioner(num_clients, classes_per_client),
+            partitioner=partitioner or ShardPartitioner(num_clients, classes_per_client, assignment),
             batch_size=batch_size,
             eval_batch_size=eval_batch_size,
             val_fraction=val_fraction,
             num_workers=num_workers,
             seed=seed,
+            max_train_samples=max_train_samples,
         )
         self.root = str(root)
         self.download = download
@@ -182,6 +189,8 @@ class _CIFARDataModule(TorchvisionDataModule):
         num_workers: int = 0,
         seed: int = 0,
         augment: bool = True,
+        assignment: Literal["distinct", "official"] = "distinct",
+        max_train_samples: int | None = None,
     ):
         super().__init__(
             root,
@@ -194,6 +203,8 @@ class _CIFARDataModule(TorchvisionDataModule):
             val_fraction,
             num_workers,
             seed,
+            assignment=assignment,
+            max_train_samples=max_train_samples,
         )
         self.augment = augment
 
@@ -309,6 +320,8 @@ class EMNISTDataModule(MNISTDataModule):
         num_workers: int = 0,
         seed: int = 0,
         first_classes: int | None = None,
+        assignment: Literal["distinct", "official"] = "distinct",
+        max_train_samples: int | None = None,
     ):
         if split not in EMNIST_SPLITS:
             raise ValueError(f"EMNIST split must be one of {sorted(EMNIST_SPLITS)}, got {split!r}.")
@@ -331,6 +344,8 @@ class EMNISTDataModule(MNISTDataModule):
             val_fraction,
             num_workers,
             seed,
+            assignment=assignment,
+            max_train_samples=max_train_samples,
         )
         self.split = split
         self.first_classes = first_classes

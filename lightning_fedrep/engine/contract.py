@@ -89,6 +89,8 @@ def find_feature_split(module: nn.Module, head_names: tuple[str, ...], probe: Te
     tensors = {**dict(module.named_buffers()), **dict(module.named_parameters())}
     with torch.no_grad():
         expected = module(probe)
+        if not isinstance(expected, Tensor):  # a tuple or dict: the engine's loss needs the output tensor
+            return None
         split = (
             _declared_split(module)
             if declared
@@ -97,9 +99,15 @@ def find_feature_split(module: nn.Module, head_names: tuple[str, ...], probe: Te
         if split is None:
             return None
         got = split.head(tensors, split.features(tensors, probe))
-    if not isinstance(got, Tensor) or got.shape != expected.shape or not torch.equal(got, expected):
-        return None
-    return split
+    return split if same_tensor(got, expected) else None
+
+
+def same_tensor(a: object, b: object) -> bool:
+    """``a`` and ``b`` are tensors of one shape with equal values, NaN equal to NaN (data holding NaN is
+    no reason to think two computations differ)."""
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape):
+        return False
+    return torch.equal(a, b) or torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
 
 
 def _declared_split(module: nn.Module) -> FeatureSplit:
@@ -132,7 +140,7 @@ def _detect_last_head_module(
         module(probe)
     finally:
         handle.remove()
-    if len(outputs) != 1 or outputs[0] is not expected and not torch.equal(outputs[0], expected):
+    if len(outputs) != 1 or outputs[0] is not expected and not same_tensor(outputs[0], expected):
         return None
     prefix = owner + "."
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -48,16 +49,23 @@ def evaluation_split(module: nn.Module, head_names: tuple[str, ...], probe: Tens
 
 
 def batched_evaluation(
-    module: nn.Module, federation: Federation, loader: EvalLoader, device: torch.device
+    module: nn.Module,
+    federation: Federation,
+    loader: EvalLoader,
+    device: torch.device,
+    convert_input: Callable[[Any], Any] | None = None,
 ) -> BatchedEvaluation | None:
     """The batched evaluation of ``module`` on ``loader``'s clients where it is the whole evaluation
-    (the declaration, ``(x, y)`` tensor batches, a verified feature split), else ``None``."""
+    (the declaration, ``(x, y)`` tensor batches, a verified feature split), else ``None``.
+    ``convert_input`` is what Lightning does to a batch before the step (the trainer's precision), applied
+    to the probe batch as Lightning applies it to the evaluated chunks."""
     if not declares_headline_only(module) or not federation.has_state or not federation.split.head:
         return None
     probe = loader.first_batch()
     if not (isinstance(probe, list | tuple) and len(probe) == 2 and isinstance(probe[0], Tensor)):
         return None
-    split = evaluation_split(module, federation.split.head, probe[0].to(device))
+    x = (convert_input or (lambda batch: batch))(probe[0])
+    split = evaluation_split(module, federation.split.head, x.to(device))
     return BatchedEvaluation(split, federation.split.head) if split is not None else None
 
 

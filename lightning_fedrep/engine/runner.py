@@ -14,13 +14,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from lightning_fedrep.algorithms import PART_GROUPS
 from lightning_fedrep.engine import sizing
-from lightning_fedrep.engine.contract import FeatureSplit, LossFn, find_feature_split
+from lightning_fedrep.engine.contract import FeatureSplit, LossFn, find_feature_split, same_tensor
 from lightning_fedrep.engine.group import ClientGroup
+from lightning_fedrep.engine.probe import loss_label, probe_problem
 from lightning_fedrep.engine.schedule import LockstepPlan, Segment, lockstep_plan
 from lightning_fedrep.federation import ClientResult, Federation
 from lightning_fedrep.hooks import VectorizedLossTerm
@@ -63,6 +65,9 @@ class LockstepEngine:
         width: at most this many clients train together (memory); ``None``: a round's clients.
         split: how to run the head on cached features (``None``: no caching).
         loss_terms: the callbacks' vectorized loss terms, applied per client inside the ``vmap``.
+        convert_input: what Lightning does to a training batch before the step (the trainer's precision,
+            e.g. float tensors to float64 under ``precision="64-true"``), applied to the batches the
+            engine draws itself (probe, cached features, timing).
     """
 
     def __init__(
@@ -74,11 +79,16 @@ class LockstepEngine:
         width: int | None = None,
         split: FeatureSplit | None = None,
         loss_terms: Sequence[VectorizedLossTerm] = (),
+        convert_input: Callable[[Any], Any] | None = None,
     ):
         self.federation = federation
         self.module = module
         self.user_optimizer = optimizer
         self.loss_fn = loss
+        self.convert_input = convert_input or (lambda batch: batch)
+        self.probe_problem: str | None = None
+        """Why the engine would not train what ``training_step`` trains (decided in :meth:`bind_loader`:
+        :func:`~lightning_fedrep.engine.probe.probe_problem`), or ``None``."""
         self.loss_terms = list(loss_terms)
         """Callbacks' vectorized loss terms (those with ``needs_features`` need a feature split)."""
         self.needs_features = any(term.needs_features for term in self.loss_terms)
@@ -120,24 +130,30 @@ class LockstepEngine:
 
     # ------------------------------------------------------------------ schedule
     def bind_loader(self, loader: Any, device: torch.device) -> str | None:
-        """The round's training loader (cached features are read from it). The first time, find the
-        feature split, decide whether head phases run on cached features (and whether the loss terms
+        """The round's training loader (cached features are read from it). The first time, check on
+        probe batches that the engine trains what ``training_step`` trains (:attr:`probe_problem`), find
+        the feature split, decide whether head phases run on cached features (and whether the loss terms
         can run: :attr:`loss_terms_problem`), and return a line saying so (then ``None``)."""
         self._loader = loader
         self._schedules = {}
         if self._cache_decided:
             return None
         self._cache_decided = True
+        probes = self._probe_batches(loader, device)
+        name = loss_label(getattr(self.module, "fedrep_loss", self.loss_fn))
+        self.probe_problem = probe_problem(self.module, self.loss_fn, name, probes)
+        if self.probe_problem is not None:
+            self.split, self.caching = None, False
+            return f"no feature cache: {self.probe_problem}"
+        x = probes[0][0][0]
         head = self.federation.split.head
         why = data_is_deterministic(loader) if head else "no head marked"
         if head and (why is None or self.needs_features):
-            client = next(c for c in range(len(loader.clients)) if loader.client_size(c))
-            x, _ = next(iter(loader.client_batches(client, 0, 0, 1)))
-            self.split = find_feature_split(self.module, head, x.to(device))
+            self.split = find_feature_split(self.module, head, x)
             if self.split is None:
                 why = "the module's output is not head(features(x)): declare forward_features/forward_head"
             elif self.needs_features:
-                self.loss_terms_problem = self._features_of_problem(x.to(device))
+                self.loss_terms_problem = self._features_of_problem(x)
         if self.needs_features and self.split is None:
             self.loss_terms_problem = f"the callbacks' vectorized loss terms need the head's input ({why})"
         self.caching = self.split is not None and why is None
@@ -146,6 +162,25 @@ class LockstepEngine:
             if self.caching
             else f"no feature cache: {why}"
         )
+
+    def _probe_batches(self, loader: Any, device: torch.device) -> list[tuple[Any, int, str]]:
+        """The first batch of the first client with data and the second batch of the last one, as
+        Lightning hands batches to ``training_step`` (each with its ``batch_idx`` and a name)."""
+        clients = [c for c in range(len(loader.clients)) if loader.client_size(c)]
+        first, last = clients[0], clients[-1]
+
+        def batch(client: int, step: int) -> Any:
+            return self._as_stepped(next(iter(loader.client_batches(client, 0, step, 1))), device)
+
+        return [
+            (batch(first, 0), 0, f"client {first}'s first batch"),
+            (batch(last, 1), 1, f"client {last}'s second batch"),
+        ]
+
+    def _as_stepped(self, batch: Any, device: torch.device) -> Any:
+        """A batch the engine draws itself, as Lightning would hand it to the step: in the trainer's
+        precision, on ``device``."""
+        return move_data_to_device(self.convert_input(batch), device)
 
     def _features_of_problem(self, probe: Tensor) -> str | None:
         """Whether every loss term's ``features_of`` submodule gets exactly the split's features as its
@@ -165,7 +200,7 @@ class LockstepEngine:
             finally:
                 hook.remove()
             got = seen[0] if len(seen) == 1 else None  # called once, on exactly the split's features
-            if not (isinstance(got, Tensor) and got.shape == features.shape and torch.equal(got, features)):
+            if not same_tensor(got, features):
                 return (
                     f"a vectorized loss term takes the input of {name!r} as its features, which is not the "
                     f"head's input ({self.split.how})"
@@ -194,10 +229,12 @@ class LockstepEngine:
             self._timing = ""
             if measure and self._pending is None:
                 self._measure_lanes(plan, device)
-        groups = (
-            f"groups of up to {self.group_width} clients by memory ({self.client_bytes / 2**20:.3g} MiB each; "
-            f"the first round has {len(plan.work)})"
+        bound = (
+            f"by memory ({self.client_bytes / 2**20:.3g} MiB each; "
+            if self.client_bytes  # not measured when the widths come from a checkpoint
+            else "("
         )
+        groups = f"groups of up to {self.group_width} clients {bound}the first round has {len(plan.work)})"
         lanes = (
             "the other phases one client at a time"
             if self.lane_width == 1
@@ -226,9 +263,8 @@ class LockstepEngine:
 
     def _memory_width(self, plan: RoundPlan, device: torch.device, memory: int | None) -> int:
         loader, module = self._loader, self.module
-        x, y = (
-            t.to(device) for t in next(iter(loader.client_batches(plan.work[0].client, plan.round, 0, 1)))
-        )
+        first = next(iter(loader.client_batches(plan.work[0].client, plan.round, 0, 1)))
+        x, y = self._as_stepped(first, device)
         loss_fn = self.loss_fn
         activations = sizing.activation_bytes(lambda: loss_fn(module(x), y).sum())
         features = 0
@@ -257,8 +293,7 @@ class LockstepEngine:
         narrow = [s for s in narrow_plan.segments if s.group == 0 and s.phase_index == wide.phase_index]
 
         def first_batch(schedule: LockstepPlan, segment: Segment) -> dict[str, Tensor]:
-            batch = next(iter(schedule.batches(self._loader, segment.start)))
-            return {k: v.to(device) for k, v in batch.items()}
+            return self._as_stepped(next(iter(schedule.batches(self._loader, segment.start))), device)
 
         def work(segment: Segment, batch: dict[str, Tensor]) -> Callable[[], None]:
             def run() -> None:
@@ -471,9 +506,10 @@ class LockstepEngine:
         self, tensors: dict[str, Tensor], batches: Any, device: torch.device
     ) -> tuple[Tensor, Tensor]:
         features, labels = [], []
-        for x, target in batches:
-            features.append(self.split.features(tensors, x.to(device)))
-            labels.append(target.to(device))
+        for batch in batches:
+            x, target = self._as_stepped(batch, device)
+            features.append(self.split.features(tensors, x))
+            labels.append(target)
         return torch.cat(features), torch.cat(labels)
 
     # ------------------------------------------------------------------ checkpoints

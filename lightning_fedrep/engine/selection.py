@@ -65,7 +65,13 @@ def build_engine(
         return None
     loss_terms = list(terms.values())
     return LockstepEngine(
-        federation, module, optimizers[0], declared_loss(module), width, loss_terms=loss_terms
+        federation,
+        module,
+        optimizers[0],
+        declared_loss(module),
+        width,
+        loss_terms=loss_terms,
+        convert_input=trainer.precision_plugin.convert_input,
     )
 
 
@@ -92,23 +98,33 @@ def start_engine(
     smoke: bool,
     collective: Collective | None = None,
 ) -> LockstepEngine | None:
-    """On the fit's first training loader: decide the feature cache and the widths and say so in one
-    line; ``None`` where ``mode="auto"`` keeps the sequential path. Later loaders change nothing.
+    """On the fit's first training loader: check on probe batches that the engine trains what
+    ``training_step`` trains, decide the feature cache and the widths and say so in one line; ``None``
+    where ``mode="auto"`` keeps the sequential path (``mode="vectorized"`` raises where the engine
+    would not train what the step trains). Later loaders change nothing.
     On several processes every rank takes rank 0's lane choice (its timing decides for all) and
     the smallest group width any rank's memory allows."""
     cache = engine.bind_loader(loader, device)
     if cache is None:
         return engine
-    if engine.loss_terms_problem is not None:
-        reason = engine.loss_terms_problem
+    if engine.probe_problem is not None or engine.loss_terms_problem is not None:
+        reason = engine.probe_problem or engine.loss_terms_problem
+        fix = (
+            "The engine runs no training_step: it trains mean(fedrep_loss(module(x), y)) on (inputs, targets) "
+            "batches and logs only 'train/loss'; make the module match that"
+            if engine.probe_problem is not None
+            else "Declare forward_features/forward_head on the module (its features being what the loss terms "
+            "take)"
+        )
         if mode == "vectorized":
             raise ValueError(
-                f"engine='vectorized' cannot run here: {reason}. Declare forward_features/forward_head on the "
-                "module (its features being what the loss terms take), or pass engine='auto' or "
-                "engine='sequential'."
+                f"engine='vectorized' cannot run here: {reason}. {fix}, or pass engine='auto' (falls back to "
+                "the sequential path) or engine='sequential'."
             )
         rank_zero_info(f"lightning_fedrep: sequential engine ({reason}).")
         return None
+    if engine.caching and not any(phase.train == "head" for phase in plan.phases):
+        cache = f"no head phase in the first round; any later one on cached features ({engine.split.how})"
     widths = engine.prepare(plan, device, measure=mode == "auto" and not smoke, memory=memory, smoke=smoke)
     if collective is not None and collective.distributed:  # rank 0's timing, the smallest memory bound
         every = collective.all_gather_object(engine.settings())

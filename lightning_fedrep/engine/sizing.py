@@ -65,20 +65,25 @@ def group_width(budget: int, per_client: int) -> int:
 
 
 def faster_lane_width(
-    wide: Callable[[], None], narrow: list[Callable[[], None]], device: torch.device, repeats: int = 2
+    wide: Callable[[], None],
+    narrow: list[Callable[[], None]],
+    device: torch.device,
+    repeats: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[bool, float, float]:
     """Time one lockstep step of K clients (``wide``) against the same K clients' steps one after
     another (``narrow``), each after a warm-up, best of ``repeats``. Returns whether the wide step is
-    at most as slow, and both times in seconds."""
+    at most as slow, and both times in seconds of ``clock`` (wall-clock seconds by default; tests pass
+    a fake clock that the work advances)."""
 
     def timed(work: Callable[[], None]) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         work()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+        return clock() - start
 
     def all_narrow() -> None:
         for work in narrow:

@@ -83,7 +83,13 @@ def recipe(column: str, variant: str) -> tuple[str, str]:
     callback["local_classes"] = s  # Averaged Local NC2 with the code's S = shard_per_user
     if dataset == "cifar100":
         callback["features_module"] = "drop"  # φ(X) before the dropout, as the official code
-    strategy = {"algorithm": "fedrep", "clients_per_round": 0.1, "seed": 0, "phases": phases}
+    strategy = {
+        "algorithm": "fedrep",
+        "clients_per_round": 0.1,
+        "seed": 0,
+        "phases": phases,
+        "first_state": "average",  # the official code's aliasing of w_locals to the global model
+    }
     collapse = {"class_path": "lightning_fedrep.callbacks.NeuralCollapse", "init_args": callback}
     config = {
         "seed_everything": 0,
@@ -101,6 +107,7 @@ def recipe(column: str, variant: str) -> tuple[str, str]:
                 "seed": 0,
                 "root": "data",
                 "download": True,
+                "assignment": "official",  # sampling.py's shuffled multiset of class slots
             },
         },
     }
@@ -121,8 +128,18 @@ def recipe(column: str, variant: str) -> tuple[str, str]:
         f"(FLUTE {paper_flute}, FLUTE* {paper_star}).",
         "The paper's figure is the mean over the last 10 rounds: val/acc_last10. NC metrics: nc/global_nc2,",
         "nc/local_nc2, nc/nc1, nc/nc3 (NeuralCollapse callback).",
-        "Not as the official code: every client uses all its shard samples (the code caps at m_tr=500, which",
-        "matters for N=50); no extra all-client head fine-tuning round (the code's, excluded from its figure).",
+        "As the official code: classes dealt as its sampling.py (assignment: official: a client may draw a class",
+        "twice); a client that has not trained starts from the average of every head (first_state: average).",
+        *(
+            [
+                "Not as the official code: no m_tr=500 cap. The code keeps the first 500 samples of a client's dealt",
+                "shards: at N=50 (shards of 500 on CIFAR-10) that is its first-drawn class only, which cannot give the",
+                "paper's accuracy on its test classes; data max_train_samples: 500 caps at a random 500 instead.",
+            ]
+            if n == 50
+            else []
+        ),
+        "Not as the official code: no extra all-client head fine-tuning round (the code's, excluded from its figure).",
         f"Run: lightning-fedrep fit --config recipes/flute/{path}",
     ]
     FACTS[path] = (

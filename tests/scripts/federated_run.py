@@ -33,6 +33,7 @@ from lightning_fedrep import (  # noqa: E402
     FederatedStrategy,
     HeadFineTuning,
 )
+from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
 
 SIZES = (7, 41, 13, 22, 30, 9, 55, 18)  # uneven: 1 to 7 batches of 8 per epoch
 
@@ -147,9 +148,7 @@ def main() -> None:
     settings = dict(
         algorithm=args.algorithm,
         clients_per_round=args.clients_per_round if args.clients_per_round < 1 else 1.0,
-        head_epochs=2,
-        body_epochs=1,
-        local_epochs=2,
+        **epoch_settings(args.algorithm, head_epochs=2, body_epochs=1, local_epochs=2),
         engine=args.engine,
         seed=3,
     )

@@ -1,0 +1,375 @@
+"""Where the vectorized engine would not train what ``training_step`` trains, or would crash: it falls
+back (``engine="auto"``, one line naming the reason) or refuses (``engine="vectorized"``), and its log
+line says what it really does (issue 23, items 1, 2 and the engine's messages of item 8).
+
+The engine never runs ``training_step``: it trains the declared ``fedrep_loss``. On probe batches it
+now runs the step and compares (``lightning_fedrep.engine.probe``). The reference for "what the step
+trains" is the sequential path (the user's ``training_step``, itself checked against plain PyTorch loops
+in ``tests/test_engine_equivalence.py``), and closed forms where a message is about a number.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from lightning_fedrep import FederatedDataModule, FederatedStrategy
+from lightning_fedrep.engine import declared_loss, find_feature_split
+from lightning_fedrep.engine.probe import loss_label, probe_problem
+from tests.fixtures import quiet_trainer
+
+SIZES = (24, 17, 30, 9)
+
+
+class Net(L.LightningModule):
+    """A body and a ``classifier`` head (called last), declaring cross-entropy."""
+
+    fedrep_loss = "cross_entropy"
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 8), nn.ReLU())
+        self.classifier = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.classifier(self.body(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5)
+
+
+class SmoothingNet(Net):
+    """Declares cross-entropy, trains cross-entropy with label smoothing."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y, label_smoothing=0.2)
+
+
+class LoggingNet(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("train_acc", (logits.argmax(-1) == y).float().mean())
+        return F.cross_entropy(logits, y)
+
+
+class EngineLogNet(Net):
+    """Logs only what the engine logs itself (as the shipped CIFAR CNNs and FEMNIST MLP do)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss)
+        return loss
+
+
+class MSEOnLabelsNet(Net):
+    """Declares ``"mse"`` on integer labels: every logit would be pulled toward the label."""
+
+    fedrep_loss = "mse"
+
+
+class TupleNet(Net):
+    def forward(self, x):
+        features = self.body(x)
+        return self.classifier(features), features
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x)[0], y)
+
+
+class DictBatchNet(Net):
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch["x"]), batch["y"])
+
+
+def clients(sizes=SIZES, seed=3, nan=False) -> list[TensorDataset]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        x = torch.randn(n, 6, generator=g)
+        y = (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long()
+        if nan:
+            x[0, 3] = float("nan")
+        out.append(TensorDataset(x, y))
+    return out
+
+
+def as_dict(samples):
+    return {"x": torch.stack([s[0] for s in samples]), "y": torch.stack([s[1] for s in samples])}
+
+
+def fit(engine, model=Net, rounds=2, trainer=None, data=None, ckpt_path=None, **strategy_kwargs):
+    torch.manual_seed(0)
+    module = model()
+    options = dict(head="classifier", clients_per_round=3, seed=5)
+    if "algorithm" not in strategy_kwargs:  # FedRep, short
+        options.update(head_epochs=2, body_epochs=1)
+    strategy = FederatedStrategy(engine=engine, **{**options, **strategy_kwargs})
+    lightning_trainer = quiet_trainer(
+        strategy=strategy, max_epochs=rounds, **{"limit_val_batches": 0, **(trainer or {})}
+    )
+    datamodule = data or FederatedDataModule.from_client_datasets(clients(), clients(), batch_size=8, seed=3)
+    lightning_trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    return strategy, lightning_trainer
+
+
+def engine_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("lightning_fedrep: ")]
+
+
+def assert_same(expected: FederatedStrategy, got: FederatedStrategy, exact: bool = False) -> None:
+    """The global tensors and every client's tensors agree (``exact``: bit for bit)."""
+    pairs = [(expected.global_tensors(), got.global_tensors(), "global")] + [
+        (expected.client_tensors(c), got.client_tensors(c), f"client {c}")
+        for c in range(expected.num_clients)
+    ]
+    for mine, theirs, who in pairs:
+        assert mine.keys() == theirs.keys()
+        for name, value in mine.items():
+            if exact:
+                assert torch.equal(theirs[name], value), f"{who} {name}"
+            else:
+                torch.testing.assert_close(theirs[name], value, atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- item 1: the declared loss
+
+
+def test_label_smoothing_in_training_step_falls_back_and_trains_what_the_step_trains(caplog):
+    """Catches the engine training the declared loss instead of ``training_step``'s (fails when
+    ``LockstepEngine.bind_loader`` does not run ``probe_problem``: the engine then trains plain
+    cross-entropy, a different model)."""
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        auto, trainer = fit("auto", model=SmoothingNet)
+    assert auto._engine is None
+    assert trainer.global_step == sum(auto.round_plan(r).length for r in range(2))  # one client step each
+    (line,) = engine_lines(caplog)
+    assert line.startswith("lightning_fedrep: sequential engine (training_step's loss ")
+    assert "differs from the declared fedrep_loss='cross_entropy'" in line
+    # the numbers in the line are the two losses on client 0's first batch, computed here by hand
+    torch.manual_seed(0)
+    start = SmoothingNet()
+    x, y = first_batch(0)
+    with torch.no_grad():
+        logits = start(x)
+        smoothed = F.cross_entropy(logits, y, label_smoothing=0.2).item()
+        plain = F.cross_entropy(logits, y).item()
+    assert f"loss {smoothed:.6g} differs" in line and f"'cross_entropy' {plain:.6g}" in line
+    sequential, _ = fit("sequential", model=SmoothingNet)
+    assert_same(sequential, auto, exact=True)  # the probe changed nothing (RNG, weights)
+    with pytest.raises(ValueError, match="engine='vectorized' cannot run here: training_step's loss"):
+        fit("vectorized", model=SmoothingNet)
+
+
+def first_batch(client: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Client ``client``'s first batch of round 0, as the loader draws it (its first reshuffled pass)."""
+    from lightning_fedrep.plan import round_generator
+
+    x, y = clients()[client].tensors
+    perm = torch.randperm(len(x), generator=round_generator(3, 0, client, 0))[:8]
+    return x[perm], y[perm]
+
+
+def test_training_step_logs_fall_back_and_reach_the_logger(caplog):
+    """Catches the step's own ``self.log`` calls vanishing on the engine (fails when ``_logs_problem``
+    returns ``None``: ``train_acc`` is then missing from the callback metrics); logging only
+    ``train/loss``, as the engine does, keeps the engine."""
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy, trainer = fit("auto", model=LoggingNet)
+    assert strategy._engine is None
+    (line,) = engine_lines(caplog)
+    assert "training_step logs 'train_acc', which the engine would not log" in line
+    assert "train_acc" in trainer.callback_metrics
+    with pytest.raises(ValueError, match="training_step logs 'train_acc'"):
+        fit("vectorized", model=LoggingNet)
+
+    kept, trainer = fit("auto", model=EngineLogNet)
+    assert kept._engine is not None and "train/loss" in trainer.callback_metrics
+
+
+def test_mse_declared_on_integer_labels_falls_back_naming_the_shapes(caplog):
+    """Catches ``fedrep_loss="mse"`` broadcasting every logit toward an integer label (fails when the
+    shape check in ``_declared_losses`` is removed: the reason is then only the loss values)."""
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy, _ = fit("auto", model=MSEOnLabelsNet, rounds=1)
+    assert strategy._engine is None
+    (line,) = engine_lines(caplog)
+    assert "fedrep_loss='mse' compares outputs of shape (8, 4) with targets of shape (8,)" in line
+    with pytest.raises(ValueError, match="compares outputs of shape"):
+        fit("vectorized", model=MSEOnLabelsNet, rounds=1)
+
+
+class LaterTermNet(Net):
+    """Matches the declared loss on its first batch only: adds a term from the second batch on."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + 0.1 if batch_idx > 0 else loss
+
+
+def test_the_probe_compares_on_a_later_batch_too(caplog):
+    """Catches a probe of the first batch only (fails when ``_probe_batches`` returns just client 0's
+    first batch: the engine then trains without the term)."""
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy, _ = fit("auto", model=LaterTermNet, rounds=1)
+    assert strategy._engine is None
+    (line,) = engine_lines(caplog)
+    assert "differs from the declared fedrep_loss='cross_entropy'" in line
+    assert f"(client {len(SIZES) - 1}'s second batch)" in line
+
+
+class FunctionalDropoutNet(Net):
+    """Random in ``forward`` without an ``nn.Dropout`` module (which the engine's set-up checks list)."""
+
+    def forward(self, x):
+        return self.classifier(F.dropout(self.body(x), 0.3, self.training))
+
+
+def test_a_random_forward_falls_back(caplog):
+    """Catches a random op inside ``forward`` reaching the engine's ``vmap`` (fails when ``_step_problem``
+    skips its second-seed forward: vmap then raises on randomness)."""
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy, _ = fit("auto", model=FunctionalDropoutNet, rounds=1)
+    assert strategy._engine is None
+    (line,) = engine_lines(caplog)
+    assert "the module's forward is random" in line
+
+
+# ----------------------------------------------------------------------------- item 2: crashes
+
+
+def test_forward_returning_a_tuple_falls_back(caplog):
+    """Catches ``TypeError: equal(): argument 'other' must be Tensor, not tuple`` in engine/contract.py
+    (fails when ``_step_problem`` and ``find_feature_split`` stop checking for a tensor output)."""
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy, _ = fit("auto", model=TupleNet, rounds=1)
+    assert strategy._engine is None
+    (line,) = engine_lines(caplog)
+    assert "the module's forward returns a tuple, not a tensor" in line
+    with pytest.raises(ValueError, match="forward returns a tuple"):
+        fit("vectorized", model=TupleNet, rounds=1)
+
+
+def test_dict_batches_fall_back(caplog):
+    """Catches ``'str' object has no attribute 'to'`` in engine/runner.py (fails when ``_batch_problem``
+    returns ``None``)."""
+
+    def data():
+        return FederatedDataModule.from_client_datasets(
+            clients(), clients(), batch_size=8, seed=3, collate_fn=as_dict
+        )
+
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy, _ = fit("auto", model=DictBatchNet, rounds=1, data=data(), headline_metrics=False)
+    assert strategy._engine is None
+    (line,) = engine_lines(caplog)
+    assert "the training batches are a dict with keys ['x', 'y'], not (inputs, targets) tensors" in line
+    with pytest.raises(ValueError, match="not \\(inputs, targets\\) tensors"):
+        fit("vectorized", model=DictBatchNet, rounds=1, data=data(), headline_metrics=False)
+
+
+class HeadlineNet(Net):
+    """Evaluated by the strategy's headline metrics alone (the batched evaluation applies)."""
+
+    fedrep_evaluation = "headline"
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+
+def test_float64_precision_runs_on_the_engine_and_equals_sequential():
+    """Catches the dtype error in the probes under ``precision="64-true"`` (fails when the engine's own
+    batches or the batched evaluation's probe skip ``trainer.precision_plugin.convert_input``: float32
+    data into a float64 model)."""
+    options = dict(model=HeadlineNet, trainer={"precision": "64-true", "limit_val_batches": None})
+    sequential, seq_trainer = fit("sequential", **options)
+    vectorized, vec_trainer = fit("vectorized", **options)
+    assert vectorized._engine is not None and vectorized._engine.caching
+    assert vectorized._batched_evaluation is not None
+    assert vectorized.global_tensors()["body.0.weight"].dtype == torch.float64
+    assert_same(sequential, vectorized)
+    for name in ("val/acc", "val/loss"):
+        torch.testing.assert_close(vec_trainer.callback_metrics[name], seq_trainer.callback_metrics[name])
+
+
+@pytest.mark.parametrize("engine", ["auto", "vectorized", "sequential"])
+def test_zero_epochs_are_refused_at_set_up_on_every_engine(engine):
+    """Catches the ``IndexError`` in engine/runner.py for ``head_epochs=0, body_epochs=0`` (fails when
+    the empty-plan check in ``process_dataloader`` runs after ``start_engine``)."""
+    with pytest.raises(ValueError, match="The round plan is empty.*head_epochs, body_epochs"):
+        fit(engine, head_epochs=0, body_epochs=0, rounds=1)
+
+
+# ----------------------------------------------------------------------------- item 8: messages
+
+
+def test_no_head_phase_is_not_called_head_phases_on_cached_features(caplog):
+    """Catches "head phases on cached features" for FedPer, which has no head phase (fails when
+    ``start_engine`` keeps ``bind_loader``'s line whatever the plan)."""
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy, _ = fit("auto", algorithm="fedper", local_epochs=1)
+    (line,) = engine_lines(caplog)
+    assert "head phases on cached features" not in line
+    assert "no head phase in the first round" in line
+
+
+def test_nan_in_the_data_does_not_hide_the_feature_split():
+    """Catches "not head(features(x))" when the probe batch holds a NaN (fails when
+    ``find_feature_split`` compares with ``torch.equal``, for which NaN != NaN)."""
+    module = Net()
+    x = clients(nan=True)[0].tensors[0][:8]
+    split = find_feature_split(module, ("classifier.weight", "classifier.bias"), x)
+    assert split is not None and split.how == "head module 'classifier' called last"
+    tensors = dict(module.named_parameters())
+    with torch.no_grad():  # the reference: the model's own layers, called by hand
+        expected = module.classifier(module.body(x))
+        got = split.head(tensors, split.features(tensors, x))
+    assert torch.allclose(got, expected, equal_nan=True) and got.isnan().any()
+
+
+def test_resumed_engine_line_says_the_widths_come_from_the_checkpoint(tmp_path, caplog):
+    """Catches "0 MiB each" after a resume (fails when ``prepare`` prints ``client_bytes`` that a
+    resumed run never measured)."""
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    fit("vectorized", rounds=1, trainer=dict(enable_checkpointing=True, callbacks=[saver]), engine_width=2)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        fit("vectorized", rounds=2, ckpt_path=tmp_path / "epoch=0.ckpt", engine_width=2)
+    (line,) = engine_lines(caplog)
+    assert "MiB each" not in line
+    assert "groups of up to 2 clients (the first round has 3)" in line
+    assert "widths as in the checkpoint" in line
+
+
+# ----------------------------------------------------------------------------- shipped models
+
+
+def test_shipped_models_pass_the_probe():
+    """The shipped models declare what their ``training_step`` computes (and log only ``train/loss``),
+    so the recipes keep the engine (fails if the probe rejects any of them)."""
+    from lightning_fedrep.models import CIFAR10CNN, FEMNISTMLP, LowRankLinear, MLPClassifier
+
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        (MLPClassifier(), torch.randn(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)),
+        (FEMNISTMLP(), torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)),
+        (CIFAR10CNN(), torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)),
+        (LowRankLinear(exact_head=False), torch.randn(8, 20, generator=g), torch.randn(8, generator=g)),
+    ]
+    for module, x, y in cases:
+        loss = declared_loss(module)
+        assert loss is not None, type(module).__name__
+        problem = probe_problem(module, loss, loss_label(module.fedrep_loss), [((x, y), 0, "a batch")])
+        assert problem is None, (type(module).__name__, problem)
