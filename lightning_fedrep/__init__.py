@@ -7,8 +7,9 @@ processes (``"fedrep_ddp"``, ...: ``Trainer(strategy="fedrep_ddp", devices=2)``)
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, FedRep, Phase, register_algorithm
+from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, FedRep, Phase, on_register, register_algorithm
 from lightning_fedrep.callbacks import (
     AdaptiveParticipation,
     FederatedProgressBar,
@@ -17,6 +18,7 @@ from lightning_fedrep.callbacks import (
     NeuralCollapse,
     OrthonormalBody,
     RunSummary,
+    ValidateAtRounds,
 )
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.data.partition import (
@@ -28,6 +30,7 @@ from lightning_fedrep.data.partition import (
     ShardPartitioner,
 )
 from lightning_fedrep.distributed import FederatedDDPStrategy
+from lightning_fedrep.engine.report import EngineReport
 from lightning_fedrep.export import personalized_state_dict
 from lightning_fedrep.federation import (
     ClientFault,
@@ -61,6 +64,7 @@ __all__ = [
     "ClientWork",
     "DirichletPartitioner",
     "DynamicExponential",
+    "EngineReport",
     "FedRep",
     "FedRepStrategy",
     "FederatedCallback",
@@ -89,11 +93,31 @@ __all__ = [
     "SplitError",
     "StepLocation",
     "TwoClassExponential",
+    "ValidateAtRounds",
     "VectorizedLossTerm",
     "personalized_state_dict",
     "register_algorithm",
     "resolve_split",
 ]
 
-FederatedStrategy.register_strategies(StrategyRegistry)
-FederatedDDPStrategy.register_strategies(StrategyRegistry)
+
+def _register_strategy_names(algorithm: Algorithm | None = None) -> None:
+    """Add every registered algorithm's strategy names to Lightning's registry (at import, and again for
+    each ``register_algorithm`` after it); a name Lightning already gives another strategy is left to it."""
+    if algorithm is not None:
+        for name, cls in (
+            (algorithm.name, FederatedStrategy),
+            (f"{algorithm.name}_ddp", FederatedDDPStrategy),
+        ):
+            if name in StrategyRegistry and StrategyRegistry[name]["strategy"] is not cls:
+                rank_zero_warn(
+                    f"register_algorithm: Trainer(strategy={name!r}) keeps naming Lightning's "
+                    f"{StrategyRegistry[name]['strategy'].__name__}; use {cls.__name__}(algorithm="
+                    f"{algorithm.name!r}) or register the algorithm under another name."
+                )
+    FederatedStrategy.register_strategies(StrategyRegistry)
+    FederatedDDPStrategy.register_strategies(StrategyRegistry)
+
+
+_register_strategy_names()
+on_register(_register_strategy_names)

@@ -17,7 +17,7 @@ registered by name with :func:`register_algorithm`; the strategy needs no change
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -164,13 +164,26 @@ ALGORITHMS: dict[str, Algorithm] = {}
 """The registered algorithms by name (each is also a strategy name after ``import lightning_fedrep``)."""
 
 
+_LISTENERS: list[Callable[[Algorithm], None]] = []
+
+
+def on_register(listener: Callable[[Algorithm], None]) -> None:
+    """Call ``listener(algorithm)`` for every algorithm registered from now on. ``import lightning_fedrep``
+    uses it to add the strategy names (``"name"``, ``"name_ddp"``) to Lightning's registry, so this module
+    stays free of Lightning."""
+    _LISTENERS.append(listener)
+
+
 def register_algorithm(algorithm: Algorithm, *, override: bool = False) -> Algorithm:
-    """Make ``algorithm`` available by name (``FederatedStrategy(algorithm=algorithm.name)``)."""
+    """Make ``algorithm`` available by name: ``FederatedStrategy(algorithm=algorithm.name)`` and, at any
+    time after ``import lightning_fedrep``, ``Trainer(strategy=algorithm.name)`` and ``"<name>_ddp"``."""
     if not isinstance(algorithm, Algorithm):
         raise TypeError(f"register_algorithm takes an Algorithm, got {type(algorithm).__name__}.")
     if algorithm.name in ALGORITHMS and not override:
         raise ValueError(f"An algorithm named {algorithm.name!r} is registered already; pass override=True.")
     ALGORITHMS[algorithm.name] = algorithm
+    for listener in _LISTENERS:
+        listener(algorithm)
     return algorithm
 
 

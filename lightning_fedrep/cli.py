@@ -4,6 +4,8 @@
     lightning-fedrep test --config recipes/digits/fedrep.yaml --ckpt_path runs/.../last.ckpt
     lightning-fedrep fit --config recipes/digits/fedrep.yaml --print_config
     lightning-fedrep report runs/digits/digits-fedrep/<run id> [more run folders: one figure overlays them]
+    lightning-fedrep fit --config recipes/digits/fedrep.yaml --seeds 1,2,3   # sibling run folders seed-1, ...
+    lightning-fedrep table runs/digits [more run folders or folders holding them]   # mean ± std over seeds
 
 Models and data modules are chosen by ``class_path`` (any LightningModule and any
 ``FederatedDataModule``), the strategy by ``trainer.strategy`` (a ``class_path`` with its
@@ -14,9 +16,12 @@ from __future__ import annotations
 
 import difflib
 import os
+import pickle
 import re
+import shutil
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -35,7 +40,9 @@ import lightning_fedrep.data.digits  # noqa: F401
 import lightning_fedrep.data.low_rank  # noqa: F401
 import lightning_fedrep.models  # noqa: F401  (short class names: --model MLPClassifier, --model.help ...)
 from lightning_fedrep import lightning_internals as internals
+from lightning_fedrep import seeds as seed_sweep
 from lightning_fedrep.callbacks.summary import RunSummary
+from lightning_fedrep.checkpoints import CheckpointError, read_checkpoint
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.federation import FederationMismatch
 from lightning_fedrep.outputs import write_rows
@@ -65,6 +72,8 @@ RUN_FOLDER_VARIABLE = "LIGHTNING_FEDREP_RUN_FOLDER"
 """Set by the command to its run folder, so that the processes Lightning's launcher starts share it; set
 by the user, every command of the process (and of every process) writes into that folder."""
 _RUN_FOLDER_GIVEN: str | None = None
+_SWEEP: seed_sweep.Sweep | None = None
+"""The seed of the ``--seeds`` run now being built (``None`` outside a sweep)."""
 """The variable's value when ``build_cli`` was entered: the caller's choice (the command's own setting is
 restored when it returns)."""
 
@@ -129,6 +138,12 @@ class FedRepCLI(LightningCLI):
         strategy = config.get("trainer", {}).get("strategy") if hasattr(config, "get") else None
         if isinstance(strategy, str):
             check_strategy_name(strategy)
+        if _SWEEP is not None:
+            try:
+                seed_sweep.check_single_process(config)
+            except ValueError as error:
+                refuse(str(error))
+            seed_sweep.apply_seed(config, _SWEEP.seed)
         if self.subcommand in ("fit", "validate", "test", "predict"):
             self.run_folder = self._place_run(config)
 
@@ -155,7 +170,10 @@ class FedRepCLI(LightningCLI):
         elif folder is None:
             root = Path(config.trainer.get("default_root_dir") or ".")
             job = launcher_run_id()
-            if job is not None:
+            if _SWEEP is not None:  # --seeds: a sibling of the sweep's other seeds
+                group = _SWEEP.group or new_run_folder(root, run_name(config))
+                folder = seed_sweep.seed_folder(group, _SWEEP.seed)
+            elif job is not None:
                 folder = root / run_name(config) / job
                 resumed = (folder / "config.yaml").is_file()
                 folder.mkdir(parents=True, exist_ok=True)
@@ -190,6 +208,27 @@ class FedRepCLI(LightningCLI):
             except SystemExit as stop:
                 raise stop from None
 
+    @override
+    def _parse_ckpt_path(self) -> None:
+        """Lightning reads ``ckpt_path``'s hyper-parameters while it parses the command: a file it cannot read
+        (truncated, corrupt, or holding objects a weights-only load refuses) stops the command here, on one
+        line naming it, before any folder is made."""
+        try:
+            super()._parse_ckpt_path()
+        except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile):
+            subcommand = self.config.get("subcommand")
+            path = self.config[subcommand].get("ckpt_path") if subcommand else None
+            if path is None or os.environ.get("LIGHTNING_FEDREP_TRACEBACK") == "1":
+                raise
+            try:
+                _read_checkpoint(path, weights_only=True)
+            except CheckpointError as error:
+                try:
+                    refuse(f"ckpt_path={str(path)!r}: {_one_line(error)}")
+                except SystemExit as stop:
+                    raise stop from None
+            raise
+
     def _check_checkpoint(self) -> None:
         """Refuse ``ckpt_path`` when it was saved by another federation than this command's data (and, for
         ``fit``, strategy settings), on one line, before anything is written (the new run folder this
@@ -200,19 +239,16 @@ class FedRepCLI(LightningCLI):
         if path is None or not Path(str(path)).is_file() or not isinstance(strategy, FederatedStrategyMixin):
             return
         try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:  # noqa: BLE001  (not readable here: Lightning's own load says why)
-            return
-        try:
+            checkpoint = _read_checkpoint(path, weights_only=config.get("weights_only") is not False)
             strategy.checkpoint_changes(checkpoint, self.datamodule, self.subcommand or "fit")
-        except FederationMismatch as error:
+        except (CheckpointError, FederationMismatch) as error:
             if os.environ.get("LIGHTNING_FEDREP_TRACEBACK") == "1":
                 raise
             for made in getattr(self, "_made_folders", []):
                 if made.is_dir() and not any(made.iterdir()):
                     made.rmdir()
             try:
-                refuse(f"ckpt_path={str(path)!r}: {error}")
+                refuse(f"ckpt_path={str(path)!r}: {_one_line(error)}")
             except SystemExit as stop:
                 raise stop from None
 
@@ -290,6 +326,29 @@ class FedRepCLI(LightningCLI):
         self._attach_config()
 
 
+def _read_checkpoint(path: Any, weights_only: bool) -> dict[str, Any]:
+    """The checkpoint at ``path`` (memory-mapped when it is a zip file, as ``torch.save`` writes them), or a
+    :class:`CheckpointError` naming it: truncated, corrupt, or refused by ``weights_only``."""
+    mmap = zipfile.is_zipfile(path)
+    return read_checkpoint(
+        path, lambda: torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
+    )
+
+
+def _one_line(error: Exception) -> str:
+    """``error``'s message on one line: a checkpoint ``weights_only`` refuses says how to load it anyway."""
+    cause = str(error.__cause__ or "")
+    if isinstance(error, CheckpointError) and "weights only load failed" in cause.lower():
+        detail = next((line.strip() for line in cause.splitlines() if "Unsupported global" in line), "")
+        return (
+            "the checkpoint holds objects other than tensors, numbers, strings and containers, which a "
+            f"weights-only load refuses ({detail or 'Weights only load failed'}). If you trust the file, load it "
+            "with torch.load(path, weights_only=False) (unpickling can run code), drop those objects and save it "
+            "again; else use another checkpoint."
+        )
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
 def _allows_new_federation(config: Any) -> bool:
     """Whether the configured strategy sets ``allow_new_federation`` (a ``class_path`` with ``init_args``)."""
     strategy = config.trainer.get("strategy")
@@ -322,14 +381,58 @@ def build_cli(args: ArgsType = None, run: bool = True) -> FedRepCLI:
 
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``lightning-fedrep`` console script: Lightning's subcommands (``fit``,
-    ``validate``, ``test``, ``predict``) and ``report RUN_DIR [RUN_DIR ...]`` (figures from run folders)."""
+    ``validate``, ``test``, ``predict``; ``fit ... --seeds 1,2,3`` runs once per seed), ``report RUN_DIR
+    [RUN_DIR ...]`` (figures from run folders) and ``table FOLDER [...]`` (mean ± std over seeds)."""
     argv = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else None
     if argv and argv[0] == "report":
         from lightning_fedrep.report import main as report
 
         report(argv[1:])
         return
+    if argv and argv[0] == "table":
+        from lightning_fedrep.table import main as table
+
+        table(argv[1:])
+        return
+    if argv and any(a == seed_sweep.FLAG or a.startswith(seed_sweep.FLAG + "=") for a in argv):
+        run_seeds(argv)
+        return
     build_cli(args)
+
+
+def _copy_recipe(cli: FedRepCLI, folder: Path) -> None:
+    """Copy the command's first config file into the run folder as ``recipe.yaml``: its header tells
+    ``lightning-fedrep table`` the figure to read and the paper's number (``config.yaml`` drops comments)."""
+    config = cli.config.get(cli.subcommand, cli.config) if cli.subcommand else cli.config
+    files = config.get("config") or []
+    source = Path(str(getattr(files[0], "absolute", files[0]))) if files else None
+    if source is not None and source.is_file():
+        shutil.copyfile(source, folder / "recipe.yaml")
+
+
+def run_seeds(argv: list[str]) -> list[Path]:
+    """``fit ... --seeds 1,2,3``: the command once per seed (``lightning_fedrep.seeds``), each into its own
+    ``seed-<s>`` folder beside the others; returns the run folders."""
+    global _SWEEP
+    try:
+        rest, seeds = seed_sweep.split_seeds(argv)
+    except ValueError as error:
+        refuse(str(error))
+    if os.environ.get(RUN_FOLDER_VARIABLE):
+        refuse(f"--seeds writes one run folder per seed: unset {RUN_FOLDER_VARIABLE} (it names one folder).")
+    folders: list[Path] = []
+    try:
+        for seed in seeds or []:
+            _SWEEP = seed_sweep.Sweep(seed, folders[0].parent if folders else None)
+            cli = build_cli([*rest, f"--seed_everything={seed}"])
+            folders.append(cli.run_folder)
+            _copy_recipe(cli, cli.run_folder)
+    finally:
+        _SWEEP = None
+    if folders:
+        group = folders[0].parent
+        print(f"{len(folders)} seeds in {group}; their table: lightning-fedrep table {group}")
+    return folders
 
 
 if __name__ == "__main__":

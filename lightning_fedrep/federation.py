@@ -160,7 +160,8 @@ def federation_fingerprint(
     client_sizes: Sequence[int], partition: int, batch_size: int, algorithm: str, config: FederationConfig
 ) -> dict[str, Any]:
     """What a checkpoint records of its federation: the clients (:func:`clients_fingerprint`), the batch
-    size, the algorithm and how rounds are planned (seed, clients per round, phases)."""
+    size, the algorithm, how rounds are planned (seed, clients per round, phases) and where untrained
+    clients start (``first_state``; absent from older checkpoints, whose resumes compare the rest)."""
     return {
         **clients_fingerprint(client_sizes, partition),
         "batch_size": int(batch_size),
@@ -168,6 +169,7 @@ def federation_fingerprint(
         "seed": config.seed,
         "clients_per_round": repr(config.clients_per_round),
         "phases": repr(config.phases),
+        "first_state": config.first_state,
     }
 
 
@@ -371,7 +373,7 @@ class Federation:
 
     def fingerprint(self) -> dict[str, Any]:
         """What makes a checkpoint this federation's: its clients (count, sizes, which samples), the
-        batch size, the algorithm and how rounds are planned (seed, clients per round, phases)."""
+        batch size, the algorithm, how rounds are planned (seed, clients per round, phases), ``first_state``."""
         return federation_fingerprint(
             self._require_data(), self.partition, self.batch_size, self.algorithm.name, self.config
         )

@@ -36,17 +36,16 @@ From any hook, :meth:`FederatedCallback.federation` gives the run's :class:`Fede
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Algorithm, Part
+from lightning_fedrep.algorithms import Algorithm
 from lightning_fedrep.evaluation import ClientMetrics
 from lightning_fedrep.federation import ClientResult, Federation, RoundResult
+from lightning_fedrep.loss_terms import LiveStep, VectorizedLossTerm, no_loss_term
 from lightning_fedrep.plan import RoundPlan
 
 __all__ = [
@@ -91,60 +90,6 @@ class FederatedStrategyAPI(Protocol):
     def results(self) -> dict[str, dict[str, float]]: ...
 
 
-@dataclass(frozen=True)
-class LiveStep:
-    """The local step a loss term is asked for: round, client, the phase that trains, Lightning's batch index."""
-
-    round: int
-    client: int
-    phase: Part
-    batch_idx: int
-
-
-@dataclass(frozen=True)
-class VectorizedLossTerm:
-    """A callback's loss term as a pure function of one client's tensors, applied by the vectorized engine.
-
-    The engine calls it inside its ``torch.func.vmap`` over a lockstep step's clients, once per client
-    and step, right after the client's loss on its batch::
-
-        fn(tensors, features, mask, client, phase) -> Tensor | None
-
-    * ``tensors``: the client's module tensors by full name (``dict[str, Tensor]``): its own trainable
-      ones (those the phase trains carry gradients) and the fixed ones (buffers, frozen parameters);
-    * ``features``: the head's input for the client's batch (``[batch, ...]``, padding rows included),
-      or ``None`` when ``needs_features`` is ``False``;
-    * ``mask``: ``[batch]``, ``1`` for real rows and ``0`` for padding; padding rows must not contribute;
-    * ``client``: the client id as a 0-dim integer tensor (batched under ``vmap``): index per-client
-      tables with it (``table[client]`` or ``torch.index_select(table, 0, client.reshape(1))``), never
-      turn it into a Python number;
-    * ``phase``: the segment's phase (``"head"``, ``"body"``, ``"all"``), a Python string, the same for
-      every client of the call (Python branches on it are fine).
-
-    It returns a scalar added to the client's loss (exactly what :meth:`FederatedCallback.loss_term`
-    adds on the sequential path), or ``None`` to add nothing. Under ``vmap`` it must avoid Python
-    control flow on tensor values (``if t > 0``, ``.item()``, ``.tolist()``) and in-place updates of
-    its inputs. Clients that do not step are masked out by the engine.
-
-    ``needs_features=True`` makes the engine compute each client's output as
-    ``head(features(x))`` with the module's feature split (so the features exist); a run whose module
-    has no feature split (``forward_features``/``forward_head``, or a head module called last) then
-    stays sequential (``engine="auto"``) or is refused (``engine="vectorized"``). With
-    ``needs_features=False`` the module's ``forward`` runs as usual. ``features_of`` names the
-    submodule whose *input* the term means by ``features``: the engine checks on a probe batch that
-    the split's features are exactly that input, and otherwise treats the run as above.
-    """
-
-    fn: Callable[[dict[str, Tensor], Tensor | None, Tensor, Tensor, str], Tensor | None]
-    needs_features: bool = True
-    features_of: str | None = None
-
-    def __call__(
-        self, tensors: dict[str, Tensor], features: Tensor | None, mask: Tensor, client: Tensor, phase: str
-    ) -> Tensor | None:
-        return self.fn(tensors, features, mask, client, phase)
-
-
 class FederatedCallback(Callback):
     """Base class of callbacks that take part in federated rounds (see the module docstring).
 
@@ -167,6 +112,7 @@ class FederatedCallback(Callback):
         """Return the round's plan, changed or not (once per round, before it starts)."""
         return plan
 
+    @no_loss_term
     def loss_term(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step: LiveStep
     ) -> Tensor | None:

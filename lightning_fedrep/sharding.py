@@ -12,13 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lightning_fedrep.plan import RoundPlan, shard_round
 
-if TYPE_CHECKING:
-    from lightning_fedrep.data.loaders import RoundLoader
-    from lightning_fedrep.engine.schedule import LockstepPlan
+
+class PlanBatches(Protocol):
+    """What a rank's schedule draws batches from (the round's loader, ``RoundLoader``)."""
+
+    def plan_batches(self, plan: RoundPlan, start: int) -> Iterator[Any]: ...
+
+
+class StepSchedule(Protocol):
+    """A round run other than one client step per Lightning step (the engine's ``LockstepPlan``)."""
+
+    @property
+    def length(self) -> int: ...
+
+    def batches(self, loader: Any, start: int = 0) -> Iterator[Any]: ...
 
 
 class IdleStep:
@@ -40,7 +51,7 @@ class RankSchedule:
     """The whole round (every rank's clients)."""
     local: RoundPlan
     """The round restricted to this rank's clients."""
-    steps: RoundPlan | LockstepPlan
+    steps: RoundPlan | StepSchedule
     """How this rank runs them: one client step per Lightning step, or in lockstep."""
     length: int
     """Lightning steps of the round on every rank (the longest rank's)."""
@@ -55,7 +66,7 @@ class RankSchedule:
         """Whether this rank has nothing to train at the round's ``step``-th Lightning step."""
         return step >= self.steps.length
 
-    def batches(self, loader: RoundLoader, start: int = 0) -> Iterator[Any]:
+    def batches(self, loader: PlanBatches, start: int = 0) -> Iterator[Any]:
         """This rank's batches from the round's ``start``-th step, then idle steps."""
         if start < self.steps.length:
             if isinstance(self.steps, RoundPlan):
@@ -70,7 +81,7 @@ def rank_schedule(
     plan: RoundPlan,
     rank: int,
     world_size: int,
-    schedule: Callable[[RoundPlan, bool], RoundPlan | LockstepPlan],
+    schedule: Callable[[RoundPlan, bool], RoundPlan | StepSchedule],
 ) -> RankSchedule:
     """``rank``'s part of ``plan`` on ``world_size`` ranks. ``schedule(local_plan, own)`` says how a rank
     runs its clients (``own``: the plan is this rank's, worth caching); every rank's length is computed

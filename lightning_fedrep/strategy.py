@@ -56,6 +56,7 @@ from lightning_fedrep.data.loaders import ClientChunk, EvalLoader, RoundLoader
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.engine import LockstepEngine, LockstepPlan
 from lightning_fedrep.engine.evaluation import EVALUATION_CHUNK_SAMPLES, BatchedEvaluation, batched_evaluation
+from lightning_fedrep.engine.report import EngineReport
 from lightning_fedrep.engine.selection import build_engine, start_engine
 from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass, coverage_note
 from lightning_fedrep.federation import (
@@ -70,6 +71,7 @@ from lightning_fedrep.federation import (
 from lightning_fedrep.history import LAST_ROUNDS
 from lightning_fedrep.hooks import FederatedCallback, LiveStep
 from lightning_fedrep.plan import RankShare, RoundPlan, plan_fingerprint, shard_round
+from lightning_fedrep.random_state import untouched_random_state
 from lightning_fedrep.sharding import IdleStep, RankSchedule, rank_schedule
 from lightning_fedrep.split import HeadSpec, ParameterSplit, resolve_layout
 from lightning_fedrep.trainer_checks import check_optimizers_cover_split, check_trainer_flags
@@ -249,6 +251,7 @@ class FederatedStrategyMixin:
         self._eval_loader: EvalLoader | None = None
         self._pending: dict[str, Any] | None = None
         self._engine: LockstepEngine | None = None
+        self._engine_report: EngineReport | None = None
         self._batched_evaluation: BatchedEvaluation | None = None
         self.collective: Collective = Collective()
         """The processes a round's clients are sharded over (one here; several on the DDP strategy)."""
@@ -281,6 +284,16 @@ class FederatedStrategyMixin:
             return self._engine.segment.clients
         client = self.current_client
         return () if client is None else (client,)
+
+    @property
+    def engine_report(self) -> EngineReport | None:
+        """Which engine runs this fit's training steps (``"vectorized"`` / ``"sequential"``), why, decided
+        when, and how each phase runs (:class:`~lightning_fedrep.engine.report.EngineReport`); ``None``
+        before the first fit's ``setup``."""
+        return self._engine_report
+
+    def _decide_engine(self, report: EngineReport) -> None:
+        self._engine_report = report
 
     @property
     def current_phase(self) -> str | None:
@@ -453,6 +466,7 @@ class FederatedStrategyMixin:
                 self._callbacks,
                 self._loss_callbacks,
                 self.engine_width,
+                decide=self._decide_engine,
             )
 
     def _refuse_another_module(self, trainer: L.Trainer) -> None:
@@ -479,7 +493,8 @@ class FederatedStrategyMixin:
         if self.lightning_module.trainer.state.fn == "predict":
             self._predict_loader = None
             if isinstance(dataloader, EvalLoader):
-                if self.federation is not None and self.federation.client_sizes is None:  # predict alone
+                alone = self.federation is not None and self.federation.client_sizes is None  # predict alone
+                if alone and self.predict != "new_client":  # new-client predictions use the global part only
                     self._check_same_federation(
                         self.federation.federation_changes(self._evaluated_clients(dataloader))
                     )
@@ -510,6 +525,7 @@ class FederatedStrategyMixin:
                     self.engine_memory,
                     smoke=bool(trainer.fast_dev_run),
                     collective=self.collective,
+                    decide=self._decide_engine,
                 )
             dataloader.bind(lambda: self._training_schedule(trainer.current_epoch))
             return dataloader
@@ -556,7 +572,7 @@ class FederatedStrategyMixin:
         if split in self._labels_checked or not loader.clients:
             return
         self._labels_checked.add(split)
-        with torch.random.fork_rng(devices=[]):  # fetching a probe batch may draw from the global RNG
+        with untouched_random_state():  # fetching a probe batch may draw from the global generators
             probe = (
                 next(iter(loader.client_batches(0, 0, 0, 1)), None)
                 if isinstance(loader, RoundLoader)
@@ -565,8 +581,11 @@ class FederatedStrategyMixin:
         if isinstance(probe, list | tuple) and len(probe) == 2 and has_string_labels(probe[1]):
             first = "client 0" if isinstance(loader, RoundLoader) else "the first client"
             raise string_labels_error(f"The {split} data of {first}", probe[1][0])
+        convert_input = self.lightning_module.trainer.precision_plugin.convert_input
         num_classes = (  # headline_metrics=False: model(x) may not be class scores
-            output_width(self.lightning_module, probe, self.root_device) if self.headline_metrics else None
+            output_width(self.lightning_module, probe, self.root_device, convert_input)
+            if self.headline_metrics
+            else None
         )
         source = "the model outputs"
         if num_classes is None:
@@ -591,8 +610,8 @@ class FederatedStrategyMixin:
             raise FederationMismatch(
                 f"The checkpoint was saved by another federation than this run's ({'; '.join(changes)}). Resume or "
                 "evaluate it with the same data module (clients, partition, batch size) and strategy settings "
-                "(algorithm, seed, clients_per_round, phases), or pass allow_new_federation=True to start these "
-                "clients from the checkpoint's global state (their own parts from the initial ones)."
+                "(algorithm, seed, clients_per_round, phases, first_state), or pass allow_new_federation=True to "
+                "start these clients from the checkpoint's global state (their own parts from the initial ones)."
             )
         rank_zero_warn(
             f"allow_new_federation=True: a new federation ({'; '.join(changes)}); every client starts from the "
@@ -623,6 +642,10 @@ class FederatedStrategyMixin:
         """
         saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("federation")
         if not saved or not isinstance(datamodule, FederatedDataModule):
+            return []
+        if (
+            stage == "predict" and self.predict == "new_client"
+        ):  # the global part only: any clients may use it
             return []
         if stage == "fit":
             loader = datamodule.train_dataloader()
@@ -1175,6 +1198,9 @@ class FederatedStrategyMixin:
                 optimizer.load_state_dict(saved)
         if self._engine is not None and self.engine == "auto" and "engine" not in state:
             self._engine = None  # the run that saved it ran sequentially: so does its continuation
+            self._decide_engine(
+                EngineReport.sequential("the checkpoint was written by a sequential run", "checkpoint")
+            )
         if self._engine is not None:
             self._engine.load_settings(state.get("engine"))
         if not self.federation.round_open:

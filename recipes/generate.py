@@ -617,12 +617,16 @@ SRPFL_PAPER = {
             "first_classes": 10,
             "num_clients": 100,
             "classes_per_client": 5,
+            "test_draws": 50,
         },
         "lightning_fedrep.models.FEMNISTMLP",
         {"output": "softmax"},
         5,
         "EMNIST, N=100, Shard=5 (accuracy 20-90%)",
-        "EMNIST: the official code's letters split, its first 10 letters (the paper says 'balanced').",
+        "EMNIST: the official code's letters split, its first 10 letters (the paper says 'balanced').\n"
+        "Test sets: test_draws: 50, as the official sampling.py (fewer than 100 test samples per client): each\n"
+        "client's 5 class slots draw 50 test shards of 16 images each, with replacement, so 4,000 test samples\n"
+        "per client (the disjoint cut would give 80).",
     ),
     "femnist": SRPFLSetting(
         "lightning_fedrep.data.leaf.LEAFDataModule",
@@ -646,8 +650,9 @@ SRPFL_METHODS = {"fedrep_srpfl": ("FedRep-SRPFL", 10), "fedrep": ("FedRep", None
 def srpfl_paper_recipe(data: str, method: str) -> tuple[str, str]:
     """The SRPFL paper's Figure 3 setting (full participation, fixed Exp(1) speeds, C.T. = 0) as the official
     scripts run it: M=100, n0=10 doubling every 10 rounds, 150 rounds, FedRep with (10 head + 1 body epoch)
-    x rep_epochs per round, SGD lr 0.01 / momentum 0.5 / wd 1e-4, batch 10, evaluation every 10 rounds after
-    10 epochs of head fine-tuning from the averaged model (``FineTunedEvaluation``)."""
+    x rep_epochs per round, SGD lr 0.01 / momentum 0.5 / wd 1e-4, batch 10, evaluation at the official points
+    (``ValidateAtRounds(every=10, last=3)``) after 10 epochs of head fine-tuning from the averaged model
+    (``FineTunedEvaluation``); EMNIST test sets drawn with replacement (``test_draws=50``)."""
     setting, (name, n0) = SRPFL_PAPER[data], SRPFL_METHODS[method]
     phases = [
         {"train": part, "epochs": n}
@@ -674,11 +679,20 @@ def srpfl_paper_recipe(data: str, method: str) -> tuple[str, str]:
         },
     }
     evaluation = {"class_path": "lightning_fedrep.callbacks.FineTunedEvaluation", "init_args": {"epochs": 10}}
+    points = {
+        "class_path": "lightning_fedrep.callbacks.ValidateAtRounds",
+        "init_args": {"every": 10, "last": 3},
+    }
     path = f"srpfl/{data}_{method}.yaml"
     recipe = {
         "seed_everything": 0,
         "trainer": trainer_section(
-            "srpfl", f"{data}-{name.lower()}", 150, strategy, [participation, evaluation], val_every=10
+            "srpfl",
+            f"{data}-{name.lower()}",
+            150,
+            strategy,
+            [points, participation, evaluation],
+            val_every=10,
         ),
         "model": {
             "class_path": setting.model_class,
@@ -703,13 +717,15 @@ def srpfl_paper_recipe(data: str, method: str) -> tuple[str, str]:
         "epoch) a round, 150 rounds,\n"
         "SGD lr 0.01 (the official scripts' default; the paper says 0.1), momentum 0.5, weight decay 1e-4,\n"
         "batch 10, aggregation weighted by samples (the code; the paper: a plain mean).\n"
-        "Evaluation every 10 rounds (the code also evaluates the last 3 rounds): every client fine-tunes the\n"
-        "averaged head for 10 epochs before it is scored (FineTunedEvaluation, the official --FT_epoch 10).\n"
+        "Evaluation at the official code's 17 points, iter % 10 == 9 or iter >= 147 (ValidateAtRounds(every=10,\n"
+        "last=3), which replaces check_val_every_n_epoch): every client fine-tunes the averaged head for 10\n"
+        "epochs before it is scored (FineTunedEvaluation, the official --FT_epoch 10).\n"
         "The paper gives curves, no table: read val/acc_weighted (sample-weighted, as the official figures)\n"
         "against sim/time in history.csv (figures/accuracy_vs_time.png draws the unweighted val/acc) beside the\n"
         "other method's run; the x-axis values are not reproducible (an earlier code version). The official\n"
-        "curves average 4 seeds (10, 20, 30, 40); run this with --seed_everything and the strategy's seed set\n"
-        "to each. The speeds come from the seeded FixedExponential, not numpy's np.random.seed(1) draw.\n"
+        "curves average 4 seeds (10, 20, 30, 40): run this with --seeds 10,20,30,40 (each seed sets seed_everything,\n"
+        "the strategy's and the data's seed). The speeds come from the seeded FixedExponential (seed 1 in every\n"
+        "run, as the official np.random.seed(1) draw, which this does not reproduce value for value).\n"
         + (f"{setting.note}\n" if setting.note else "")
         + (f"{ASSIGNMENT_NOTE}\n" if shards else "")
         + f"{FIRST_STATE_NOTE}\n"
@@ -733,14 +749,45 @@ headers (`python recipes/generate.py --check` is run by the tests). The paper re
 hours; only the digits and synthetic recipes were run to the end here (see the main README for their measured
 results and costs); every recipe is smoke-run by the test suite on generated files in the real formats.
 
-| recipe | reproduces | figure to read | paper |
-|---|---|---|---|
+The last column is how many seeds (independent repeats, each with a new partition) the paper's number
+averages. Run a recipe over seeds with `lightning-fedrep fit --config recipes/<path> --seeds 1,2,3` and read
+mean ± std (sample std, ddof=1) beside the paper's number with `lightning-fedrep table runs/<folder>`; each
+header's `Seeds table:` line tells `table` the figure to read and the paper's number.
+
+| recipe | reproduces | figure to read | paper | seeds the paper averaged |
+|---|---|---|---|---|
 """
+
+
+def paper_seeds(path: str) -> str:
+    """How many seeds the paper behind recipe ``path`` averaged (shared/reference/fedrep.md §5,
+    flute.md §6, srpfl.md §2)."""
+    if path.startswith(("cifar10/", "cifar100/", "femnist/")):
+        return "5 (the official scripts' `for RUN in 1 2 3 4 5`; the paper does not say)"
+    if path.startswith("flute/"):
+        return "not stated (the paper gives mean ± std)"
+    if path.startswith("srpfl/") and not path.startswith("srpfl/digits_"):
+        return "4 (the official scripts: seeds 10, 20, 30, 40)"
+    if path.startswith("synthetic/"):
+        return "not stated"
+    return "— (not a paper setting)"
+
+
+def table_figure(figure: str) -> str:
+    """The logged name ``lightning-fedrep table`` reads for a README "figure to read" cell: its first
+    backquoted metric (``val/acc_last10``, ``finetune/val/acc``; a plain name is the last round's)."""
+    return next(t for t in figure.split("`")[1::2] if not t.startswith("figures/"))
+
+
+def table_line(path: str) -> str:
+    """The header line ``lightning-fedrep table`` reads: the figure, the paper's number, the paper's seeds."""
+    _, figure, paper = FACTS[path]
+    return f"Seeds table: figure {table_figure(figure)}; paper {paper}; seeds the paper averaged: {paper_seeds(path)}"
 
 
 def recipes_readme() -> str:
     """``recipes/README.md``: one row per recipe from :data:`FACTS` (call after the recipes are built)."""
-    rows = [f"| `{path}` | {a} | {b} | {c} |" for path, (a, b, c) in sorted(FACTS.items())]
+    rows = [f"| `{path}` | {a} | {b} | {c} | {paper_seeds(path)} |" for path, (a, b, c) in sorted(FACTS.items())]
     return RECIPES_README + "\n".join(rows) + "\n"
 
 
@@ -752,6 +799,8 @@ def all_recipes() -> dict[str, str]:
     texts = dict(recipes)
     texts.update({f"flute/{path}": text for path, text in flute_recipes().items()})
     FACTS.update({f"flute/{path}": facts for path, facts in FLUTE_FACTS.items()})
+    for path in FACTS:  # the line `lightning-fedrep table` reads, above the generator's note
+        texts[path] = texts[path].replace("# Generated by", f"# {table_line(path)}\n# Generated by", 1)
     texts["README.md"] = recipes_readme()
     return texts
 

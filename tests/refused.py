@@ -14,14 +14,17 @@ checkpoint of such a fit on ``datamodule``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch  # noqa: F401  (a case's code uses it)
-from torch.utils.data import TensorDataset
+import torch
+from lightning.pytorch.callbacks import EarlyStopping  # noqa: F401  (a case's code uses it)
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     AdaptiveParticipation,
@@ -39,10 +42,13 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     RunSummary,
     ShardPartitioner,
     TwoClassExponential,
+    ValidateAtRounds,
 )
+from lightning_fedrep.checkpoints import CheckpointError
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: F401
 from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: F401
 from lightning_fedrep.data.vision import EMNISTDataModule  # noqa: F401
+from lightning_fedrep.seeds import parse_seeds, split_seeds  # noqa: F401
 from lightning_fedrep.split import SplitError
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule, tiny_datasets
 
@@ -55,25 +61,130 @@ class Refused:
     when: str = "construction"
 
 
-def fit(strategy: Any = None, datamodule: Any = None, callbacks: Any = (), **flags: Any) -> None:
+def fit(
+    strategy: Any = None,
+    datamodule: Any = None,
+    callbacks: Any = (),
+    model: Any = None,
+    ckpt_path: Any = None,
+    **flags: Any,
+) -> None:
     trainer = quiet_trainer(
         strategy=strategy or FedRepStrategy(head="classifier"),
         max_epochs=1,
         callbacks=list(callbacks),
         **flags,
     )
-    trainer.fit(TinyNet(), datamodule=datamodule or tiny_datamodule())
+    trainer.fit(model or TinyNet(), datamodule=datamodule or tiny_datamodule(), ckpt_path=ckpt_path)
 
 
-def evaluate(datamodule: Any, call: str = "test") -> None:
-    """``trainer.<call>(ckpt_path=...)`` on ``datamodule`` of a checkpoint of one round on 8 clients."""
+def evaluate(datamodule: Any, call: str = "test", model: Any = None, callbacks: Any = ()) -> None:
+    """``trainer.<call>(ckpt_path=...)`` of ``model`` (the tiny one by default) with ``callbacks`` on
+    ``datamodule``, from a checkpoint of one round on 8 clients."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "8_clients.ckpt"
         trainer = quiet_trainer(strategy=FedRepStrategy(head="classifier"), max_epochs=1, limit_val_batches=0)
         trainer.fit(TinyNet(), datamodule=tiny_datamodule())
         trainer.save_checkpoint(path)
-        run = getattr(quiet_trainer(strategy=FedRepStrategy(head="classifier")), call)
-        run(TinyNet(), datamodule=datamodule, ckpt_path=path)
+        trainer = quiet_trainer(strategy=FedRepStrategy(head="classifier"), callbacks=list(callbacks))
+        getattr(trainer, call)(model or TinyNet(), datamodule=datamodule, ckpt_path=path)
+
+
+def write_checkpoint(name: str) -> None:
+    """Write ``name`` in the working folder: a checkpoint of one round on 8 clients cut in half
+    (``truncated.ckpt``), with its federated state's version set to 99 (``version_99.ckpt``) or its global
+    ``body.0.weight`` of another shape (``damaged.ckpt``); or of one epoch without a federated strategy
+    (``plain.ckpt``)."""
+    if name == "plain.ckpt":
+        trainer = quiet_trainer(max_epochs=1)
+        trainer.fit(TinyNet(), DataLoader(tiny_datasets()[0], batch_size=32))
+        trainer.save_checkpoint(name)
+        return
+    trainer = quiet_trainer(strategy=FedRepStrategy(head="classifier"), max_epochs=1, limit_val_batches=0)
+    trainer.fit(TinyNet(), datamodule=tiny_datamodule())
+    trainer.save_checkpoint(name)
+    if name == "truncated.ckpt":
+        data = Path(name).read_bytes()
+        Path(name).write_bytes(data[: len(data) // 2])
+        return
+    checkpoint = torch.load(name, weights_only=True)
+    if name == "version_99.ckpt":
+        checkpoint["lightning_fedrep"]["version"] = 99
+    else:
+        checkpoint["lightning_fedrep"]["global"][0] = torch.zeros(12, 7)
+    torch.save(checkpoint, name)
+
+
+def resume(name: str) -> None:
+    """``fit`` resumed from the checkpoint ``name`` (:func:`write_checkpoint`), written in a temporary folder
+    that is the working folder meanwhile, so the message names it the same way in every run."""
+    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
+        write_checkpoint(name)
+        fit(ckpt_path=name)
+
+
+def predict(strategy: Any, dataloaders: Any) -> None:
+    """``trainer.predict`` of the tiny model on ``dataloaders``."""
+    quiet_trainer(strategy=strategy).predict(TinyNet(), dataloaders=dataloaders)
+
+
+class SmoothingNet(TinyNet):
+    """Declares cross-entropy (what the vectorized engine trains); its ``training_step`` smooths the labels.
+    Its initial weights are seeded: the refusal quotes both losses."""
+
+    fedrep_loss = "cross_entropy"
+
+    def __init__(self) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            super().__init__()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y, label_smoothing=0.2)
+
+
+class AdamNet(TinyNet):
+    fedrep_loss = "cross_entropy"
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class BodyOptimizerNet(TinyNet):
+    """Its optimizer holds the body only (the head is never trained)."""
+
+    fedrep_loss = "cross_entropy"
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.body.parameters(), lr=0.05)
+
+
+class TwoOptimizerNet(TinyNet):
+    """Manual optimization with SGD for the body and the head's weight, Adam for the head's bias."""
+
+    fedrep_loss = "cross_entropy"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        optimizers = self.optimizers()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in optimizers:
+            optimizer.step()
+        return loss
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.SGD([*self.body.parameters(), self.classifier.weight], lr=0.05),
+            torch.optim.Adam([self.classifier.bias], lr=0.01),
+        ]
 
 
 def shifted(dataset: TensorDataset, by: int) -> TensorDataset:
@@ -140,6 +251,18 @@ CASES = [
     Refused("fit(overfit_batches=2)", ValueError, "overfit_batches", "set-up"),
     Refused("evaluate(tiny_datamodule(classes_per_client=4))", ValueError, "partition", "set-up"),
     Refused('evaluate(tiny_datamodule(num_clients=4), "predict")', ValueError, "num_clients", "set-up"),
+    Refused(
+        'predict(FedRepStrategy(head="classifier", predict="personalized"), DataLoader(test, batch_size=8))',
+        ValueError,
+        "predict",
+        "set-up",
+    ),
+    Refused(S + 'engine="vectorized"), model=SmoothingNet())', ValueError, "engine", "set-up"),
+    # checkpoints
+    Refused('resume("truncated.ckpt")', CheckpointError, "truncated.ckpt", "set-up"),
+    Refused('resume("version_99.ckpt")', CheckpointError, "version_99.ckpt", "set-up"),
+    Refused('resume("damaged.ckpt")', CheckpointError, "damaged.ckpt", "set-up"),
+    Refused('resume("plain.ckpt")', CheckpointError, "plain.ckpt", "set-up"),
     # data
     Refused(
         "FederatedDataModule(train, test, ShardPartitioner(4, 2), batch_size=0)", ValueError, "batch_size"
@@ -217,10 +340,37 @@ CASES = [
     Refused('FineTunedEvaluation(optimizer="adam")', ValueError, "optimizer"),
     Refused("FineTunedEvaluation(optimizer=torch.optim.Adam, lr=0.1)", ValueError, "lr"),
     Refused("fit(callbacks=[FineTunedEvaluation()])", ValueError, "fedrep_loss", "set-up"),
+    Refused(
+        "fit(callbacks=[FineTunedEvaluation(momentum=0.9)], model=AdamNet())",
+        ValueError,
+        "momentum",
+        "set-up",
+    ),
+    Refused(
+        "fit(callbacks=[FineTunedEvaluation()], model=TwoOptimizerNet())", ValueError, "optimizer", "set-up"
+    ),
+    Refused(
+        'evaluate(tiny_datamodule(), model=BodyOptimizerNet(), callbacks=[FineTunedEvaluation(stages=["test"])])',
+        ValueError,
+        "optimizer",
+        "set-up",
+    ),
     Refused('fit(callbacks=[OrthonormalBody("classifier.bias")])', ValueError, "parameter", "set-up"),
     Refused('EMNISTDataModule(split="letters", first_classes=27)', ValueError, "first_classes"),
+    Refused("EMNISTDataModule(partitioner=ShardPartitioner(4, 2), test_draws=50)", ValueError, "test_draws"),
+    Refused("ShardPartitioner(4, 2, test_draws=0)", ValueError, "test_draws"),
+    Refused("ValidateAtRounds()", ValueError, "every"),
+    Refused("ValidateAtRounds(every=0)", ValueError, "every"),
+    Refused(
+        'fit(callbacks=[EarlyStopping("val/acc"), ValidateAtRounds(every=2)])',
+        ValueError,
+        "callbacks",
+        "set-up",
+    ),
     Refused('RunSummary(filename="")', ValueError, "filename"),
     Refused('RunSummary(print_table="no")', TypeError, "print_table"),
+    Refused('parse_seeds("1,x")', ValueError, "--seeds"),
+    Refused('split_seeds(["test", "--seeds", "1,2"])', ValueError, "--seeds"),
 ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FedRepStrategy, Phase, personalized_state_dict
@@ -63,6 +64,48 @@ def test_a_label_the_model_cannot_score_is_refused_before_any_step_naming_the_cl
     assert f"Client 2's {split} data has label {label}" in message, message
     assert "the model outputs 4 classes" in message and "0..3" in message, message
     assert trainer.global_step == 0  # (the vectorized engine's probes may call training_step)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_a_label_the_model_cannot_score_is_refused_under_a_true_precision(precision):
+    """Catches the label check silently off where the trainer converts the model (fails when
+    ``_check_labels`` does not hand ``precision_plugin.convert_input`` to ``output_width``: the float32
+    probe batch meets the converted model, the forward raises, the check returns ``None`` and the run
+    fails inside a step with ``Target 15 is out of bounds``, naming no client). Expected: the data's
+    client and label, TinyNet's 4 outputs."""
+    train, test = client_sets(bad_client=2, bad_label=15, split="train")
+    strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, engine="sequential")
+    datamodule = FederatedDataModule.from_client_datasets(train, test, batch_size=8)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1, precision=precision, limit_val_batches=0)
+    with pytest.raises(
+        ValueError, match="Client 2's train data has label 15, but the model outputs 4 classes"
+    ):
+        trainer.fit(CountingNet(), datamodule=datamodule)
+    assert trainer.global_step == 0
+
+
+class ModesSeen(L.Callback):
+    """Every submodule's training mode when training starts (after the label check in ``setup``)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.modes = {name: m.training for name, m in pl_module.named_modules()}
+
+
+def test_the_label_check_keeps_every_submodules_mode():
+    """Catches the label check flattening submodule modes (fails when ``output_width`` restores the
+    module with ``module.train(training)``: the body the user put in ``eval()``, a frozen feature
+    extractor, is back in training mode). The reference: the modes set by hand before the fit."""
+    train, test = client_sets(bad_client=-1, bad_label=0, split="train")
+    model = TinyNet()
+    model.train()
+    model.body.eval()
+    expected = {name: m.training for name, m in model.named_modules()}
+    seen = ModesSeen()
+    strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, engine="sequential")
+    datamodule = FederatedDataModule.from_client_datasets(train, test, batch_size=8)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0, callbacks=[seen])
+    trainer.fit(model, datamodule=datamodule)
+    assert seen.modes == expected and not seen.modes["body"] and seen.modes["classifier"]
 
 
 def test_a_data_module_declaring_num_classes_is_checked_when_the_output_says_nothing():
@@ -228,6 +271,65 @@ def test_a_federated_state_of_another_version_is_refused_saying_which_load(check
     found = "has no version field" if version is None else f"is version {version}"
     with pytest.raises(CheckpointError, match=f"{found}; this lightning_fedrep loads versions 1 and 2 only"):
         resume(path)
+
+
+V1_ROUND = ("open", "index", "live_client", "live_part", "live_tensors", "average")
+"""What version 1 saved of the round (the last four only inside a round)."""
+
+
+def as_version_1(state: dict) -> dict:
+    """A federated state as version 1 wrote it (``federated_state_dict`` of commit 42c9b91): the same names,
+    global tensors, client store and RNG, the round without the finished clients, counters and loops, the
+    history as a list of evaluated rows ``{"round": r, <metric>: value}``, and no fingerprint, faults,
+    algorithm state or engine settings."""
+    kept = ("algorithm", "shared_names", "local_names", "global", "clients", "torch_rng")
+    evaluations = state["history"]["evaluations"]
+    return {
+        "version": 1,
+        **{key: state[key] for key in kept},
+        "round": {key: state["round"][key] for key in V1_ROUND if key in state["round"]},
+        "history": [{"round": r, **values} for r, values in sorted(evaluations.items())],
+    }
+
+
+def fedrep_run(rounds, ckpt_path=None, **trainer_kw):
+    torch.manual_seed(0)
+    strategy = FedRepStrategy(head="classifier", clients_per_round=0.5, head_epochs=1, seed=0)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=rounds, **trainer_kw)
+    trainer.fit(TinyNet(), datamodule=tiny_datamodule(num_clients=4), ckpt_path=ckpt_path)
+    return strategy, trainer
+
+
+@pytest.mark.parametrize("where", ["round end", "mid-round"])
+def test_a_version_1_checkpoint_resumes_like_the_uninterrupted_run(tmp_path, where):
+    """``LOADABLE_VERSIONS`` promises version 1: a checkpoint rewritten in version 1's form (at a round's
+    end, or inside round 1) resumes to the same body, heads and history as the run that never stopped.
+    Catches version 1's history (a list of rows) not converted (drop the ``isinstance(state, list)`` branch
+    of ``History.load_state_dict``), or a key version 1 lacks read as required (``state["faults"]`` in
+    ``Federation.load_state_dict``, ``round_state["finished"]`` in ``restore_round``)."""
+    saver = ModelCheckpoint(
+        dirpath=tmp_path / "steps", every_n_train_steps=20, save_top_k=-1, filename="{step}"
+    )
+    full, _ = fedrep_run(2, callbacks=[saver], enable_checkpointing=True)
+    if where == "round end":
+        _, first = fedrep_run(1)
+        first.save_checkpoint(tmp_path / "v2.ckpt")
+        checkpoint = torch.load(tmp_path / "v2.ckpt", weights_only=True)
+    else:
+        saved = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "steps").glob("*.ckpt"))]
+        rounds = [c["lightning_fedrep"]["round"] for c in saved]
+        checkpoint = next(c for c, r in zip(saved, rounds) if r["open"] and r["index"] == 1)
+    checkpoint["lightning_fedrep"] = as_version_1(checkpoint["lightning_fedrep"])
+    assert checkpoint["lightning_fedrep"]["history"]  # round 0 was validated
+    torch.save(checkpoint, tmp_path / "v1.ckpt")
+    resumed, trainer = fedrep_run(2, ckpt_path=tmp_path / "v1.ckpt")
+    assert trainer.current_epoch == 2 and resumed.federation.round_index == 1
+    for name, value in full.global_tensors().items():
+        assert torch.equal(resumed.global_tensors()[name], value), name
+    for client in range(4):
+        for name, value in full.client_tensors(client).items():
+            assert torch.equal(resumed.client_tensors(client)[name], value), (client, name)
+    assert resumed.history == full.history and [row["round"] for row in full.history] == [0, 1]
 
 
 def test_the_current_checkpoint_still_resumes(checkpoint):

@@ -6,6 +6,8 @@
   ``allow_new_federation=True`` writes into a new run folder, never into the checkpoint's run.
 - With TensorBoard or CSV loggers, ``config.yaml`` lands in the run folder, so ``--ckpt_path`` calls
   find the run (they used to open a new folder each time).
+- A checkpoint file that does not read is refused by the command on one line naming it; new-client
+  predictions (the global body only) are not compared with the checkpoint's partition.
 """
 
 from __future__ import annotations
@@ -222,3 +224,83 @@ def test_a_run_saved_before_the_fix_with_its_config_in_a_logger_folder_is_still_
         (run / "checkpoints" / "last.ckpt").write_bytes(b"")
         assert folder_of_checkpoint(run / "checkpoints" / "last.ckpt") == run
         assert config_filename(run, "test") == "config.test.yaml"
+
+
+class RunsCode:
+    """Unpickling this runs code (writes a file): an object a weights-only load refuses."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("kind", ["truncated", "unsafe"])
+def test_the_command_refuses_an_unreadable_checkpoint_on_one_line_naming_it_before_writing(
+    csv_run, tmp_path, monkeypatch, capsys, kind
+):
+    """Bug: LightningCLI's own read of ``ckpt_path`` (for its hyper-parameters, while parsing) raised torch's
+    error as a traceback naming no file: ``OSError: [Errno 22]`` for a truncated file, the ten-line
+    weights-only message for an object other than tensors (remove ``FedRepCLI._parse_ckpt_path``); and the
+    command's early check returned silently on any load failure (``except Exception: return``)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LIGHTNING_FEDREP_TRACEBACK", raising=False)
+    data = checkpoint_of(csv_run).read_bytes()
+    path = tmp_path / f"{kind}.ckpt"
+    marker = tmp_path / "ran"
+    if kind == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        checkpoint = torch.load(checkpoint_of(csv_run), weights_only=True)
+        checkpoint.setdefault("hyper_parameters", {})["payload"] = RunsCode(marker)
+        torch.save(checkpoint, path)
+    with pytest.raises(SystemExit) as stop:
+        build_cli(["test", "--config", str(RECIPE), *FAST, "--trainer.logger=false", f"--ckpt_path={path}"])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and len(error.strip().splitlines()) == 1, error
+    assert f"ckpt_path='{path}'" in error
+    expected = "truncated or corrupt" if kind == "truncated" else "drop those objects and save it again"
+    assert expected in error, error
+    assert not Path("runs").exists() and not marker.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_new_client_predictions_of_another_partition_are_not_refused(dirichlet_checkpoint):
+    """Bug: ``predict="new_client"`` was refused on another partition of the same clients, though it
+    uses only the global body and the initial head, which any federation may use (the partition check in
+    ``process_dataloader`` run for every predict mode). Reference: the checkpoint's ``state_dict`` (global
+    body, initial head) in a plain TinyNet, on each client's test samples."""
+    datamodule = dirichlet_datamodule(100.0)
+    s = strategy(predict="new_client")
+    outputs = quiet_trainer(strategy=s).predict(
+        TinyNet(), datamodule=datamodule, ckpt_path=dirichlet_checkpoint
+    )
+    assert s.prediction_mode == "new_client"
+    net = TinyNet()
+    net.load_state_dict(torch.load(dirichlet_checkpoint, weights_only=True)["state_dict"])
+    for client in range(8):
+        data = datamodule.client_data(client, "test")
+        x = data.dataset.tensors[0][data.indices]
+        predicted = [o for o, c in zip(outputs, s.prediction_clients) if c == client]
+        torch.testing.assert_close(torch.cat(predicted), net(x).detach(), msg=str(client))
+
+
+def test_the_command_predicts_new_clients_of_another_partition(csv_run, tmp_path, monkeypatch):
+    """The same bug in the command (``checkpoint_changes`` refusing before ``predict`` ran)."""
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(
+        [
+            "predict",
+            "--config",
+            str(RECIPE),
+            *FAST,
+            "--trainer.logger=false",
+            "--data.init_args.classes_per_client=3",
+            "--trainer.strategy.init_args.predict=new_client",
+            f"--ckpt_path={checkpoint_of(csv_run)}",
+        ]
+    )
+    assert cli.trainer.strategy.prediction_mode == "new_client"
+    assert (Path(cli.trainer.default_root_dir) / "predictions.pt").is_file()

@@ -11,19 +11,23 @@ in ``tests/test_engine_equivalence.py``), and closed forms where a message is ab
 from __future__ import annotations
 
 import logging
+import random
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
+from lightning_fedrep.collective import Collective
 from lightning_fedrep.engine import declared_loss, find_feature_split
 from lightning_fedrep.engine.probe import loss_label, probe_problem
-from tests.fixtures import quiet_trainer
+from lightning_fedrep.engine.selection import start_engine
+from tests.fixtures import quiet_trainer, reference_generator
 
 SIZES = (24, 17, 30, 9)
 
@@ -175,11 +179,10 @@ def test_label_smoothing_in_training_step_falls_back_and_trains_what_the_step_tr
 
 
 def first_batch(client: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Client ``client``'s first batch of round 0, as the loader draws it (its first reshuffled pass)."""
-    from lightning_fedrep.plan import round_generator
-
+    """Client ``client``'s first batch of round 0, as the README's seeding rule draws it (its first
+    reshuffled pass; ``reference_generator`` restates the rule)."""
     x, y = clients()[client].tensors
-    perm = torch.randperm(len(x), generator=round_generator(3, 0, client, 0))[:8]
+    perm = torch.randperm(len(x), generator=reference_generator(3, 0, client, 0))[:8]
     return x[perm], y[perm]
 
 
@@ -373,3 +376,152 @@ def test_shipped_models_pass_the_probe():
         assert loss is not None, type(module).__name__
         problem = probe_problem(module, loss, loss_label(module.fedrep_loss), [((x, y), 0, "a batch")])
         assert problem is None, (type(module).__name__, problem)
+
+
+# ----------------------------------------------------------------------------- the probe changes nothing
+
+
+class NoisyClient(Dataset):
+    """A map-style data set (not a ``TensorDataset``: batches come through a ``DataLoader``, whose ``iter()``
+    draws a seed from the global generator) that augments each sample with noise from torch's, numpy's
+    and Python's global generators."""
+
+    def __init__(self, base: TensorDataset):
+        self.x, self.y = base.tensors
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index):
+        noise = 0.1 * torch.randn(6) + 0.1 * float(np.random.randn()) + 0.1 * random.gauss(0.0, 1.0)
+        return self.x[index] + noise, self.y[index]
+
+
+class MixupNet(Net):
+    """Mixup, its mixing weight drawn from numpy's generator (as many training scripts draw it)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        lam = float(np.random.beta(0.4, 0.4))
+        perm = torch.randperm(len(x))
+        logits = self(lam * x + (1 - lam) * x[perm])
+        return lam * F.cross_entropy(logits, y) + (1 - lam) * F.cross_entropy(logits, y[perm])
+
+
+@pytest.mark.parametrize("model", [SmoothingNet, MixupNet], ids=["smoothing", "mixup"])
+def test_the_probe_draws_nothing_from_the_runs_random_generators(model):
+    """Catches the engine's probe drawing from the run's global generators (fails when the fetch in
+    ``LockstepEngine._probe_batches`` leaves ``untouched_random_state``, or when that context restores
+    only torch's generator; with mixup, also when ``bind_loader`` runs ``probe_problem`` outside it: the
+    step's ``np.random.beta`` then moves numpy's generator). The sequential training that follows the
+    fallback would see other noise. The reference is ``engine="sequential"``, which never probes."""
+
+    def run(engine: str) -> FederatedStrategy:
+        np.random.seed(1)
+        random.seed(2)
+        data = FederatedDataModule.from_client_datasets(
+            [NoisyClient(c) for c in clients()], clients(), batch_size=8, seed=3
+        )
+        return fit(engine, model=model, data=data)[0]
+
+    sequential, auto = run("sequential"), run("auto")
+    assert auto._engine is None  # the step's loss is not plain cross-entropy: auto runs sequentially
+    assert_same(sequential, auto, exact=True)
+
+
+# ----------------------------------------------------------------------------- kernels that are not deterministic, several processes
+
+
+class LastBitsNet(Net):
+    """Its head sums over the features in the opposite order on every other call: the two forwards differ
+    in the last bits only, as GPU kernels that are not deterministic (atomics) do."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        features, weight = self.body(x)[:, None, :], self.classifier.weight
+        if self.calls % 2 == 0:
+            features, weight = features.flip(-1), weight.flip(-1)
+        return (features * weight).sum(-1) + self.classifier.bias
+
+
+def test_a_forward_differing_in_the_last_bits_is_not_called_random():
+    """Catches the probe comparing two forwards bit for bit (fails when ``_step_problem`` compares
+    ``output`` and ``again`` with ``same_tensor``: it then reports "forward is random", and on several
+    processes that rank ran the sequential path while the others ran the engine)."""
+    module, (x, y) = LastBitsNet(), first_batch(0)
+    with torch.no_grad():
+        once, twice = module(x), module(x)
+    assert not torch.equal(once, twice)  # the case is real: the orders round differently
+    torch.testing.assert_close(once, twice)
+    loss = declared_loss(module)
+    assert probe_problem(module, loss, loss_label(module.fedrep_loss), [((x, y), 0, "a batch")]) is None
+
+
+class TwoRanks(Collective):
+    """This process as rank 0 of two; rank 1's answer to each all-gather is ``rank1(obj)``."""
+
+    def __init__(self, rank1):
+        self.rank1 = rank1
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def all_gather_object(self, obj):
+        return [obj, self.rank1(obj)]
+
+
+def fit_with_rank1(monkeypatch, rank1, **kwargs):
+    """``fit`` where the engine's start gathers from a simulated rank 1 (the rest of the fit is one process)."""
+    from lightning_fedrep import strategy as strategy_module
+
+    def start(*args, **options):
+        return start_engine(*args, **{**options, "collective": TwoRanks(rank1)})
+
+    monkeypatch.setattr(strategy_module, "start_engine", start)
+    return fit(**kwargs)
+
+
+RANDOM = "the module's forward is random (it differs between two seeds: a random op inside forward)"
+
+
+def test_every_rank_falls_back_when_another_rank_finds_a_problem(monkeypatch, caplog):
+    """Catches ranks deciding the probe alone (fails when ``start_engine``/``bind_loader`` do not gather
+    the verdict: rank 0, whose probe passed, keeps the engine while rank 1 runs the sequential path, and
+    both wait forever for the other's steps). The rule restated: any rank's problem, first by rank, sends
+    every rank to the sequential path, which then trains what ``engine="sequential"`` trains."""
+
+    def rank1(obj):
+        return {"probe_problem": RANDOM} if "probe_problem" in obj else obj
+
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        auto, _ = fit_with_rank1(monkeypatch, rank1, engine="auto", rounds=1)
+    assert auto._engine is None
+    (line,) = engine_lines(caplog)
+    assert line == f"lightning_fedrep: sequential engine ({RANDOM})."
+    sequential, _ = fit("sequential", rounds=1)
+    assert_same(sequential, auto, exact=True)
+    with pytest.raises(
+        ValueError, match="engine='vectorized' cannot run here: the module's forward is random"
+    ):
+        fit_with_rank1(monkeypatch, rank1, engine="vectorized", rounds=1)
+
+
+def test_features_are_cached_only_where_every_rank_can(monkeypatch, caplog):
+    """Catches ranks deciding the feature cache alone (fails when ``bind_loader`` keeps its own
+    ``caching`` whatever the other ranks found: rank 0 then trains head phases on cached features while
+    rank 1 cannot, and their steps differ)."""
+    why = "the training data is augmented at random (NoisyClient.transform)"
+
+    def rank1(obj):
+        return {**obj, "no_cache": why} if "no_cache" in obj else obj
+
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy, _ = fit_with_rank1(monkeypatch, rank1, engine="vectorized", rounds=1)
+    assert strategy._engine is not None and not strategy._engine.caching
+    (line,) = engine_lines(caplog)
+    assert f"no feature cache: rank 1 cannot: {why}" in line

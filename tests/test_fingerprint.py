@@ -39,14 +39,31 @@ def checkpoint(tmp_path_factory):
         (dict(num_clients=8), {"seed": 1}, "seed 0 -> 1"),
         (dict(num_clients=8), {"clients_per_round": 1.0}, "clients_per_round '0.5' -> '1.0'"),
         (dict(num_clients=8), {"head_epochs": 2}, "phases"),
+        (dict(num_clients=8), {"first_state": "average"}, "first_state 'initial' -> 'average'"),
     ],
-    ids=["clients", "partition", "batch_size", "seed", "clients_per_round", "phases"],
+    ids=["clients", "partition", "batch_size", "seed", "clients_per_round", "phases", "first_state"],
 )
 def test_resuming_with_another_federation_is_refused_naming_what_differs(checkpoint, data, settings, change):
     trainer = quiet_trainer(strategy=strategy(**settings), max_epochs=3, limit_val_batches=0)
     with pytest.raises(ValueError, match="saved by another federation") as refused:
         trainer.fit(TinyNet(), datamodule=tiny_datamodule(**data), ckpt_path=checkpoint)
     assert change in str(refused.value) and "allow_new_federation=True" in str(refused.value)
+
+
+def test_a_checkpoint_saved_before_first_state_was_fingerprinted_still_resumes(checkpoint, tmp_path):
+    """Only what the saved fingerprint records is compared: a checkpoint without ``first_state`` (written
+    before it was part of the fingerprint) resumes with either setting. Catches a comparison of every key of
+    the current fingerprint (``saved.get(key) != value`` in ``fingerprint_changes``), which would refuse every
+    older checkpoint."""
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["lightning_fedrep"]["federation"]["first_state"] == "initial"
+    del saved["lightning_fedrep"]["federation"]["first_state"]
+    older = tmp_path / "older.ckpt"
+    torch.save(saved, older)
+    s = strategy(first_state="average")
+    trainer = quiet_trainer(strategy=s, max_epochs=3, limit_val_batches=0)
+    trainer.fit(TinyNet(), datamodule=tiny_datamodule(num_clients=8), ckpt_path=older)
+    assert trainer.current_epoch == 3 and s.federation.round_index == 2
 
 
 def test_testing_with_another_number_of_clients_is_refused(checkpoint):

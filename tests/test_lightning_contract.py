@@ -404,6 +404,60 @@ def test_round_validation_due_is_true_at_the_last_batch_of_validated_epochs_only
         assert {epoch for epoch, _ in recorder.validated} == validated_epochs
 
 
+class EveryNthSetter(Callback):
+    """Sets ``trainer.check_val_every_n_epoch`` in ``on_train_epoch_start`` from a per-epoch table."""
+
+    def __init__(self, values: dict[int, int]):
+        self.values = values
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        trainer.check_val_every_n_epoch = self.values[trainer.current_epoch]
+
+
+def test_check_val_every_n_epoch_set_at_epoch_start_decides_that_epochs_validation():
+    """``ValidateAtRounds`` relies on it: the epoch loop reads ``trainer.check_val_every_n_epoch`` at the epoch's
+    last batch (``_should_check_val_epoch``), so a value set in ``on_train_epoch_start`` decides whether that
+    epoch validates (1: yes; a number the run never reaches: no), whatever the Trainer was built with."""
+    recorder = ValidationRecorder()
+    never = 2**62
+    setter = EveryNthSetter({0: 1, 1: never, 2: 1, 3: never})  # built with 2: epochs 1 and 3 would validate
+    trainer = quiet_trainer(max_epochs=4, callbacks=[setter, recorder], check_val_every_n_epoch=2)
+    internals.reload_data_every_round(trainer)
+    trainer.fit(Net([3, 2, 4, 2]))
+    assert {epoch for epoch, _ in recorder.validated} == {0, 2}
+    assert {(e, b) for e, b, is_due in recorder.due if is_due} == {(0, 2), (2, 3)}
+
+
+class StartHooks(Callback):
+    """Records ``(hook, current_epoch)`` for ``on_train_start`` and ``on_train_epoch_start``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.calls.append(("on_train_start", trainer.current_epoch))
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.calls.append(("on_train_epoch_start", trainer.current_epoch))
+
+
+def test_a_run_resumed_mid_epoch_calls_on_train_start_with_the_restored_epoch_but_not_on_train_epoch_start(
+    tmp_path,
+):
+    """``ValidateAtRounds`` relies on it: resuming inside epoch 1, ``on_train_start`` runs after the loops are
+    restored (``current_epoch`` is 1) and ``on_train_epoch_start`` is not called for epoch 1, only for the
+    next one; so the epoch's validation choice is set in ``on_train_start`` too."""
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    first = quiet_trainer(max_epochs=2, limit_val_batches=0, enable_checkpointing=True, callbacks=[saver])
+    internals.reload_data_every_round(first)
+    first.fit(Net([3, 3, 3]))
+    hooks = StartHooks()
+    trainer = quiet_trainer(max_epochs=3, limit_val_batches=0, callbacks=[hooks])
+    internals.reload_data_every_round(trainer)
+    trainer.fit(Net([3, 3, 3]), ckpt_path=tmp_path / "step=4.ckpt")  # epoch 1, after its batch 0
+    assert hooks.calls == [("on_train_start", 1), ("on_train_epoch_start", 2)]
+
+
 class LastBatchCheckpoint(Callback):
     """Writes a checkpoint at epoch 0's last batch end, its loops rewritten by ``rewrite`` (or as they are)."""
 

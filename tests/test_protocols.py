@@ -127,10 +127,15 @@ def test_srpfl_paper_recipes_follow_the_official_scripts(data, method, n0):
     assert participation["latency"]["init_args"]["rate"] == 1.0
     assert callbacks["FineTunedEvaluation"]["epochs"] == 10  # --FT_epoch 10, from the averaged model
     assert callbacks["FineTunedEvaluation"].get("start", "average") == "average"
+    # test_flag = iter % test_freq == test_freq - 1 or iter >= epochs - 3
+    assert callbacks["ValidateAtRounds"] == {"every": 10, "last": 3}
     model = recipe["model"]["init_args"]
     assert (model["lr"], model["momentum"], model["weight_decay"]) == (0.01, 0.5, 1e-4)
     data_args = recipe["data"]["init_args"]
     assert data_args["batch_size"] == 10
+    # sampling.py draws test shards with replacement when the test set has < 100 samples per client:
+    # EMNIST's 8,000 test letters a-j over 100 clients (CIFAR: 10,000 over 100, disjoint)
+    assert data_args.get("test_draws") == (50 if data == "emnist" else None)
     if SRPFL_SHARDS[data]:
         assert data_args["num_clients"] == 100 and data_args["classes_per_client"] == SRPFL_SHARDS[data]
     else:
@@ -142,7 +147,7 @@ def test_the_recipes_readme_lists_every_recipe_as_its_header_says():
     rows = {}
     for line in (RECIPES / "README.md").read_text().splitlines():
         if line.startswith("| `"):
-            path, reproduces, figure, paper = (cell.strip() for cell in line.strip("|").split("|"))
+            path, reproduces, figure, paper, _seeds = (cell.strip() for cell in line.strip("|").split("|"))
             rows[path.strip("`")] = (reproduces, figure, paper)
     recipes = {str(p.relative_to(RECIPES)) for p in RECIPES.glob("*/*.yaml")}
     assert set(rows) == recipes

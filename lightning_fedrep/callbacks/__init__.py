@@ -6,6 +6,7 @@ from lightning_fedrep.callbacks.neural_collapse import NeuralCollapse
 from lightning_fedrep.callbacks.orthonormal import OrthonormalBody
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from lightning_fedrep.callbacks.summary import RunSummary
+from lightning_fedrep.callbacks.validation_rounds import ValidateAtRounds
 from lightning_fedrep.participation import AdaptiveParticipation
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "NeuralCollapse",
     "OrthonormalBody",
     "RunSummary",
+    "ValidateAtRounds",
 ]

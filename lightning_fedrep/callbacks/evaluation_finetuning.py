@@ -17,10 +17,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_fedrep.arguments import check_choice, check_int, check_real
-from lightning_fedrep.engine.contract import NAMED_LOSSES, declared_loss
 from lightning_fedrep.federation import RoundResult
 from lightning_fedrep.hooks import FederatedCallback
 from lightning_fedrep.lightning_internals import configured_learning_rate, configured_optimizers
+from lightning_fedrep.losses import NAMED_LOSSES, declared_loss
 from lightning_fedrep.models._optim import weight_decay_groups
 
 LossFn = Callable[[Tensor, Tensor], Tensor]

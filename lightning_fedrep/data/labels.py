@@ -8,7 +8,7 @@ holds it, and string labels fail in ``torch.as_tensor`` with ``too many dimensio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,17 +58,25 @@ def stored_labels(dataset: Dataset, where: str) -> Tensor | None:
 
 
 @torch.no_grad()
-def output_width(module: nn.Module, batch: Any, device: torch.device) -> int | None:
+def output_width(
+    module: nn.Module,
+    batch: Any,
+    device: torch.device,
+    convert_input: Callable[[Any], Any] | None = None,
+) -> int | None:
     """The number of classes ``module(x)`` scores on an ``(x, y)`` probe batch with integer labels ``y``
-    (``None`` for other batches or outputs: regression, dicts, a forward that takes other inputs). The
-    module runs in evaluation mode with the random number generators saved and restored, so the probe
+    (``None`` for other batches or outputs: regression, dicts, a forward that takes other inputs).
+    ``convert_input`` is what Lightning does to a batch before the step (the trainer's precision plugin's:
+    float inputs to float64 under ``precision="64-true"``). The module runs in evaluation mode with the
+    random number generators saved and restored, and every submodule's mode restored, so the probe
     changes nothing."""
     if not (isinstance(batch, list | tuple) and len(batch) == 2 and isinstance(batch[0], Tensor)):
         return None
     x, y = batch
     if not isinstance(y, Tensor) or y.is_floating_point() or y.dim() != 1 or len(y) == 0:
         return None
-    training = module.training
+    x = convert_input(x) if convert_input is not None else x
+    modes = {m: m.training for m in module.modules()}
     devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
@@ -77,7 +85,8 @@ def output_width(module: nn.Module, batch: Any, device: torch.device) -> int | N
     except Exception:  # a forward that does not take x alone: nothing to compare the labels with
         return None
     finally:
-        module.train(training)
+        for m, training in modes.items():
+            m.training = training
     if not isinstance(output, Tensor) or output.dim() != 2 or output.shape[0] != len(y):
         return None
     return int(output.shape[1]) if output.is_floating_point() else None

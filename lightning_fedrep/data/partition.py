@@ -49,7 +49,8 @@ class ClientSplit:
 
     ``train[i]`` and ``test[i]`` are 1-D ``torch.int64`` tensors of indices into the train and test
     labels given to :meth:`Partitioner.split`, sorted ascending. ``test[i]`` is empty when no test labels
-    were given (or when the test set has no samples for client ``i``'s share).
+    were given (or when the test set has no samples for client ``i``'s share); it repeats indices when the
+    test set is drawn with replacement (``ShardPartitioner(test_draws=...)``).
     """
 
     train: list[torch.Tensor]
@@ -245,13 +246,26 @@ class ShardPartitioner(Partitioner):
     assignment, so each client is tested on exactly its own classes (as in the official code, which uses
     the same ``rand_set_all`` for both splits). Leftover samples go to randomly ordered holders. A client's
     test shard of a class is empty when the test set has fewer samples of that class than it has holders.
+
+    ``test_draws`` (default ``None``: the disjoint test shards above) draws each client's test set *with
+    replacement* instead, as the official ``noniid`` does when the test set has fewer than 100 samples per
+    client: the test samples of each class are cut into its shards as above (one per holder slot), and each
+    of a client's class slots takes ``test_draws`` of its class's shards, each chosen uniformly at random,
+    independently (so a shard can repeat, and clients share test samples). The official scripts' rule is 50
+    draws per slot: SRPFL's EMNIST (the first 10 letters' 8,000 test images, 100 clients, S = 5) gives every
+    client 5 x 50 shards of 16 images, 4,000 test samples (the disjoint cut: 80).
     """
 
     def __init__(
-        self, num_clients: int, classes_per_client: int, assignment: Literal["distinct", "official"] = "distinct"
+        self,
+        num_clients: int,
+        classes_per_client: int,
+        assignment: Literal["distinct", "official"] = "distinct",
+        test_draws: int | None = None,
     ) -> None:
         """Create a partitioner for ``num_clients`` clients holding ``classes_per_client`` classes each
-        (``assignment``: ``"distinct"`` classes per client, or the ``"official"`` code's shuffled multiset)."""
+        (``assignment``: ``"distinct"`` classes per client, or the ``"official"`` code's shuffled multiset;
+        ``test_draws``: test shards drawn with replacement per class slot, or ``None`` for disjoint shards)."""
         self.num_clients = _check_num_clients(num_clients)
         if isinstance(classes_per_client, bool) or not isinstance(classes_per_client, (int, np.integer)):
             raise ValueError(
@@ -266,11 +280,20 @@ class ShardPartitioner(Partitioner):
                 "or 'official' (the official sampling.py's shuffled multiset of class slots)."
             )
         self.assignment = assignment
+        if test_draws is not None and (
+            isinstance(test_draws, bool) or not isinstance(test_draws, (int, np.integer)) or test_draws < 1
+        ):
+            raise ValueError(
+                f"ShardPartitioner(test_draws={test_draws!r}) must be a positive int (test shards drawn with "
+                "replacement per class slot; the official code: 50) or None (disjoint test shards)."
+            )
+        self.test_draws = None if test_draws is None else int(test_draws)
 
     def __repr__(self) -> str:
+        draws = "" if self.test_draws is None else f", test_draws={self.test_draws}"
         return (
             f"{type(self).__name__}(num_clients={self.num_clients}, classes_per_client={self.classes_per_client}, "
-            f"assignment={self.assignment!r})"
+            f"assignment={self.assignment!r}{draws})"
         )
 
     def assign_classes(self, num_classes: int, seed: int) -> torch.Tensor:
@@ -359,8 +382,31 @@ class ShardPartitioner(Partitioner):
         test_order, test_starts = _group_by_class(test_ids, num_classes, shuffle)
         if self.assignment == "official":  # each test slot pops its own random shard
             holders = [rng.permutation(h) for h in holders]
+        if self.test_draws is not None:
+            return ClientSplit(train=train, test=self._draw_tests(test_order, test_starts, holders, rng))
         test_owner = self._deal(test_ids.size, test_order, test_starts, holders, self.assignment)
         return ClientSplit(train=train, test=_indices_per_owner(test_owner, self.num_clients))
+
+    def _draw_tests(
+        self, order: np.ndarray, starts: np.ndarray, holders: Sequence[np.ndarray], rng: np.random.Generator
+    ) -> list[torch.Tensor]:
+        """Each class slot's ``test_draws`` shards of its class, drawn uniformly with replacement (sorted
+        per client, repeats kept)."""
+        drawn: list[list[np.ndarray]] = [[] for _ in range(self.num_clients)]
+        for c, class_holders in enumerate(holders):
+            block = order[starts[c] : starts[c + 1]]
+            k = class_holders.size
+            if k == 0 or block.size == 0:
+                continue
+            shard = _shard_of_positions(block.size, k, self.assignment)
+            members = [block[shard == s] for s in range(k)]
+            picks = rng.integers(k, size=(k, self.test_draws))
+            for client, row in zip(class_holders.tolist(), picks):
+                drawn[client].extend(members[s] for s in row.tolist())
+        return [
+            torch.from_numpy(np.sort(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64))
+            for parts in drawn
+        ]
 
     @staticmethod
     def _deal(
@@ -381,14 +427,18 @@ class ShardPartitioner(Partitioner):
             if class_holders.size == 0:
                 continue
             block = order[starts[c] : starts[c + 1]]
-            k = class_holders.size
-            if assignment == "official":
-                run, position = block.size // k, np.arange(block.size)
-                shard = np.where(position < k * run, position // max(run, 1), position - k * run)
-                owner[block] = class_holders[shard]
-            else:
-                owner[block] = np.repeat(class_holders, _even_sizes(block.size, k))
+            owner[block] = class_holders[_shard_of_positions(block.size, class_holders.size, assignment)]
         return owner
+
+
+def _shard_of_positions(size: int, k: int, assignment: str) -> np.ndarray:
+    """The shard (0..k-1) of each position of a class block of ``size`` samples cut into ``k`` shards:
+    ``"official"``: runs of ``size // k`` plus the ``i``-th leftover from the end for shard ``i``;
+    otherwise contiguous near-equal shards, the first ``size % k`` one longer."""
+    if assignment == "official":
+        run, position = size // k, np.arange(size)
+        return np.where(position < k * run, position // max(run, 1), position - k * run)
+    return np.repeat(np.arange(k), _even_sizes(size, k))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -91,6 +91,9 @@ class TorchvisionDataModule(FederatedDataModule):
             classes per client) or ``"official"`` (the official code's shuffled multiset of class slots).
         max_train_samples: at most this many training samples per client (the official ``m_tr``; see
             :class:`FederatedDataModule`); ``None`` keeps them all.
+        test_draws: draw each client's test set with replacement, ``test_draws`` test shards of its class per
+            class slot (the official code's rule when the test set has fewer than 100 samples per client:
+            50; see :class:`ShardPartitioner`); ``None``: disjoint test shards.
     """
 
     display_name: ClassVar[str] = ""
@@ -113,10 +116,18 @@ class TorchvisionDataModule(FederatedDataModule):
         seed: int = 0,
         assignment: Literal["distinct", "official"] = "distinct",
         max_train_samples: int | None = None,
+        test_draws: int | None = None,
     ):
         check_bool("download", download, owner=type(self).__name__)
+        if partitioner is not None and test_draws is not None:
+            raise ValueError(
+                f"{type(self).__name__}(test_draws={test_draws!r}) applies to the default ShardPartitioner, but "
+                f"partitioner={partitioner!r} was given: pass test_draws to that partitioner instead "
+                "(ShardPartitioner(..., test_draws=...)), or drop partitioner=."
+            )
         super().__init__(
-            partitioner=partitioner or ShardPartitioner(num_clients, classes_per_client, assignment),
+            partitioner=partitioner
+            or ShardPartitioner(num_clients, classes_per_client, assignment, test_draws),
             batch_size=batch_size,
             eval_batch_size=eval_batch_size,
             val_fraction=val_fraction,
@@ -191,6 +202,7 @@ class _CIFARDataModule(TorchvisionDataModule):
         augment: bool = True,
         assignment: Literal["distinct", "official"] = "distinct",
         max_train_samples: int | None = None,
+        test_draws: int | None = None,
     ):
         super().__init__(
             root,
@@ -205,6 +217,7 @@ class _CIFARDataModule(TorchvisionDataModule):
             seed,
             assignment=assignment,
             max_train_samples=max_train_samples,
+            test_draws=test_draws,
         )
         self.augment = augment
 
@@ -288,7 +301,9 @@ class EMNISTDataModule(MNISTDataModule):
     ``"mnist"``) split over clients, with MNIST's transforms.
 
     ``first_classes=N`` keeps only the samples of classes ``0..N-1`` (the SRPFL paper's EMNIST: the first 10
-    letters, ``split="letters", first_classes=10``); ``num_classes`` is then ``N``.
+    letters, ``split="letters", first_classes=10``); ``num_classes`` is then ``N``. The official SRPFL code
+    draws each client's test set with replacement (``test_draws=50``: 4,000 samples per client at 100
+    clients with 5 classes each, instead of 80 disjoint ones).
 
     Two properties of the data to know:
 
@@ -322,6 +337,7 @@ class EMNISTDataModule(MNISTDataModule):
         first_classes: int | None = None,
         assignment: Literal["distinct", "official"] = "distinct",
         max_train_samples: int | None = None,
+        test_draws: int | None = None,
     ):
         if split not in EMNIST_SPLITS:
             raise ValueError(f"EMNIST split must be one of {sorted(EMNIST_SPLITS)}, got {split!r}.")
@@ -346,6 +362,7 @@ class EMNISTDataModule(MNISTDataModule):
             seed,
             assignment=assignment,
             max_train_samples=max_train_samples,
+            test_draws=test_draws,
         )
         self.split = split
         self.first_classes = first_classes

@@ -24,6 +24,7 @@ from lightning_fedrep.data.loaders import ClientChunk, EvalLoader
 from lightning_fedrep.engine.contract import FeatureSplit, find_feature_split
 from lightning_fedrep.evaluation import ClientMetrics, headline_sums_per_client
 from lightning_fedrep.federation import Federation
+from lightning_fedrep.random_state import untouched_random_state
 
 EVALUATION_CHUNK_SAMPLES = 4096
 """Samples per batched evaluation step (consecutive clients, a larger client alone)."""
@@ -61,7 +62,8 @@ def batched_evaluation(
     to the probe batch as Lightning applies it to the evaluated chunks."""
     if not declares_headline_only(module) or not federation.has_state or not federation.split.head:
         return None
-    probe = loader.first_batch()
+    with untouched_random_state():  # a data set's random transforms must not shift the run's generators
+        probe = loader.first_batch()
     if not (isinstance(probe, list | tuple) and len(probe) == 2 and isinstance(probe[0], Tensor)):
         return None
     x = (convert_input or (lambda batch: batch))(probe[0])

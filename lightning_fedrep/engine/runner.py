@@ -25,8 +25,9 @@ from lightning_fedrep.engine.group import ClientGroup
 from lightning_fedrep.engine.probe import loss_label, probe_problem
 from lightning_fedrep.engine.schedule import LockstepPlan, Segment, lockstep_plan
 from lightning_fedrep.federation import ClientResult, Federation
-from lightning_fedrep.hooks import VectorizedLossTerm
+from lightning_fedrep.loss_terms import VectorizedLossTerm
 from lightning_fedrep.plan import RoundPlan
+from lightning_fedrep.random_state import untouched_random_state
 
 SMOKE_GROUP = 4
 """Clients per group in a smoke run (``fast_dev_run``: one lockstep step is the whole run)."""
@@ -129,11 +130,18 @@ class LockstepEngine:
         """Estimated bytes one client of a lockstep group takes."""
 
     # ------------------------------------------------------------------ schedule
-    def bind_loader(self, loader: Any, device: torch.device) -> str | None:
+    def bind_loader(
+        self, loader: Any, device: torch.device, gather: Callable[[Any], list[Any]] | None = None
+    ) -> str | None:
         """The round's training loader (cached features are read from it). The first time, check on
         probe batches that the engine trains what ``training_step`` trains (:attr:`probe_problem`), find
         the feature split, decide whether head phases run on cached features (and whether the loss terms
-        can run: :attr:`loss_terms_problem`), and return a line saying so (then ``None``)."""
+        can run: :attr:`loss_terms_problem`), and return a line saying so (then ``None``).
+
+        On several processes ``gather`` (an all-gather of one object per rank) makes every rank decide
+        alike: the first problem any rank found (in rank order) is every rank's, and head phases run on
+        cached features only where every rank can cache (a rank that ran the engine while another ran
+        the sequential path would wait forever for the other's steps)."""
         self._loader = loader
         self._schedules = {}
         if self._cache_decided:
@@ -141,13 +149,34 @@ class LockstepEngine:
         self._cache_decided = True
         probes = self._probe_batches(loader, device)
         name = loss_label(getattr(self.module, "fedrep_loss", self.loss_fn))
-        self.probe_problem = probe_problem(self.module, self.loss_fn, name, probes)
+        with untouched_random_state():  # a training_step may draw from numpy's or Python's generator too
+            problem = probe_problem(self.module, self.loss_fn, name, probes)
+        self.probe_problem = _first_problem(problem, gather)
         if self.probe_problem is not None:
             self.split, self.caching = None, False
             return f"no feature cache: {self.probe_problem}"
-        x = probes[0][0][0]
+        why = self._decide_split(probes[0][0][0])
+        if gather is not None:
+            every = gather({"loss_terms_problem": self.loss_terms_problem, "no_cache": why})
+            self.loss_terms_problem = next(
+                (v["loss_terms_problem"] for v in every if v["loss_terms_problem"] is not None), None
+            )
+            if why is None:
+                why = next(
+                    (f"rank {r} cannot: {v['no_cache']}" for r, v in enumerate(every) if v["no_cache"]), None
+                )
+        self.caching = why is None and self.split is not None
+        return (
+            f"head phases on cached features ({self.split.how})"
+            if self.caching
+            else f"no feature cache: {why}"
+        )
+
+    def _decide_split(self, x: Tensor) -> str | None:
+        """Find the feature split on probe inputs ``x`` (and check the loss terms' features); returns why
+        head phases cannot run on cached features, or ``None``."""
         head = self.federation.split.head
-        why = data_is_deterministic(loader) if head else "no head marked"
+        why = data_is_deterministic(self._loader) if head else "no head marked"
         if head and (why is None or self.needs_features):
             self.split = find_feature_split(self.module, head, x)
             if self.split is None:
@@ -156,21 +185,19 @@ class LockstepEngine:
                 self.loss_terms_problem = self._features_of_problem(x)
         if self.needs_features and self.split is None:
             self.loss_terms_problem = f"the callbacks' vectorized loss terms need the head's input ({why})"
-        self.caching = self.split is not None and why is None
-        return (
-            f"head phases on cached features ({self.split.how})"
-            if self.caching
-            else f"no feature cache: {why}"
-        )
+        return why
 
     def _probe_batches(self, loader: Any, device: torch.device) -> list[tuple[Any, int, str]]:
         """The first batch of the first client with data and the second batch of the last one, as
-        Lightning hands batches to ``training_step`` (each with its ``batch_idx`` and a name)."""
+        Lightning hands batches to ``training_step`` (each with its ``batch_idx`` and a name). Fetching
+        them draws nothing from the run's generators (a loader's seed, a random transform's noise)."""
         clients = [c for c in range(len(loader.clients)) if loader.client_size(c)]
         first, last = clients[0], clients[-1]
 
         def batch(client: int, step: int) -> Any:
-            return self._as_stepped(next(iter(loader.client_batches(client, 0, step, 1))), device)
+            with untouched_random_state():
+                fetched = next(iter(loader.client_batches(client, 0, step, 1)))
+            return self._as_stepped(fetched, device)
 
         return [
             (batch(first, 0), 0, f"client {first}'s first batch"),
@@ -263,7 +290,8 @@ class LockstepEngine:
 
     def _memory_width(self, plan: RoundPlan, device: torch.device, memory: int | None) -> int:
         loader, module = self._loader, self.module
-        first = next(iter(loader.client_batches(plan.work[0].client, plan.round, 0, 1)))
+        with untouched_random_state():
+            first = next(iter(loader.client_batches(plan.work[0].client, plan.round, 0, 1)))
         x, y = self._as_stepped(first, device)
         loss_fn = self.loss_fn
         activations = sizing.activation_bytes(lambda: loss_fn(module(x), y).sum())
@@ -293,7 +321,9 @@ class LockstepEngine:
         narrow = [s for s in narrow_plan.segments if s.group == 0 and s.phase_index == wide.phase_index]
 
         def first_batch(schedule: LockstepPlan, segment: Segment) -> dict[str, Tensor]:
-            return self._as_stepped(next(iter(schedule.batches(self._loader, segment.start))), device)
+            with untouched_random_state():
+                batch = next(iter(schedule.batches(self._loader, segment.start)))
+            return self._as_stepped(batch, device)
 
         def work(segment: Segment, batch: dict[str, Tensor]) -> Callable[[], None]:
             def run() -> None:
@@ -521,3 +551,11 @@ class LockstepEngine:
         """Resume inside a group: it is rebuilt from ``state`` at the next step (features recomputed)."""
         self.group, self.segment, self._group_index = None, None, -1
         self._pending = state
+
+
+def _first_problem(problem: str | None, gather: Callable[[Any], list[Any]] | None) -> str | None:
+    """This rank's ``problem``, or on several processes (``gather``) the first any rank found, by rank."""
+    if gather is None:
+        return problem
+    found = [v["probe_problem"] for v in gather({"probe_problem": problem}) if v["probe_problem"] is not None]
+    return found[0] if found else None

@@ -9,7 +9,7 @@ path where the engine would gain nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import lightning as L
@@ -19,13 +19,19 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_fedrep.algorithms import Algorithm
 from lightning_fedrep.collective import Collective
 from lightning_fedrep.engine.contract import declared_loss
+from lightning_fedrep.engine.report import EngineReport
 from lightning_fedrep.engine.runner import LockstepEngine
 from lightning_fedrep.engine.validity import federation_reasons, module_reasons, trainer_reasons
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.hooks import VectorizedLossTerm
+from lightning_fedrep.loss_terms import VectorizedLossTerm
 from lightning_fedrep.plan import RoundPlan
 
 EngineMode = Literal["auto", "vectorized", "sequential"]
+Decide = Callable[[EngineReport], None]
+
+
+def _ignore(report: EngineReport) -> None:
+    """The default ``decide``: nobody keeps the report."""
 
 
 def build_engine(
@@ -39,10 +45,13 @@ def build_engine(
     callbacks: Sequence[Any],
     loss_callbacks: Sequence[Any],
     width: int | None,
+    decide: Decide = _ignore,
 ) -> LockstepEngine | None:
     """The vectorized engine for this fit, or ``None`` for the sequential path (``mode="auto"`` where it
-    would not be exact); raises for ``mode="vectorized"`` where it would not be exact."""
+    would not be exact); raises for ``mode="vectorized"`` where it would not be exact. ``decide`` receives
+    the decision (:class:`EngineReport`)."""
     if mode == "sequential":
+        decide(EngineReport.sequential("engine='sequential'", "setup"))
         return None
     terms = {id(c): _loss_term(c, c.vectorized_loss_term(trainer, module)) for c in loss_callbacks}
     reasons = (
@@ -61,8 +70,10 @@ def build_engine(
                 f"{'; '.join(reasons)}. Remove what is listed, or pass engine='auto' (falls back to the "
                 "sequential path) or engine='sequential'."
             )
+        decide(EngineReport.sequential("; ".join(reasons), "setup"))
         rank_zero_info(f"lightning_fedrep: sequential engine ({'; '.join(reasons)}).")
         return None
+    decide(EngineReport.vectorized("nothing at setup keeps it sequential; the first loader decides", "setup"))
     loss_terms = list(terms.values())
     return LockstepEngine(
         federation,
@@ -97,14 +108,17 @@ def start_engine(
     memory: int | None,
     smoke: bool,
     collective: Collective | None = None,
+    decide: Decide = _ignore,
 ) -> LockstepEngine | None:
     """On the fit's first training loader: check on probe batches that the engine trains what
     ``training_step`` trains, decide the feature cache and the widths and say so in one line; ``None``
     where ``mode="auto"`` keeps the sequential path (``mode="vectorized"`` raises where the engine
     would not train what the step trains). Later loaders change nothing.
-    On several processes every rank takes rank 0's lane choice (its timing decides for all) and
-    the smallest group width any rank's memory allows."""
-    cache = engine.bind_loader(loader, device)
+    On several processes every rank takes the first probe problem any rank found (so all fall back
+    together), caches features only where every rank can, takes rank 0's lane choice (its timing decides
+    for all) and the smallest group width any rank's memory allows."""
+    distributed = collective is not None and collective.distributed
+    cache = engine.bind_loader(loader, device, collective.all_gather_object if distributed else None)
     if cache is None:
         return engine
     if engine.probe_problem is not None or engine.loss_terms_problem is not None:
@@ -121,21 +135,25 @@ def start_engine(
                 f"engine='vectorized' cannot run here: {reason}. {fix}, or pass engine='auto' (falls back to "
                 "the sequential path) or engine='sequential'."
             )
+        decide(EngineReport.sequential(reason, "first loader"))
         rank_zero_info(f"lightning_fedrep: sequential engine ({reason}).")
         return None
     if engine.caching and not any(phase.train == "head" for phase in plan.phases):
         cache = f"no head phase in the first round; any later one on cached features ({engine.split.how})"
     widths = engine.prepare(plan, device, measure=mode == "auto" and not smoke, memory=memory, smoke=smoke)
-    if collective is not None and collective.distributed:  # rank 0's timing, the smallest memory bound
+    if distributed:  # rank 0's timing, the smallest memory bound
         every = collective.all_gather_object(engine.settings())
         bounded = [s["group_width"] for s in every if s["group_width"]]
         engine.use_widths(
             {"group_width": min(bounded) if bounded else 0, "lane_width": every[0]["lane_width"]}
         )
     if mode == "auto" and not engine.gains(plan):
-        rank_zero_info(
-            f"lightning_fedrep: sequential engine (no cached features and no gain in lockstep: {widths})."
-        )
+        no_gain = f"no cached features and no gain in lockstep: {widths}"
+        decide(EngineReport.sequential(no_gain, "first loader"))
+        rank_zero_info(f"lightning_fedrep: sequential engine ({no_gain}).")
         return None
+    cached = ("head",) if engine.caching else ()
+    how = engine.split.how if cached else ""
+    decide(EngineReport.vectorized(f"{cache}; {widths}", "first loader", cached, how))
     rank_zero_info(f"lightning_fedrep: vectorized engine ({cache}; {widths}).")
     return engine

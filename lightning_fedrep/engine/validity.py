@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_fedrep.algorithms import Algorithm
 from lightning_fedrep.engine.contract import declared_loss
+from lightning_fedrep.loss_terms import adds_loss_term
 from lightning_fedrep.split import TensorLayout
 
 PER_PARAMETER_OPTIMIZERS = (
@@ -102,13 +103,11 @@ def federation_reasons(
 ) -> list[str]:
     """What the algorithm or the federated callbacks add that the engine cannot vectorize; ``vectorized``
     holds the ``id`` of each callback whose ``vectorized_loss_term`` gave its loss term's pure form."""
-    from lightning_fedrep.hooks import FederatedCallback
-
     reasons = []
     if type(algorithm).loss_term is not Algorithm.loss_term:
         reasons.append(f"the algorithm {algorithm.name!r} adds a loss term")
     for callback in callbacks:
-        if type(callback).loss_term is not FederatedCallback.loss_term and id(callback) not in vectorized:
+        if adds_loss_term(callback) and id(callback) not in vectorized:
             reasons.append(f"{type(callback).__name__} adds a loss term without a vectorized form")
         if getattr(callback, "needs_client_timing", False):
             reasons.append(f"{type(callback).__name__} measures each client's step time")

@@ -1,0 +1,285 @@
+"""``lightning-fedrep table``: the papers' figure per recipe as mean ± std over seeds, beside the paper's number.
+
+    lightning-fedrep fit --config recipes/digits/fedrep.yaml --seeds 1,2,3      # runs/digits/digits-fedrep/<id>/seed-*
+    lightning-fedrep table runs/digits [more run folders, or folders holding them] [--paper digits] [--out DIR]
+
+Every run folder (a folder with ``summary.json``) under the given paths is read; runs of the same recipe
+with the same settings but their seeds form one row. The figure to read and the paper's number come from
+the recipe's header line ``# Seeds table: figure F; paper P; seeds the paper averaged: N`` (the recipe
+copied into the run folder as ``recipe.yaml`` by ``--seeds``, else the config file the run recorded):
+``F_last10`` is ``results["last10"][F]`` of ``summary.json``, ``finetune/F`` is ``results["finetune"]``,
+any other name the last evaluated round (``results["final"]``). The std is the sample standard deviation
+(ddof=1, as the papers' ± over repeats); accuracies are shown in %. Writes ``table.md``, ``table.csv`` and
+``accuracy_vs_round.png`` (each row's metric per round: the mean over seeds, with a band of ± one std)
+into ``--out`` (default: the one folder given, else ``./table``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_fedrep.outputs import HISTORY, read_rows, write_rows
+
+SUMMARY = "summary.json"
+RECIPE_COPY = "recipe.yaml"
+"""The recipe a ``--seeds`` run copies into its folder (its header names the figure and the paper's number)."""
+HEADER = re.compile(
+    r"^# Seeds table: figure (?P<figure>\S+); paper (?P<paper>.*?); seeds the paper averaged: (?P<seeds>.*)$"
+)
+_SEED_KEYS = (
+    ("seed_everything",),
+    ("trainer", "strategy", "init_args", "seed"),
+    ("data", "init_args", "seed"),
+)
+_RUN_KEYS = (("config",), ("ckpt_path",), ("trainer", "default_root_dir"), ("trainer", "logger"))
+PAPERS: dict[str, Callable[[str], bool]] = {
+    "fedrep-table1": lambda recipe: recipe.startswith(("cifar10/", "cifar100/", "femnist/")),
+    "flute-table1": lambda recipe: recipe.startswith("flute/"),
+    "srpfl-fig3": lambda recipe: recipe.startswith("srpfl/") and not recipe.startswith("srpfl/digits_"),
+    "digits": lambda recipe: recipe.startswith("digits/"),
+    "synthetic": lambda recipe: recipe.startswith("synthetic/"),
+}
+"""``--paper``: which recipes (paths under ``recipes/``) a table keeps."""
+
+
+@dataclass
+class Row:
+    """One recipe's runs: its figure over seeds and the paper's number."""
+
+    recipe: str
+    figure: str
+    paper: str
+    paper_seeds: str
+    runs: list[Path] = field(default_factory=list)
+    seeds: list[Any] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values) if self.values else math.nan
+
+    @property
+    def std(self) -> float:
+        """The sample standard deviation (ddof=1); NaN for fewer than 2 seeds."""
+        n = len(self.values)
+        if n < 2:
+            return math.nan
+        return math.sqrt(sum((v - self.mean) ** 2 for v in self.values) / (n - 1))
+
+    @property
+    def percent(self) -> bool:
+        """Whether the figure is an accuracy (shown in %)."""
+        return "acc" in self.figure.rsplit("/", 1)[-1]
+
+
+def run_folders(paths: Sequence[Path]) -> list[Path]:
+    """Every run folder (holding ``summary.json``) among ``paths`` and below them, in path order."""
+    found: list[Path] = []
+    for path in paths:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist; pass run folders or folders holding them.")
+        candidates = [path] if (path / SUMMARY).is_file() else sorted(p.parent for p in path.rglob(SUMMARY))
+        found.extend(c for c in candidates if c not in found)
+    if not found:
+        raise FileNotFoundError(
+            f"no run folder ({SUMMARY}) in {', '.join(map(str, paths))}; run `lightning-fedrep fit` first."
+        )
+    return found
+
+
+def recipe_header(run: Path, summary: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """The run's recipe (path under ``recipes/``, else the file's name) and its ``Seeds table`` header line."""
+    files = [Path(str(f)) for f in ((summary.get("config") or {}).get("config") or [])]
+    candidates = [run / RECIPE_COPY, *files, *(run / f for f in files if not f.is_absolute())]
+    text = next((c.read_text() for c in candidates if c.is_file()), "")
+    name = files[0].as_posix() if files else run.name
+    recipe = name.split("recipes/", 1)[1] if "recipes/" in name else name
+    for line in text.splitlines():
+        match = HEADER.match(line)
+        if match:
+            return recipe, match.groupdict()
+    raise ValueError(
+        f"{run}: its recipe ({name}) has no '# Seeds table: figure ...' header line naming the figure to read; "
+        "run a recipe from recipes/ (python recipes/generate.py writes the line)."
+    )
+
+
+def figure_value(results: dict[str, dict[str, float]], figure: str) -> float:
+    """``figure`` of a run's ``results``: ``X_last10`` the last-10 mean, ``finetune/X`` the fine-tuning
+    evaluation, any other name the last evaluated round."""
+    section, name = "final", figure
+    if figure.endswith("_last10"):
+        section, name = "last10", figure[: -len("_last10")]
+    elif figure.startswith("finetune/"):
+        section = "finetune"
+    try:
+        return float(results[section][name])
+    except KeyError:
+        raise KeyError(
+            f"summary.json has no results[{section!r}][{name!r}] (the recipe's figure {figure})"
+        ) from None
+
+
+def curve_metric(figure: str) -> str:
+    """The ``history.csv`` column of a figure: ``val/acc`` for ``val/acc_last10`` or ``finetune/val/acc``."""
+    name = figure[: -len("_last10")] if figure.endswith("_last10") else figure
+    return name[len("finetune/") :] if name.startswith("finetune/") else name
+
+
+def _settings(config: dict[str, Any]) -> str:
+    """The run's configuration without its seeds and its folders: runs that differ only there share a row."""
+    config = json.loads(json.dumps(config or {}, default=str))
+    for keys in (*_SEED_KEYS, *_RUN_KEYS):
+        node = config
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(keys[-1], None)
+    return json.dumps(config, sort_keys=True)
+
+
+def seed_of(config: dict[str, Any]) -> Any:
+    """The run's ``seed_everything``."""
+    return (config or {}).get("seed_everything")
+
+
+def collect(paths: Sequence[Path], paper: str | None = None) -> list[Row]:
+    """The table's rows: the runs under ``paths`` grouped by recipe and settings (``paper``: only its recipes)."""
+    keep = PAPERS[paper] if paper else (lambda recipe: True)
+    rows: dict[tuple[str, str], Row] = {}
+    for run in run_folders(paths):
+        summary = json.loads((run / SUMMARY).read_text())
+        recipe, header = recipe_header(run, summary)
+        if not keep(recipe):
+            continue
+        config = summary.get("config") or {}
+        key = (recipe, _settings(config))
+        row = rows.setdefault(key, Row(recipe, header["figure"], header["paper"], header["seeds"]))
+        row.runs.append(run)
+        row.seeds.append(seed_of(config))
+        row.values.append(figure_value(summary.get("results", {}), row.figure))
+    recipes = [row.recipe for row in rows.values()]
+    for n, row in enumerate(rows.values(), 1):  # one recipe run with other settings: told apart by folder
+        if recipes.count(row.recipe) > 1:
+            row.recipe = f"{row.recipe} ({row.runs[0].parent.name}, #{n})"
+    return sorted(rows.values(), key=lambda row: row.recipe)
+
+
+def _number(value: float, percent: bool) -> str:
+    if math.isnan(value):
+        return "—"
+    return f"{100 * value:.2f}" if percent else f"{value:.4g}"
+
+
+def cell(row: Row) -> str:
+    """``mean ± std`` (in % for an accuracy)."""
+    unit = "%" if row.percent else ""
+    if math.isnan(row.std):
+        return f"{_number(row.mean, row.percent)}{unit} (one seed)"
+    return f"{_number(row.mean, row.percent)} ± {_number(row.std, row.percent)}{unit}"
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    """The table in Markdown."""
+    lines = [
+        "| recipe | figure | seeds | mean ± std (ddof=1) | paper | seeds the paper averaged |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        seeds = ",".join(str(s) for s in row.seeds)
+        lines.append(
+            f"| `{row.recipe}` | `{row.figure}` | {len(row.values)} ({seeds}) | {cell(row)} | {row.paper} | {row.paper_seeds} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def csv_rows(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """The table as CSV rows (mean, std and values in the figure's own units: accuracies as fractions)."""
+    return [
+        {
+            "recipe": row.recipe,
+            "figure": row.figure,
+            "seeds": " ".join(str(s) for s in row.seeds),
+            "n": len(row.values),
+            "mean": row.mean,
+            "std": row.std,
+            "values": " ".join(repr(v) for v in row.values),
+            "paper": row.paper,
+            "paper_seeds": row.paper_seeds,
+        }
+        for row in rows
+    ]
+
+
+def seed_curves(row: Row) -> tuple[list[float], list[float], list[float]]:
+    """The row's metric per round (``history.csv``): the rounds every seed evaluated, the mean over seeds
+    and the sample std (0 for one seed)."""
+    metric = curve_metric(row.figure)
+    per_run = [{r["round"]: r[metric] for r in read_rows(run / HISTORY) if metric in r} for run in row.runs]
+    rounds = sorted(set.intersection(*(set(values) for values in per_run))) if per_run else []
+    means, stds = [], []
+    for r in rounds:
+        values = [values[r] for values in per_run]
+        mean = sum(values) / len(values)
+        means.append(mean)
+        n = len(values)
+        stds.append(math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0)
+    return rounds, means, stds
+
+
+def figure(rows: Sequence[Row]) -> Any:
+    """Accuracy vs round: per row the mean over seeds and a band of ± one sample std (matplotlib Figure)."""
+    from lightning_fedrep.report import _axes, _pyplot
+
+    plt = _pyplot()
+    metrics = sorted({curve_metric(row.figure) for row in rows})
+    fig, ax = _axes(plt, f"{', '.join(metrics)}: mean over seeds ± std", "round", ", ".join(metrics))
+    for row in rows:
+        rounds, means, stds = seed_curves(row)
+        (line,) = ax.plot(
+            rounds, means, marker="o", markersize=3, label=f"{row.recipe} ({len(row.runs)} seeds)"
+        )
+        low = [m - s for m, s in zip(means, stds)]
+        high = [m + s for m, s in zip(means, stds)]
+        ax.fill_between(rounds, low, high, alpha=0.2, color=line.get_color())
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    """``lightning-fedrep table RUN_FOLDER [RUN_FOLDER ...] [--paper NAME] [--out DIR]``."""
+    paragraphs = [" ".join(p.replace("``", "").split()) for p in (__doc__ or "").split("\n\n")]
+    parser = argparse.ArgumentParser(prog="lightning-fedrep table", description=paragraphs[2])
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help="run folders, or folders holding them (searched below)"
+    )
+    parser.add_argument(
+        "--paper", choices=sorted(PAPERS), default=None, help="keep only this paper's recipes"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="where table.md, table.csv and the figure go")
+    args = parser.parse_args(argv)
+    try:
+        rows = collect(args.runs, args.paper)
+    except (FileNotFoundError, ValueError, KeyError) as error:
+        parser.error(str(error).strip("'\""))
+    if not rows:
+        parser.error(f"no run of a --paper {args.paper} recipe in {', '.join(map(str, args.runs))}")
+    out = args.out or (args.runs[0] if len(args.runs) == 1 and args.runs[0].is_dir() else Path("table"))
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(rows)
+    (out / "table.md").write_text(text)
+    write_rows(out / "table.csv", csv_rows(rows))
+    from lightning_fedrep.report import save
+
+    paths = save({"accuracy_vs_round": figure(rows)}, out)
+    print(text, end="")
+    print(f"\n{out / 'table.md'}, {out / 'table.csv'}, {paths[0]}")
+    return rows

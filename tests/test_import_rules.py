@@ -1,0 +1,283 @@
+"""The package's dependency rules (README, *Architecture*), checked by reading every module's imports.
+
+The rules are data: :data:`GROUPS` puts modules into groups by dotted name (relative to the package),
+:data:`RULES` says which group must not import which, and :data:`PENDING` lists the violations that are
+known and scheduled (issue 25), each of which must still exist (so a fixed one is taken off the list).
+Later sessions extend the tables as folders move.
+
+Which imports count: every ``import`` / ``from ... import`` statement in a module, at module level,
+inside functions and under ``if TYPE_CHECKING:`` alike. A function-local import is a dependency that is
+merely deferred, and a type-only import still ties a module to the other's meaning (and becomes a runtime
+import at the next refactor); the circle that issue 25 names ran through such imports. The cycle check
+uses the same edges.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import lightning_fedrep
+
+PACKAGE = "lightning_fedrep"
+ROOT = Path(lightning_fedrep.__file__).parent
+LIGHTNING = ("lightning", "pytorch_lightning")
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "core": (
+        "algorithms",
+        "arguments",
+        "clients",
+        "collective",
+        "evaluation",
+        "federation",
+        "history",
+        "loss_terms",
+        "losses",
+        "plan",
+        "server",
+        "sharding",
+        "split",
+    ),
+    "runners": ("engine", "engine.*"),
+    "lightning face": ("strategy", "distributed", "hooks", "trainer_checks", "lightning_internals"),
+    "callbacks": ("callbacks", "callbacks.*", "participation", "participation.*"),
+    "data loaders": ("data", "data.*"),
+    "app": (
+        "cli",
+        "export",
+        "newclients",
+        "outputs",
+        "quickstart",
+        "quiet",
+        "report",
+        "runfolder",
+        "seeds",
+        "table",
+    ),
+}
+"""Module groups: fnmatch patterns on the dotted module name inside the package (``""`` is the package)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    source: str
+    forbidden: str
+    why: str
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("core", "runners", "the federation core knows no engine; runners build on it"),
+    Rule("core", "lightning face", "the core is driven by the strategy, never the other way round"),
+    Rule("core", "callbacks", "callbacks plug into the core, the core does not know them"),
+    Rule("core", "data loaders", "the core takes loaders through small protocols (sharding.PlanBatches)"),
+    Rule("core", "app", "the command and reports sit on top of everything"),
+    Rule("core", "lightning", "the federation core runs without Lightning"),
+    Rule("runners", "lightning face", "runners use the core's types (loss_terms, not hooks)"),
+    Rule("runners", "callbacks", "runners see callbacks only through duck-typed hooks"),
+    Rule("runners", "app", "the command and reports sit on top of everything"),
+    Rule("callbacks", "runners", "callbacks use the public API, never runner internals"),
+    Rule("callbacks", "app", "callbacks do not reach into the command layer (summary: pending)"),
+    Rule("data loaders", "runners", "loaders feed the engine, they do not know it"),
+    Rule("data loaders", "lightning face", "loaders do not know the strategy"),
+    Rule("data loaders", "callbacks", "loaders do not know the callbacks"),
+    Rule("data loaders", "app", "the command and reports sit on top of everything"),
+)
+"""Group ``source`` must not import group ``forbidden`` (``"lightning"``: the Lightning packages)."""
+
+PENDING: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("evaluation", "lightning"),  # issue 25 item 3: evaluation records out of Lightning
+        ("callbacks.summary", "report"),  # issue 25 item 4: the report moves to app/, RunSummary uses its API
+        ("callbacks.summary", "outputs"),
+    }
+)
+"""Known violations ``(module, imported module or "lightning")``, to be fixed by the named issue items."""
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name relative to it (``""`` is the package itself)."""
+    return {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _absolute(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = f"{PACKAGE}.{module}".rstrip(".").split(".")
+    if path.name != "__init__.py":
+        base.pop()
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _internal(name: str) -> str | None:
+    """``lightning_fedrep.x.y`` as ``"x.y"`` (the nearest existing module), ``None`` for other packages."""
+    if name != PACKAGE and not name.startswith(PACKAGE + "."):
+        return None
+    inner = name[len(PACKAGE) + 1 :]
+    while inner not in modules():
+        inner = inner.rpartition(".")[0]
+    return inner
+
+
+def imports_of_source(module: str, source: str, path: Path) -> set[str]:
+    """What ``source`` (the text of ``module``) imports: package modules by relative dotted name, and
+    ``"lightning"`` for any Lightning package. Every import statement counts (see the module docstring)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module, path, node)
+            names = [f"{base}.{alias.name}" for alias in node.names]  # a submodule, or a name in ``base``
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in LIGHTNING:
+                found.add("lightning")
+            elif (inner := _internal(name)) is not None and inner != module:
+                found.add(inner)
+    return found
+
+
+@cache
+def imports_of(module: str) -> frozenset[str]:
+    path = modules()[module]
+    return frozenset(imports_of_source(module, path.read_text(), path))
+
+
+def group_of(module: str) -> str | None:
+    if module == "lightning":
+        return "lightning"
+    for group, patterns in GROUPS.items():
+        if any(fnmatch.fnmatchcase(module, p) for p in patterns):
+            return group
+    return None
+
+
+def violations(graph: dict[str, frozenset[str]]) -> list[str]:
+    """Every import that breaks a rule and is not pending, as readable lines."""
+    forbidden = {(r.source, r.forbidden): r.why for r in RULES}
+    found = []
+    for module, imported in sorted(graph.items()):
+        for target in sorted(imported):
+            why = forbidden.get((group_of(module), group_of(target)))
+            if why is not None and (module, target) not in PENDING:
+                found.append(f"{module} imports {target} ({group_of(module)} -> {group_of(target)}: {why})")
+    return found
+
+
+def find_cycle(graph: dict[str, frozenset[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its modules in order, the first repeated at the end), or ``None``
+    (depth-first search: a back edge to a module on the current path closes a cycle)."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)) is not None:
+            return cycle
+    return None
+
+
+def _package_graph() -> dict[str, frozenset[str]]:
+    return {m: imports_of(m) for m in modules()}
+
+
+def _module_graph() -> dict[str, frozenset[str]]:
+    """Imports between modules, leaving out the package ``__init__`` files: importing ``a.b`` runs ``a``
+    first anyway, and a package that re-exports its modules is no circle."""
+    packages = {m for m, p in modules().items() if p.name == "__init__.py"}
+    return {
+        m: frozenset(i for i in imports_of(m) if i not in packages) for m in modules() if m not in packages
+    }
+
+
+# ----------------------------------------------------------------------------- the rules, today
+
+
+def test_groups_name_existing_modules() -> None:
+    """A group pattern that matches nothing is a typo or a moved module: the rules would check nothing."""
+    for group, patterns in GROUPS.items():
+        for pattern in patterns:
+            assert any(fnmatch.fnmatchcase(m, pattern) for m in modules()), (
+                f"{group}: {pattern!r} matches no module"
+            )
+
+
+def test_dependency_rules_hold() -> None:
+    """Catches any import that breaks a rule, e.g. ``engine/runner.py`` importing ``VectorizedLossTerm`` from
+    ``lightning_fedrep.hooks`` again, or ``sharding.py`` importing ``data.loaders`` under TYPE_CHECKING."""
+    assert violations(_package_graph()) == []
+
+
+def test_pending_violations_still_exist() -> None:
+    """A pending violation that was fixed must leave :data:`PENDING` (else it would be allowed back)."""
+    graph = _package_graph()
+    assert {(m, t) for m, t in PENDING if t not in graph.get(m, ())} == set()
+
+
+def test_loss_term_type_lives_with_the_algorithm_api() -> None:
+    """Catches ``VectorizedLossTerm`` defined in the callback module (``hooks.py``) again."""
+    owners = [
+        module
+        for module, path in modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name in ("VectorizedLossTerm", "LiveStep")
+    ]
+    assert owners and all(group_of(m) == "core" for m in owners), owners
+    assert lightning_fedrep.hooks.VectorizedLossTerm is lightning_fedrep.VectorizedLossTerm  # old path works
+
+
+def test_no_import_cycle() -> None:
+    """Catches a circle such as data/loaders -> sharding -> engine/schedule -> data/loaders (issue 25)."""
+    assert find_cycle(_module_graph()) is None
+
+
+# ----------------------------------------------------------------------------- the checker itself
+
+
+def test_planted_violation_is_found() -> None:
+    """The checker reads imports inside functions and under TYPE_CHECKING, relative ones included."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from .data.loaders import RoundLoader\n"
+        "def f():\n    from lightning_fedrep import hooks\n    import lightning.pytorch as pl\n"
+    )
+    found = imports_of_source("sharding", source, ROOT / "sharding.py")
+    assert found == {"data.loaders", "hooks", "lightning"}
+    assert [line.split(" (")[0] for line in violations({"sharding": frozenset(found)})] == [
+        "sharding imports data.loaders",
+        "sharding imports hooks",
+        "sharding imports lightning",
+    ]
+
+
+def test_planted_cycle_is_found() -> None:
+    """The depth-first search finds a circle and only a circle (a diamond is none)."""
+    diamond = {"a": frozenset({"b", "c"}), "b": frozenset({"d"}), "c": frozenset({"d"}), "d": frozenset()}
+    assert find_cycle(diamond) is None
+    circle = {**diamond, "d": frozenset({"e"}), "e": frozenset({"b"})}
+    assert find_cycle(circle) == ["b", "d", "e", "b"]
