@@ -23,8 +23,8 @@ test: $(STAMP)
 	WANDB_MODE=disabled $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check lightning_fedrep tests benchmarks
-	$(BIN)/ruff format --check lightning_fedrep tests benchmarks
+	$(BIN)/ruff check lightning_fedrep tests benchmarks scripts
+	$(BIN)/ruff format --check lightning_fedrep tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) lightning_logs runs wandb .pytest_cache

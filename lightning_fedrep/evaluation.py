@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Tensor
 from torch.nn import functional as F
@@ -130,82 +128,42 @@ class ClientMetrics:
         return summarize(values, weights)
 
 
-def batch_size_of(batch: Any) -> int:
-    """Number of samples in a batch, as Lightning infers it (1 if it cannot)."""
-    from lightning.pytorch.utilities.data import extract_batch_size
-
-    try:
-        return extract_batch_size(batch)
-    except Exception:
-        return 1
-
-
-_LOG_SIGNATURE = inspect.signature(L.LightningModule.log)
-
-
-@contextmanager
-def capture_logs(
-    module: L.LightningModule, metrics: ClientMetrics, client: int, size: int
-) -> Iterator[set[str]]:
-    """Record what the user's evaluation step logs, per client, instead of Lightning's sample mean.
-
-    Mean-reduced scalars are summed per client (weighted by the batch size) and logged by the
-    strategy as summaries over clients at the end of the pass, with the ``prog_bar``/``logger`` flags
-    they were logged with; anything else (a torchmetrics ``Metric``, another ``reduce_fx``) goes to
-    Lightning unchanged. Yields the set of keys the user logged.
-    """
-    original = module.log
-    keys: set[str] = set()
-
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        keys.add(name)
-        arguments = _LOG_SIGNATURE.bind(module, name, value, *args, **kwargs).arguments
-        scalar = value.detach() if isinstance(value, Tensor) and value.numel() == 1 else value
-        mean_reduced = arguments.get("reduce_fx", "mean") in ("mean", torch.mean)
-        if mean_reduced and isinstance(scalar, Tensor | float | int) and not isinstance(scalar, bool):
-            batch = arguments.get("batch_size") or size
-            metrics.add(name, client, float(scalar) * batch, batch)
-            flags = {
-                "prog_bar": arguments.get("prog_bar", False),
-                "logger": arguments.get("logger"),
-            }
-            metrics.options.setdefault(name, flags)
-            return
-        original(name, value, *args, **kwargs)
-
-    module.log = log
-    try:
-        yield keys
-    finally:
-        del module.log
+CaptureLogs = Callable[[Any, ClientMetrics, int, int], AbstractContextManager[set[str]]]
+"""``capture(module, metrics, client, size)``: a context in which the user's step logs into ``metrics`` for
+``client`` (a batch of ``size`` samples); it yields the set of keys logged
+(:func:`lightning_fedrep.captured_logs.capture_logs`)."""
 
 
 class EvaluationPass:
     """One personalized evaluation pass (a validation or test run over every client's batches).
 
     The strategy loads each batch's client, then :meth:`step` runs the user's step with its logging
-    captured per client and adds the headline metrics from ``model(x)``; :meth:`summary` reduces every
-    metric over clients at the end of the pass.
+    captured per client (``capture``) and adds the headline metrics from ``model(x)``; :meth:`summary`
+    reduces every metric over clients at the end of the pass. ``batch_size`` counts a batch's samples.
     """
 
-    def __init__(self, stage: str, headline: bool = True):
+    def __init__(
+        self, stage: str, capture: CaptureLogs, batch_size: Callable[[Any], int], headline: bool = True
+    ):
         self.stage = stage
+        self._capture = capture
+        self._batch_size = batch_size
         self.headline = headline
         """Whether headline metrics are computed; turned off (with a warning) if ``model(x)`` fails."""
         self.metrics = ClientMetrics()
 
     def step(
         self,
-        module: L.LightningModule,
+        module: torch.nn.Module,
         run_step: Callable[[], Any],
         batch: Any,
         client: int,
         precision_context: Callable[[], AbstractContextManager],
     ) -> Any:
         """Run the user's evaluation step on ``client``'s batch and record its metrics."""
-        size = batch_size_of(batch)
+        size = self._batch_size(batch)
         self.metrics.samples[client] += size
-        with capture_logs(module, self.metrics, client, size) as user_keys:
+        with self._capture(module, self.metrics, client, size) as user_keys:
             output = run_step()
         if self.headline and isinstance(batch, list | tuple) and len(batch) == 2:
             self._add_headline(module, batch, client, size, user_keys, precision_context)
@@ -213,7 +171,7 @@ class EvaluationPass:
 
     def _add_headline(
         self,
-        module: L.LightningModule,
+        module: torch.nn.Module,
         batch: Any,
         client: int,
         size: int,

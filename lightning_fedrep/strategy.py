@@ -39,13 +39,19 @@ from lightning_fedrep.arguments import (
     check_int,
 )
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
-from lightning_fedrep.checkpoints import (
-    CheckpointError,
-    check_federated_state,
-    check_version,
-    read_checkpoint,
+from lightning_fedrep.captured_logs import batch_size_of, capture_logs
+from lightning_fedrep.checkpoint_payload import (
+    CHECKPOINT_KEY,
+    check_round_runner,
+    federated_entry,
+    read_federated_entry,
+    refuse_plain_checkpoint_in_fit,
+    restore_rank_state,
+    round_evaluation_missing,
+    this_rank_state,
 )
-from lightning_fedrep.collective import Collective, to_cpu
+from lightning_fedrep.checkpoints import check_federated_state, read_checkpoint
+from lightning_fedrep.collective import Collective
 from lightning_fedrep.data.labels import (
     check_client_labels,
     has_string_labels,
@@ -58,7 +64,14 @@ from lightning_fedrep.engine import LockstepEngine, LockstepPlan
 from lightning_fedrep.engine.evaluation import EVALUATION_CHUNK_SAMPLES, BatchedEvaluation, batched_evaluation
 from lightning_fedrep.engine.report import EngineReport
 from lightning_fedrep.engine.selection import build_engine, start_engine
-from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass, coverage_note
+from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass
+from lightning_fedrep.evaluation_records import (
+    empty_clients_note,
+    gather_pass,
+    non_finite_note,
+    partial_pass_note,
+    pass_values,
+)
 from lightning_fedrep.federation import (
     ClientFault,
     Federation,
@@ -68,16 +81,12 @@ from lightning_fedrep.federation import (
     federation_fingerprint,
     fingerprint_changes,
 )
-from lightning_fedrep.history import LAST_ROUNDS
 from lightning_fedrep.hooks import FederatedCallback, LiveStep
 from lightning_fedrep.plan import RankShare, RoundPlan, plan_fingerprint, shard_round
 from lightning_fedrep.random_state import untouched_random_state
 from lightning_fedrep.sharding import IdleStep, RankSchedule, rank_schedule
 from lightning_fedrep.split import HeadSpec, ParameterSplit, resolve_layout
 from lightning_fedrep.trainer_checks import check_optimizers_cover_split, check_trainer_flags
-
-CHECKPOINT_KEY = "lightning_fedrep"
-"""Where a checkpoint holds the federation's state (every client's, the open round's, the history)."""
 
 
 class FederatedStrategyMixin:
@@ -876,7 +885,7 @@ class FederatedStrategyMixin:
     # ------------------------------------------------------------------ evaluation
     def _begin_evaluation(self, stage: str) -> None:
         self.require_federation().begin_evaluation()
-        self._evaluation = EvaluationPass(stage, headline=self.headline_metrics)
+        self._evaluation = EvaluationPass(stage, capture_logs, batch_size_of, headline=self.headline_metrics)
 
     def _end_evaluation(self, stage: str) -> None:
         evaluation, self._evaluation = self._evaluation, None
@@ -989,88 +998,39 @@ class FederatedStrategyMixin:
         module, federation = self.lightning_module, self.federation
         trainer = module.trainer
         if self.collective.distributed:
-            self._gather_evaluation(evaluation)
+            gather_pass(evaluation, self.collective.all_gather_object)
         if evaluation.metrics.samples:  # complete now: callbacks' on_*_end hooks run before the strategy's
             self.client_metrics["sanity" if trainer.sanity_checking else evaluation.stage] = (
                 evaluation.metrics
             )
+        notes = [non_finite_note(evaluation)]
         if not trainer.sanity_checking:
-            self._warn_partial_pass(evaluation)
-        broken = sorted(
-            {
-                c
-                for name in evaluation.metrics.names
-                for c, v in evaluation.metrics.per_client(name).items()
-                if v != v
-            }
-        )
-        if broken:
-            rank_zero_warn(
-                f"{evaluation.stage}: the model's outputs are not finite for clients {broken[:20]}"
-                f"{' ...' if len(broken) > 20 else ''}; their metrics (and the summaries over clients) are NaN."
-            )
+            notes.insert(0, self._partial_pass_note(evaluation))
+        for note in filter(None, notes):
+            rank_zero_warn(note)
         in_fit = evaluation.stage == "val" and trainer.state.fn == "fit" and not trainer.sanity_checking
         prefix = ""
         if evaluation.stage == "val" and federation.round_index >= 0 and federation.client_sizes is not None:
             prefix = self.round_plan(federation.round_index).prefix
-        values = evaluation.summary(prefix)
         if in_fit:
             self._validated_round = federation.round_index
-        if in_fit and prefix:
-            federation.history.finetune = dict(values)
-        elif in_fit:
-            history = federation.history
-            history.add_evaluation(federation.round_index, values)
-            history.add_client_values(
-                federation.round_index,
-                {name: evaluation.metrics.per_client(name) for name in evaluation.metrics.names},
-            )
-            means = history.last_rounds_mean()
-            values.update(
-                {
-                    f"{key}_last10": means[key]
-                    for name in evaluation.metrics.names
-                    for key in (name, f"{name}_weighted")
-                    if key in means
-                }
-            )
-            values[f"{evaluation.stage}/last10_rounds"] = float(min(LAST_ROUNDS, history.evaluated_rounds))
-            values["round"] = float(federation.round_index)  # W&B's step for validation metrics
+        values = pass_values(evaluation, federation.history, federation.round_index, prefix, in_fit)
         for key, value in values.items():
             options = evaluation.logging_options(key.removeprefix(prefix))
             # the same value on every process: synced only to spare Lightning's warning
-            module.log(
-                key,
-                value,
-                on_step=False,
-                on_epoch=True,
-                batch_size=1,
-                sync_dist=self.collective.distributed,
-                **options,
-            )
+            sync = self.collective.distributed
+            module.log(key, value, on_step=False, on_epoch=True, batch_size=1, sync_dist=sync, **options)
 
-    def _warn_partial_pass(self, evaluation: EvaluationPass) -> None:
-        """Say which clients a pass cut short (``limit_val_batches``, ``fast_dev_run``) evaluated: its
-        summaries describe them, not the federation."""
+    def _partial_pass_note(self, evaluation: EvaluationPass) -> str | None:
+        """What a pass cut short (``limit_val_batches``, ``fast_dev_run``) evaluated, read off the Trainer."""
         loader, trainer = self._eval_loader, self.lightning_module.trainer
+        if loader is None:
+            return None
         limit = "limit_val_batches" if evaluation.stage == "val" else "limit_test_batches"
         batches = trainer.num_val_batches if evaluation.stage == "val" else trainer.num_test_batches
-        ran = batches[0] if batches else None
-        if loader is None or ran is None or ran >= len(loader):
-            return
         cause = "fast_dev_run" if trainer.fast_dev_run else f"{limit}={getattr(trainer, limit)}"
-        expected = {c: len(data) for c, data in enumerate(loader.clients) if len(data)}
-        note = coverage_note(evaluation.stage, dict(evaluation.metrics.samples), expected, cause)
-        if note is not None:
-            rank_zero_warn(note)
-
-    def _gather_evaluation(self, evaluation: EvaluationPass) -> None:
-        """Every process's per-client sums in one table on every process (one all-gather)."""
-        states = self.collective.all_gather_object((evaluation.headline, evaluation.metrics.state()))
-        evaluation.metrics = ClientMetrics()
-        for _, state in states:
-            evaluation.metrics.merge(state)
-        evaluation.headline = all(headline for headline, _ in states)
+        sizes = [len(data) for data in loader.clients]
+        return partial_pass_note(evaluation, sizes, batches[0] if batches else None, len(loader), cause)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -1097,45 +1057,24 @@ class FederatedStrategyMixin:
             checkpoint["loops"] = internals.loops_state_before_round_validation(checkpoint["loops"])
             validation_owed = True
         if self.federation is not None and self.federation.has_state:
-            state = self.federation.state_dict()
-            if self._engine is not None:
-                state["engine"] = self._engine.settings()
-                if self.federation.round_open:
-                    state["round"]["engine"] = self._engine.state_dict()
-            if self.federation.round_open and self._round_start_loops is not None:
-                state["round"]["start_loops"] = self._round_start_loops
-            if self.collective.distributed and interrupted:  # the other processes may be gone: no collective
-                state["interrupted_on_rank"] = self.collective.rank
-            elif self.collective.distributed:  # each process's open round, RNG, optimizer state, clients
-                own = {
-                    "round": state["round"],
-                    "torch_rng": state["torch_rng"],
-                    "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
-                    **self.federation.round_records(),
-                }
-                if "cuda_rng" in state:
-                    own["cuda_rng"] = state["cuda_rng"]
-                if self.federation.store.sharded:  # every rank's clients to rank 0, which writes
-                    state["clients"] = self.federation.gathered_store_state()
-                state["ranks"] = self.collective.all_gather_object(to_cpu(own))
-            if validation_owed:
-                state["validation_owed"] = True
-            checkpoint[CHECKPOINT_KEY] = state
+            checkpoint[CHECKPOINT_KEY] = federated_entry(
+                self.federation,
+                self.collective,
+                runner=self._engine,
+                optimizers=self.optimizers,
+                round_start_loops=self._round_start_loops,
+                interrupted=interrupted,
+                validation_owed=validation_owed,
+            )
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _round_validation_owed(self, trainer: L.Trainer) -> bool:
         """Whether a checkpoint written now falls between the end of a round and the end of its validation
         (written at its last step, or during validation): resuming from it must run that validation again,
         or the round's evaluation would be missing from the history."""
-        federation = self.federation
-        if federation is None or federation.round_open or federation.round_index < 0:
-            return False
-        if trainer.state.fn != "fit" or trainer.sanity_checking:
-            return False
-        evaluated = federation.round_index == self._validated_round or federation.history.is_evaluated(
-            federation.round_index
-        )
-        return not evaluated and internals.round_validation_due(trainer)
+        in_fit = trainer.state.fn == "fit" and not trainer.sanity_checking
+        missing = in_fit and round_evaluation_missing(self.federation, self._validated_round)
+        return missing and internals.round_validation_due(trainer)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -1146,16 +1085,11 @@ class FederatedStrategyMixin:
         )
         self._pending = checkpoint.get(CHECKPOINT_KEY)
         self._checkpoint_path = checkpoint_path
-        if self._pending is not None:
-            check_version(self._pending, checkpoint_path)
-        if self._pending is not None and "interrupted_on_rank" in self._pending:
-            raise ValueError(
-                f"{checkpoint_path} was written by rank {self._pending['interrupted_on_rank']} alone when a run on "
-                "several processes stopped on an exception: it does not hold the other processes' clients. Resume "
-                "from a checkpoint written at the end of a round (or mid-round by ModelCheckpoint)."
-            )
+        read_federated_entry(checkpoint, checkpoint_path)
         if self._pending is None:
-            _refuse_plain_checkpoint_in_fit(self.lightning_module, checkpoint, checkpoint_path)
+            module = self.lightning_module
+            in_fit = module is not None and module._trainer is not None and module.trainer.state.fn == "fit"
+            refuse_plain_checkpoint_in_fit(checkpoint, checkpoint_path, in_fit)
             rank_zero_info(
                 "The checkpoint has no federated state; every client starts from the module's head."
             )
@@ -1186,11 +1120,8 @@ class FederatedStrategyMixin:
         state, self._pending = self._pending, None
         if state is None:
             return
-        state = self._this_rank_state(state)
-        self.federation.restore_round(state)
-        self.federation.restore_round_records(
-            {"records": state.get("records", []), "borrowed": state.get("borrowed", [])}
-        )
+        state = this_rank_state(state, self.collective.rank, self.collective.world_size)
+        restore_rank_state(self.federation, state)
         if state["round"]["open"]:
             self._round_start_loops = state["round"].get("start_loops")
         if "optimizers" in state and state["round"]["open"]:  # Lightning restored rank 0's: take this rank's
@@ -1204,36 +1135,12 @@ class FederatedStrategyMixin:
         if self._engine is not None:
             self._engine.load_settings(state.get("engine"))
         if not self.federation.round_open:
-            if not state.get(
-                "validation_owed"
-            ):  # else Lightning runs the round's validation, then the next round
+            if not state.get("validation_owed"):  # else Lightning runs the round's validation, then the next
                 internals.start_next_round_after_restore(self.lightning_module.trainer)
             return
-        saved = "vectorized" if "engine" in state["round"] else "sequential"
-        running = "vectorized" if self._engine is not None else "sequential"
-        if saved != running:
-            raise ValueError(
-                f"The checkpoint was saved inside round {state['round']['index']} by the {saved} engine, but "
-                f"this run uses the {running} one. Resume with engine='{saved}', or from a checkpoint written "
-                "at the end of a round."
-            )
+        check_round_runner(state, vectorized=self._engine is not None)
         if self._engine is not None:
             self._engine.load_state_dict(state["round"]["engine"])
-
-    def _this_rank_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The saved state with this process's open round and RNG (a checkpoint written by several
-        processes holds one per rank); a round-end checkpoint resumes on any number of processes."""
-        ranks = state.get("ranks")
-        saved, running = len(ranks) if ranks else 1, self.collective.world_size
-        if state["round"]["open"] and saved != running:
-            raise ValueError(
-                f"The checkpoint was saved inside round {state['round']['index']} by {saved} process(es), but this "
-                f"run has {running}. Resume it on {saved}, or resume from a checkpoint written at the end of a "
-                "round (those resume on any number of processes)."
-            )
-        if ranks:
-            return {**state, **ranks[min(self.collective.rank, len(ranks) - 1)]}
-        return state
 
 
 def _training_clients(datamodule: Any) -> dict[str, Any] | None:
@@ -1258,38 +1165,9 @@ _PREDICTION_MODES = {
 
 def _warn_clients_without_data(loader: EvalLoader) -> None:
     """Clients without samples in an evaluation (or prediction) split are left out: say which."""
-    empty = [c for c, data in enumerate(loader.clients) if not len(data)]
-    if not empty:
-        return
-    shown = str(empty) if len(empty) <= 10 else f"{empty[:10]} ..."
-    what = (
-        "get no predictions"
-        if loader.stage == "predict"
-        else f"are left out of {loader.stage}/acc and every {loader.stage} summary over clients"
-    )
-    rank_zero_warn(
-        f"{loader.stage}: {len(empty)} of {loader.num_clients} clients have no {loader.stage} samples and {what}: "
-        f"clients {shown}. Give every client evaluation data (more test samples, val_fraction, another "
-        "partition) to evaluate the whole federation."
-    )
-
-
-def _refuse_plain_checkpoint_in_fit(
-    module: L.LightningModule | None, checkpoint: dict[str, Any], path: Any
-) -> None:
-    """A checkpoint of a plain (non-federated) fit resumed into a federated fit would carry its epoch counter
-    over as rounds already done (``max_epochs=3`` after 1 epoch: 2 rounds); refuse it, saying how to start
-    from its weights. Evaluating it (``validate``/``test``) is fine: every client gets its model."""
-    if module is None or module._trainer is None or module.trainer.state.fn != "fit":
-        return
-    epochs = checkpoint.get("epoch", 0)
-    raise CheckpointError(
-        f"The checkpoint {path} has no federated state: it was written by a fit without a federated strategy "
-        f"(after {epochs} epoch(s)), and resuming it would count those epochs as federated rounds already done. "
-        "To start a federated training from its weights, load them into the module and fit without ckpt_path: "
-        "model = MyModule.load_from_checkpoint(path) (or model.load_state_dict(torch.load(path)['state_dict'])), "
-        "then trainer.fit(model, datamodule=...)."
-    )
+    note = empty_clients_note(loader.stage, [len(data) for data in loader.clients])
+    if note is not None:
+        rank_zero_warn(note)
 
 
 def _check_head(head: Any) -> None:

@@ -27,7 +27,6 @@ from flute.generate import FACTS as FLUTE_FACTS  # noqa: E402
 from flute.generate import all_recipes as flute_recipes  # noqa: E402  (the FLUTE table lives beside its recipes)
 from writer import render, trainer_section  # noqa: E402
 
-
 FACTS: dict[str, tuple[str, str, str]] = {}
 """Per recipe path: what it reproduces, the logged figure to read, the paper's number (recipes/README.md)."""
 
@@ -641,7 +640,7 @@ SRPFL_PAPER = {
         5,
         "FEMNIST, N=100, Shard=3 (accuracy 10-90%)",
         "FEMNIST: the SRPFL code's re-sampling, 100 users of 150 samples (3 letters of a-j each), made by\n"
-        "python -m lightning_fedrep.data.femnist_sample RAW_DIR data/femnist_srpfl --srpfl (see the README).",
+        "python scripts/femnist_sample.py RAW_DIR data/femnist_srpfl --srpfl (see the README).",
     ),
 }
 SRPFL_METHODS = {"fedrep_srpfl": ("FedRep-SRPFL", 10), "fedrep": ("FedRep", None)}

@@ -44,11 +44,11 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     TwoClassExponential,
     ValidateAtRounds,
 )
+from lightning_fedrep.app.seeds import parse_seeds, split_seeds  # noqa: F401
 from lightning_fedrep.checkpoints import CheckpointError
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: F401
 from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: F401
 from lightning_fedrep.data.vision import EMNISTDataModule  # noqa: F401
-from lightning_fedrep.seeds import parse_seeds, split_seeds  # noqa: F401
 from lightning_fedrep.split import SplitError
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule, tiny_datasets
 

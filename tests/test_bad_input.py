@@ -339,7 +339,7 @@ def test_the_current_checkpoint_still_resumes(checkpoint):
 
 
 def test_a_plain_lightning_checkpoint_is_refused_in_a_federated_fit_and_evaluates_fine(tmp_path):
-    """Catches the epoch counter carried over (drop ``_refuse_plain_checkpoint_in_fit``): the plain
+    """Catches the epoch counter carried over (drop ``refuse_plain_checkpoint_in_fit``): the plain
     checkpoint's 1 epoch counts as a round done, so ``max_epochs=3`` runs 2 rounds."""
     torch.manual_seed(0)
     train, _ = tiny_datasets()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lightning_fedrep.cli import build_cli
+from lightning_fedrep.app.cli import build_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"

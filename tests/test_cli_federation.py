@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lightning_fedrep import DirichletPartitioner, FederatedDataModule, FedRepStrategy
-from lightning_fedrep.cli import build_cli
+from lightning_fedrep.app.cli import build_cli
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datasets
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "digits" / "fedrep.yaml"
@@ -214,7 +214,7 @@ def test_a_run_saved_before_the_fix_with_its_config_in_a_logger_folder_is_still_
     """Bug: only ``<run>/config.yaml`` marked a run folder, so a run whose config Lightning had put in
     ``logs/fit`` or ``lightning_logs/version_0`` got a new folder at every call (``has_config`` ->
     ``(folder / "config.yaml").is_file()``)."""
-    from lightning_fedrep.runfolder import config_filename, folder_of_checkpoint
+    from lightning_fedrep.app.runfolder import config_filename, folder_of_checkpoint
 
     for logs in ("logs/fit", "lightning_logs/version_0"):
         run = tmp_path / logs.split("/")[0] / "run"

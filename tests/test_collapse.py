@@ -21,7 +21,7 @@ from benchmarks.flute.linear_flute import (
 )
 from lightning_fedrep import FederatedDataModule, FedRepStrategy, Phase
 from lightning_fedrep.callbacks import NeuralCollapse
-from lightning_fedrep.collapse import (
+from lightning_fedrep.callbacks.neural_collapse_metrics import (
     class_masks,
     etf_target,
     global_nc2,

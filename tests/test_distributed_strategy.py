@@ -11,7 +11,7 @@ import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fedrep import ALGORITHMS, FederatedDDPStrategy, FederatedStrategy
-from lightning_fedrep.cli import build_cli
+from lightning_fedrep.app.cli import build_cli
 from tests.fixtures import TinyNet, tiny_datamodule
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "digits" / "fedrep.yaml"

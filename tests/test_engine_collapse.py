@@ -19,7 +19,7 @@ from lightning_fedrep import (
     VectorizedLossTerm,
 )
 from lightning_fedrep.callbacks import NeuralCollapse
-from lightning_fedrep.collapse import class_masks, nc_regularizer
+from lightning_fedrep.callbacks.neural_collapse_metrics import class_masks, nc_regularizer
 from tests.fixtures import quiet_trainer
 from tests.test_engine_equivalence import DeclaredNet, LossNet, assert_same
 

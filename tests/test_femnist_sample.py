@@ -1,4 +1,4 @@
-"""FedRep's FEMNIST re-sampling (``lightning_fedrep.data.femnist_sample``, the official ``my_sample.py``).
+"""FedRep's FEMNIST re-sampling (``scripts/femnist_sample.py``, the official ``my_sample.py``).
 
 A small raw NIST tree is made in a temporary folder: the ten lowercase classes ``61`` ... ``6a`` with
 ``IMAGES`` 28x28 PNGs each, plus a digit class ``30`` and an uppercase class ``41`` that must be ignored.
@@ -18,13 +18,13 @@ import pytest
 pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
-from lightning_fedrep.data.femnist_sample import (  # noqa: E402
+from lightning_fedrep.data.leaf import LEAFDataModule  # noqa: E402
+from scripts.femnist_sample import (  # noqa: E402
     CLASS_FOLDERS,
     load_nist_image,
     main,
     resample_femnist,
 )
-from lightning_fedrep.data.leaf import LEAFDataModule  # noqa: E402
 
 IMAGES = 400  # per raw class
 USERS = 12

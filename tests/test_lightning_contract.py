@@ -295,7 +295,7 @@ def test_default_progress_bar_is_replaced_keeping_its_settings():
 
 
 def test_module_log_signature_is_what_capture_logs_binds():
-    """``evaluation.capture_logs`` binds the user's ``self.log`` calls to ``LightningModule.log``'s
+    """``captured_logs.capture_logs`` binds the user's ``self.log`` calls to ``LightningModule.log``'s
     signature and reads these arguments by name."""
     parameters = inspect.signature(L.LightningModule.log).parameters
     for name in ("name", "value", "prog_bar", "logger", "reduce_fx", "batch_size"):

@@ -54,7 +54,7 @@ def messages(record):
     ],
 )
 def test_a_cut_pass_says_its_summaries_are_over_the_clients_it_evaluated(engine, flags, cause):
-    """Catches the silent cut: remove ``self._warn_partial_pass(evaluation)`` from ``_log_evaluation`` and a
+    """Catches the silent cut: drop ``_partial_pass_note`` from ``_log_evaluation``'s notes and a
     pass over one client of six logs ``val/acc`` without a word. The value logged is that client's accuracy
     (a plain forward), which the warning names (per batch, and on the batched path, where a step is a chunk)."""
     from lightning_fedrep.models import (

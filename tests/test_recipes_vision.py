@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_fedrep.cli import build_cli
+from lightning_fedrep.app.cli import build_cli
 from tests.fixtures import leaf_user, write_cifar10, write_cifar100, write_leaf_file
 from tests.test_datasets import write_emnist
 

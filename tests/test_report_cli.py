@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fedrep.outputs import write_rows
-from lightning_fedrep.report import main, overlay_figures, run_figures
+from lightning_fedrep.app.report import main, overlay_figures, run_figures
+from lightning_fedrep.callbacks.run_files import write_rows
 
 
 def fake_run(folder: Path, algorithm: str = "fedrep") -> Path:

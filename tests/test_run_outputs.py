@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_fedrep import FedRepStrategy, RunSummary
-from lightning_fedrep.cli import build_cli, main
+from lightning_fedrep.app.cli import build_cli, main
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "digits" / "fedrep.yaml"
@@ -65,7 +65,7 @@ def assert_run_figures_draw_the_tables(run: Path) -> None:
     """Each figure of ``run_figures(run)`` holds the values of the run folder's tables (not just axes)."""
     import numpy as np
 
-    from lightning_fedrep.report import run_figures
+    from lightning_fedrep.app.report import run_figures
 
     figures = run_figures(run)
     try:
@@ -123,7 +123,7 @@ def assert_overlay_draws_each_run(
     names the run, no two labels alike."""
     import matplotlib.pyplot as plt
 
-    from lightning_fedrep.report import overlay_figures
+    from lightning_fedrep.app.report import overlay_figures
 
     figures = overlay_figures(runs)
     try:
@@ -332,7 +332,7 @@ def test_resume_test_and_predict_write_into_the_run_folder_without_losing_its_fi
     """A resumed fit, a test and a predict of the run's checkpoint write into its folder: each call keeps its
     own config and logger files (CSV/TensorBoard under logs/<call>), W&B continues the same run id, and the
     CLI's personalized predictions score what the test measured, client by client."""
-    from lightning_fedrep.runfolder import wandb_run_id
+    from lightning_fedrep.app.runfolder import wandb_run_id
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -392,8 +392,8 @@ def test_the_wandb_id_is_the_users_or_unique_to_the_folder_and_the_run_folder_ca
 ):
     from jsonargparse import Namespace
 
-    from lightning_fedrep import cli as command
-    from lightning_fedrep.runfolder import launcher_run_id, place_run, wandb_run_id
+    from lightning_fedrep.app import cli as command
+    from lightning_fedrep.app.runfolder import launcher_run_id, place_run, wandb_run_id
 
     def config(**wandb):
         logger = Namespace(class_path="lightning.pytorch.loggers.WandbLogger", init_args=Namespace(**wandb))
@@ -468,7 +468,7 @@ def test_validate_of_an_earlier_checkpoint_prints_and_writes_what_it_measured(tm
 
 
 def write_history(run: Path, metric: str) -> None:
-    from lightning_fedrep.outputs import write_rows
+    from lightning_fedrep.callbacks.run_files import write_rows
 
     run.mkdir(parents=True, exist_ok=True)
     write_rows(
@@ -485,7 +485,7 @@ def write_history(run: Path, metric: str) -> None:
     [("val/acc", "worst client"), ("val/loss", "lowest-loss client")],
 )
 def test_the_band_below_the_mean_is_named_for_what_it_is(tmp_path, metric, lowest):
-    from lightning_fedrep.report import run_figures
+    from lightning_fedrep.app.report import run_figures
 
     write_history(tmp_path, metric)
     figure = run_figures(tmp_path)["accuracy_vs_round"]
@@ -495,7 +495,7 @@ def test_the_band_below_the_mean_is_named_for_what_it_is(tmp_path, metric, lowes
 
 
 def test_losses_are_told_from_accuracies_by_their_name():
-    from lightning_fedrep.report import higher_is_better
+    from lightning_fedrep.app.report import higher_is_better
 
     assert higher_is_better("val/acc") and higher_is_better("test/acc_weighted")
     for loss in ("val/loss", "val/val_ce", "test/mse", "val/nll_loss", "val/error"):
@@ -505,8 +505,8 @@ def test_losses_are_told_from_accuracies_by_their_name():
 def test_the_client_histogram_shows_the_stage_asked_for_or_the_newest(tmp_path):
     import os
 
-    from lightning_fedrep.outputs import write_rows
-    from lightning_fedrep.report import run_figures
+    from lightning_fedrep.app.report import run_figures
+    from lightning_fedrep.callbacks.run_files import write_rows
 
     write_history(tmp_path, "val/acc")
     write_rows(tmp_path / "clients_test.csv", [{"client": c, "test/acc": 0.5} for c in range(4)])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lightning_fedrep.cli import main
+from lightning_fedrep.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -95,7 +95,7 @@ def test_the_figure_draws_the_mean_over_seeds_with_a_band_of_one_std(sweep: Path
     """The figure's line is the per-round numpy mean of the seeds' ``history.csv`` ``val/acc`` and its band
     spans mean ± ``std(ddof=1)``. Catches the line drawn from one seed, or the band drawn as ± the
     population std (``n - 1`` -> ``n`` in ``seed_curves``)."""
-    from lightning_fedrep.table import collect, figure
+    from lightning_fedrep.app.table import collect, figure
 
     rows = collect([sweep])
     fig = figure(rows)
@@ -132,7 +132,7 @@ def test_table_reads_each_recipes_own_figure_and_paper_number(tmp_path: Path):
     ``val/acc`` of the last round (Local Only) and ``val/acc_weighted_last10`` (FEMNIST FedRep); runs that
     differ in a setting other than the seed are separate rows; ``--paper fedrep-table1`` keeps only Table 1
     recipes. Catches the last-10 mean read for every figure, or the seed not removed from the grouping key."""
-    from lightning_fedrep.table import collect
+    from lightning_fedrep.app.table import collect
 
     rng = np.random.default_rng(0)
     expected = {}

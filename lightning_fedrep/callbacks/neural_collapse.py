@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from lightning_fedrep.arguments import check_bool, check_choice, check_int, check_optional_int, check_real
-from lightning_fedrep.collapse import (
+from lightning_fedrep.callbacks.neural_collapse_metrics import (
     class_masks,
     global_nc2,
     local_nc2,
@@ -57,7 +57,8 @@ class NeuralCollapse(FederatedCallback):
         + ν ||φ(X)||_F^2                    only while the body trains (phases "body" and "all")
 
     with ``W_i`` the client's classifier weight (``K x k``, no bias), ``R`` FLUTE's ETF-Gram regulariser
-    (:func:`lightning_fedrep.collapse.nc_regularizer`; the masked global K-simplex target, not squared),
+    (:func:`~lightning_fedrep.callbacks.neural_collapse_metrics.nc_regularizer`; the masked global
+    K-simplex target, not squared),
     ``e_i`` the classes present in the client's *training data* (read from the data module when fit
     starts), and ``φ(X)`` the classifier's input on the current batch, summed over the batch (captured
     by a forward pre-hook on ``features_module``). The official code's defaults: ``λ = 0.25``,
@@ -72,7 +73,8 @@ class NeuralCollapse(FederatedCallback):
     (``RoundSpec(aggregate=False)``, e.g. ``HeadFineTuning``) get no server step.
 
     **Metrics** (logged after every ``metrics_every_n_rounds``-th round, after the server step, over
-    *all* clients' current classifiers; :mod:`lightning_fedrep.collapse` has the formulas):
+    *all* clients' current classifiers; :mod:`lightning_fedrep.callbacks.neural_collapse_metrics` has the
+    formulas):
 
     * ``nc/global_nc2``: ``(1/N) sum_i R(W_i)``, the paper's Global NC2 (distance to the global optimum);
     * ``nc/local_nc2``: the same with the local S-simplex target, the paper's Averaged Local NC2

@@ -11,10 +11,10 @@ import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
+from lightning_fedrep.app.report import FIGURES, run_figures, save
 from lightning_fedrep.arguments import check_bool
+from lightning_fedrep.callbacks.run_files import HISTORY, write_run_files, write_stage_files
 from lightning_fedrep.hooks import FederatedCallback
-from lightning_fedrep.outputs import HISTORY, write_run_files, write_stage_files
-from lightning_fedrep.report import FIGURES, run_figures, save
 
 
 def run_folder(trainer: L.Trainer) -> Path:
@@ -35,8 +35,9 @@ class RunSummary(FederatedCallback):
     ``summary.json`` holds the final and last-10-round figures (``strategy.results()``), every client's
     metrics of the last evaluation of each stage, the history, faults and the run's configuration (the
     CLI fills it in); beside it ``history.csv``, ``clients.csv`` (per client, per round),
-    ``participation.csv``, ``partition.csv``, ``clients_<stage>.csv`` (see ``lightning_fedrep.outputs``)
-    and, with matplotlib and ``figures=True``, the PNGs of ``lightning_fedrep.report`` under ``figures/``.
+    ``participation.csv``, ``partition.csv``, ``clients_<stage>.csv`` (see
+    ``lightning_fedrep.callbacks.run_files``) and, with matplotlib and ``figures=True``, the PNGs of
+    ``lightning_fedrep.app.report`` under ``figures/``.
     The folder is ``dirpath``, by default the Trainer's run folder (next to ``checkpoints/``). With a
     ``WandbLogger`` the per-client metrics go to W&B as a table and a histogram, the figures as images,
     and validation metrics are plotted against the round; with a ``TensorBoardLogger`` the figures go

@@ -9,7 +9,7 @@ LEAF (Caldas et al., https://leaf.cmu.edu) writes each split as a folder of JSON
 
 :class:`LEAFDataModule` reads every ``*.json`` file of a train folder and of a test folder (the output of
 LEAF's ``preprocess.sh ... -t sample``, of FedRep's ``my_sample.py`` (class ids written as floats are read
-as integers), or of its seeded port :mod:`lightning_fedrep.data.femnist_sample`), keeps the users that have samples
+as integers), or of its seeded port ``scripts/femnist_sample.py``), keeps the users that have samples
 in both, and makes each user one client (the natural partition, via
 :class:`~lightning_fedrep.data.partition.NaturalPartitioner`). The data end up in one tensor data set per
 split, so batches are cut by tensor indexing.

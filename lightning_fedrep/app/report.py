@@ -1,4 +1,4 @@
-"""Figures of a run, drawn from the files in its folder (``lightning_fedrep.outputs``), and the
+"""Figures of a run, drawn from the files in its folder (``lightning_fedrep.callbacks.run_files``), and the
 ``lightning-fedrep report`` command that draws them again or overlays several runs.
 
     lightning-fedrep report runs/digits/fedrep/<run id>                 # -> <run>/figures/*.png
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_fedrep.outputs import CLIENTS, HISTORY, PARTICIPATION, PARTITION, read_rows
+from lightning_fedrep.callbacks.run_files import CLIENTS, HISTORY, PARTICIPATION, PARTITION, read_rows
 
 FIGURES = "figures"
 COUNTS = ("clients", "rounds", "samples")

@@ -9,7 +9,7 @@ the same two LEAF JSON files, ``train/mytrain.json`` and ``test/mytest.json``, w
 
 From the command line::
 
-    python -m lightning_fedrep.data.femnist_sample RAW_DIR OUT_DIR [--seed N] [--num-users N] [--disjoint]
+    python scripts/femnist_sample.py RAW_DIR OUT_DIR [--seed N] [--num-users N] [--disjoint]
 
 where ``RAW_DIR`` is LEAF's ``data/femnist/data/raw_data`` (or its ``by_class`` folder), as LEAF's
 ``get_data.sh`` downloads and unpacks it.
@@ -308,9 +308,9 @@ def _pillow() -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """The command line: ``python -m lightning_fedrep.data.femnist_sample RAW_DIR OUT_DIR [...]``."""
+    """The command line: ``python scripts/femnist_sample.py RAW_DIR OUT_DIR [...]``."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_fedrep.data.femnist_sample",
+        prog="python scripts/femnist_sample.py",
         description="Write FedRep's FEMNIST data (the official my_sample.py re-sampling: 10 lowercase "
         "letters, 3 per user, lognormal sample counts), seeded, as OUT_DIR/train/mytrain.json and "
         "OUT_DIR/test/mytest.json.",

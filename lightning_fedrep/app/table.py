@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_fedrep.outputs import HISTORY, read_rows, write_rows
+from lightning_fedrep.callbacks.run_files import HISTORY, read_rows, write_rows
 
 SUMMARY = "summary.json"
 RECIPE_COPY = "recipe.yaml"
@@ -236,7 +236,7 @@ def seed_curves(row: Row) -> tuple[list[float], list[float], list[float]]:
 
 def figure(rows: Sequence[Row]) -> Any:
     """Accuracy vs round: per row the mean over seeds and a band of ± one sample std (matplotlib Figure)."""
-    from lightning_fedrep.report import _axes, _pyplot
+    from lightning_fedrep.app.report import _axes, _pyplot
 
     plt = _pyplot()
     metrics = sorted({curve_metric(row.figure) for row in rows})
@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     text = markdown(rows)
     (out / "table.md").write_text(text)
     write_rows(out / "table.csv", csv_rows(rows))
-    from lightning_fedrep.report import save
+    from lightning_fedrep.app.report import save
 
     paths = save({"accuracy_vs_round": figure(rows)}, out)
     print(text, end="")
