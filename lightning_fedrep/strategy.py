@@ -61,7 +61,12 @@ from lightning_fedrep.data.labels import (
 from lightning_fedrep.data.loaders import ClientChunk, EvalLoader, RoundLoader
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.engine import LockstepEngine, LockstepPlan
-from lightning_fedrep.engine.evaluation import EVALUATION_CHUNK_SAMPLES, BatchedEvaluation, batched_evaluation
+from lightning_fedrep.engine.evaluation import (
+    EVALUATION_CHUNK_SAMPLES,
+    BatchedEvaluation,
+    batched_evaluation,
+    evaluation_split,
+)
 from lightning_fedrep.engine.report import EngineReport
 from lightning_fedrep.engine.selection import build_engine, start_engine
 from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass
@@ -327,6 +332,12 @@ class FederatedStrategyMixin:
         """The clients this process evaluates in the current (or last) validation/test: every client with
         evaluation data on one process, this rank's share on several (``[]`` before any evaluation)."""
         return list(self._eval_loader.evaluated_clients) if self._eval_loader is not None else []
+
+    def feature_split(self, names: Sequence[str], probe: Tensor) -> Any:
+        """The live module as ``head(features(x))`` with ``names`` as the head, in evaluation mode, verified
+        on ``probe`` (the engine's detection: a :class:`~lightning_fedrep.engine.FeatureSplit`), or ``None``:
+        for a callback that computes a frozen body's output once (``FineTunedEvaluation``)."""
+        return evaluation_split(self.lightning_module, tuple(names), probe)
 
     @property
     def faults(self) -> list[ClientFault]:

@@ -336,6 +336,7 @@ CASES = [
     Refused("FineTunedEvaluation(epochs=0)", ValueError, "epochs"),
     Refused('FineTunedEvaluation(start="global")', ValueError, "start"),
     Refused("FineTunedEvaluation(lr=0)", ValueError, "lr"),
+    Refused('FineTunedEvaluation(cache_features="yes")', TypeError, "cache_features"),
     Refused('FineTunedEvaluation(stages=["fit"])', ValueError, "stages"),
     Refused('FineTunedEvaluation(optimizer="adam")', ValueError, "optimizer"),
     Refused("FineTunedEvaluation(optimizer=torch.optim.Adam, lr=0.1)", ValueError, "lr"),

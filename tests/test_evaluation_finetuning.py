@@ -342,3 +342,99 @@ def test_the_srpfl_recipes_fine_tune_with_the_official_sgd(recipe):
         assert group["momentum"] == 0.5 and group["lr"] == config["model"]["init_args"]["lr"]
         for p in group["params"]:
             assert group["weight_decay"] == (0.0 if names[id(p)].endswith("bias") else 1e-4), names[id(p)]
+
+
+# ----------------------------------------------------------------------------- cached features
+
+
+class HeadlineNet(LossNet):
+    fedrep_evaluation = "headline"  # the engine then scores every client's head in one batched pass
+
+
+class DoubledNet(LossNet):
+    def forward(self, x):
+        return 2 * self.classifier(self.body(x))  # the head's output is not the model's output
+
+
+class NoisyTransform:
+    def __repr__(self):
+        return "RandomNoise()"
+
+    def __call__(self, x):
+        return x + 0.5 * torch.randn_like(x)
+
+
+class NoisyData(torch.utils.data.Dataset):
+    """The tiny data with a random transform (fresh noise at every fetch)."""
+
+    def __init__(self, base):
+        self.base, self.targets, self.transform = base, base.tensors[1], NoisyTransform()
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        x, y = self.base[index]
+        return self.transform(x), y
+
+
+def noisy_datamodule():
+    from lightning_fedrep import FederatedDataModule, ShardPartitioner
+    from tests.fixtures import tiny_datasets
+
+    train, test = tiny_datasets()
+    return FederatedDataModule(NoisyData(train), test, ShardPartitioner(6, 2), batch_size=8, seed=0)
+
+
+def fine_tuned_metrics(cache, model=LossNet, engine="auto", datamodule=None):
+    """Per-client ``val/acc`` and ``val/loss`` after one round, fine-tuned in batches of 8 (the order matters),
+    and the callback's feature-cache decision."""
+    callback = FineTunedEvaluation(epochs=3, lr=0.1, cache_features=cache)
+    torch.manual_seed(0)
+    dm = datamodule() if datamodule else tiny_datamodule(num_clients=6, batch_size=8)
+    strategy = FedRepStrategy(
+        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, seed=4, engine=engine
+    )
+    quiet_trainer(strategy=strategy, max_epochs=1, callbacks=[callback]).fit(model(), datamodule=dm)
+    metrics = strategy.client_metrics["val"]
+    return metrics.per_client("val/acc"), metrics.per_client("val/loss"), callback.cache_decision
+
+
+@pytest.mark.parametrize("engine", ["sequential", "auto"])
+def test_cached_features_score_every_client_as_the_full_forward_passes(engine):
+    """Catches a cached step on the wrong samples' features: change ``features[index]`` to
+    ``features[: len(index)]`` in ``_fit_head_cached`` and the per-client losses differ. Scored by the per-batch
+    (``sequential``) and the batched (``auto`` with ``fedrep_evaluation = "headline"``) evaluation; equal within
+    float error (a sample's features in a pass over the client's data and in a batch of 8 may differ in the
+    last bits; here the accuracy is equal and the loss to 1e-6)."""
+    acc, loss, decision = fine_tuned_metrics(True, HeadlineNet, engine)
+    full_acc, full_loss, full_decision = fine_tuned_metrics(False, HeadlineNet, engine)
+    assert "caches each client's features" in decision
+    assert "cache_features=False" in full_decision
+    assert acc == full_acc
+    assert loss == pytest.approx(full_loss, rel=1e-6)
+
+
+class DropoutNet(LossNet):
+    def __init__(self):
+        super().__init__(dropout=0.5)
+
+
+@pytest.mark.parametrize(
+    ("model", "datamodule", "reason"),
+    [
+        (DropoutNet, None, "depends on train mode"),
+        (BatchNormNet, None, "depends on train mode"),
+        (LossNet, noisy_datamodule, "augmented at random"),
+        (DoubledNet, None, "not head(features(x))"),
+    ],
+    ids=["dropout", "batch-norm", "random-transform", "no-split"],
+)
+def test_without_an_exact_cache_it_runs_the_full_passes_and_says_why(model, datamodule, reason):
+    """Catches caching where the features are not a fixed function of the sample: drop the train-mode check
+    (dropout or batch norm in the body) or the random-transform check in ``_feature_split`` and the scores
+    differ from the full passes' (``cache_features=False``)."""
+    acc, loss, decision = fine_tuned_metrics(True, model, "sequential", datamodule)
+    assert "runs full forward passes" in decision and reason in decision, decision
+    full_acc, full_loss, _ = fine_tuned_metrics(False, model, "sequential", datamodule)
+    assert acc == full_acc and loss == full_loss

@@ -2,7 +2,8 @@
 
 Fills a :class:`~lightning_fedrep.clients.ClientStore` (what ``strategy.federation.store`` is) with
 every client's head, as after a run in which every client trained, and measures the process's
-resident memory before and after (so Python and tensor overheads count), against two references
+resident memory before and after (so Python and tensor overheads count; after a warm-up fill, with
+freed heap memory given back first, so neither first-use costs nor reused memory skew a row), against two references
 computed from the sizes: the heads' bytes alone (650 float32 values per client) and a full model copy
 per client (307,842 float32 values, what per-client ``deepcopy`` simulators keep).
 
@@ -15,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 
@@ -40,13 +42,24 @@ def filled_store(clients: int, template: list[torch.Tensor]) -> ClientStore:
     return store
 
 
+def release_freed() -> None:
+    """Collect garbage and give freed heap memory back to the system (glibc ``malloc_trim``), so that
+    a store filling memory freed earlier in the process still shows as growth."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: measure as is
+        pass
+
+
 def measure(clients: int) -> dict[str, float]:
     model = CIFAR10CNN()
     named = dict(model.named_parameters())
     template = [named[n].detach() for n in HEAD]
     model_values = sum(p.numel() for p in model.parameters())
     head_values = sum(t.numel() for t in template)
-    gc.collect()
+    filled_store(100, template)  # warm-up: first-use costs (lazy code pages, allocator pools) not counted
+    release_freed()
     before = resident_bytes()
     store = filled_store(clients, template)
     gc.collect()

@@ -16,15 +16,22 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_fedrep.arguments import check_choice, check_int, check_real
+from lightning_fedrep.arguments import check_bool, check_choice, check_int, check_real
+from lightning_fedrep.data.loaders import datasets_are_deterministic
 from lightning_fedrep.federation import RoundResult
 from lightning_fedrep.hooks import FederatedCallback
 from lightning_fedrep.lightning_internals import configured_learning_rate, configured_optimizers
 from lightning_fedrep.losses import NAMED_LOSSES, declared_loss
 from lightning_fedrep.models._optim import weight_decay_groups
+from lightning_fedrep.random_state import untouched_random_state
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 OptimizerFactory = Callable[[list[Tensor]], Optimizer]
+FeatureSplit = Any
+"""The strategy's :meth:`~lightning_fedrep.FedRepStrategy.feature_split` (``features``, ``head``, ``how``)."""
+
+FEATURE_CHUNK = 1024
+"""Samples per forward pass when a client's features are cached."""
 
 OFFICIAL_MOMENTUM = 0.5
 OFFICIAL_WEIGHT_DECAY = 1e-4
@@ -106,6 +113,13 @@ class FineTunedEvaluation(FederatedCallback):
             checkpoint's evaluation repeats the one logged when it was written).
         unpack: ``batch -> (inputs, target)`` for batches that are not ``(inputs, target, ...)``
             sequences; the module's ``forward(inputs)`` and the loss then run on them.
+        cache_features: fine-tune on cached features where that is today's computation: the model is
+            ``head(features(x))`` (declared ``forward_features``/``forward_head`` or the head module called
+            last, verified on a probe batch), the tuned parameters are that head, the training data has no
+            random transforms and the body's output does not depend on train mode (no batch norm, no
+            dropout in the body). Each client's features are then computed once (one pass) and its
+            ``epochs`` of head steps run on them, same batches and optimizer, equal to the full forward
+            passes within float error; otherwise the full passes run and a log line says why.
 
     What is fine-tuned: the client's local parameters (the head for FedRep/FedPer, the local representation
     for LG-FedAvg), or the head for algorithms without a local part (FedAvg). The cost is ``epochs`` passes
@@ -129,8 +143,10 @@ class FineTunedEvaluation(FederatedCallback):
         seed: int = 0,
         unpack: Callable[[Any], tuple[Any, Any]] | None = None,
         optimizer: Literal["module", "sgd"] | OptimizerFactory = "module",
+        cache_features: bool = True,
     ):
         owner = "FineTunedEvaluation"
+        check_bool("cache_features", cache_features, owner=owner)
         check_int("epochs", epochs, minimum=1, owner=owner)
         check_choice("start", start, ("average", "stored"), owner=owner)
         if lr is not None:
@@ -168,6 +184,9 @@ class FineTunedEvaluation(FederatedCallback):
             )
         self.seed = seed
         self.unpack = unpack
+        self.cache_features = cache_features
+        self.cache_decision = ""
+        """The last evaluation's feature-cache decision, one line (logged when it changes)."""
         self._loss_fn: LossFn | None = None
         self.last_round_clients: list[int] = []
         """The clients of the last aggregated round (before any: the heads of the clients that ever trained)."""
@@ -236,15 +255,141 @@ class FineTunedEvaluation(FederatedCallback):
         optimizer = self.fine_tuning_optimizer(trainer, pl_module)
         tuned: dict[int, dict[str, Tensor]] = {}
         with self._training_mode(pl_module):
+            split = self._cached_split(trainer, pl_module, names, clients)
             for client in clients:
                 if len(trainer.datamodule.client_data(client)) == 0:
                     tuned[client] = starts(client)
+                    continue
+                if split is not None:
+                    tuned[client] = self._fit_head_cached(
+                        trainer, pl_module, client, starts(client), optimizer, split
+                    )
                     continue
                 batches = self._client_batches(trainer, client)
                 if trainer.fast_dev_run:  # a smoke run: one step per client
                     batches = itertools.islice(batches, 1)
                 tuned[client] = self._fit_head(trainer, pl_module, client, starts(client), batches, optimizer)
         federation.set_evaluation_tensors(tuned)
+
+    def _cached_split(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, names: list[str], clients: list[int]
+    ) -> FeatureSplit | None:
+        """The verified split to fine-tune on cached features, or ``None`` (a log line says why, when that
+        changes)."""
+        split, why = self._feature_split(trainer, pl_module, names, clients)
+        decision = (
+            f"FineTunedEvaluation caches each client's features ({split.how}): one feature pass per client."
+            if split is not None
+            else f"FineTunedEvaluation runs full forward passes (no feature cache: {why})."
+        )
+        if decision != self.cache_decision:
+            self.cache_decision = decision
+            rank_zero_info(decision)
+        return split
+
+    def _feature_split(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, names: list[str], clients: list[int]
+    ) -> tuple[FeatureSplit | None, str]:
+        """The split and ``""``, or ``None`` and why the cached computation would not be today's."""
+        from lightning_fedrep.data.module import FederatedDataModule
+
+        datamodule = trainer.datamodule
+        with_data = [c for c in clients if len(datamodule.client_data(c))]
+        if not self.cache_features:
+            return None, "cache_features=False"
+        if not with_data:
+            return None, "no evaluated client has training data"
+        if type(datamodule).client_batches is not FederatedDataModule.client_batches:
+            return None, f"{type(datamodule).__name__} draws its own batches"
+        why = datasets_are_deterministic(datamodule.client_data(c).dataset for c in with_data)
+        if why is not None:
+            return None, why
+        with untouched_random_state():  # a data set's transforms must not shift the run's generators
+            largest = max(with_data, key=lambda c: len(datamodule.client_data(c)))  # batch norm needs > 1
+            probe_size = min(len(datamodule.client_data(largest)), 16)
+            batch = next(iter(datamodule.client_batches(largest, [torch.arange(probe_size)])))
+            inputs, target = self._inputs_and_target(batch)
+        if not isinstance(inputs, Tensor) or not isinstance(target, Tensor):
+            return None, "the batches' inputs and targets are not tensors"
+        probe = trainer.precision_plugin.convert_input(move_data_to_device(inputs, pl_module.device))
+        with untouched_random_state(), trainer.precision_plugin.train_step_context():
+            split = self.strategy(trainer).feature_split(names, probe)
+            if split is None:
+                return None, (
+                    "the module's output is not head(features(x)) with the tuned parameters as the head: declare "
+                    "forward_features/forward_head"
+                )
+            if not self._train_mode_free(trainer, pl_module, split, probe):
+                return None, "the body's output depends on train mode (batch norm or dropout in the body)"
+        return split, ""
+
+    def _train_mode_free(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, split: FeatureSplit, probe: Tensor
+    ) -> bool:
+        """Whether the body's output on ``probe`` is the same in train mode (twice, different random
+        draws) as in eval mode: then no batch statistics and no randomness enter the features."""
+        state = {n: t.detach().clone() for n, t in pl_module.named_buffers()}  # batch norm updates them
+        state.update({n: t.detach() for n, t in pl_module.named_parameters()})
+        with torch.no_grad():
+            pl_module.eval()
+            try:
+                reference = split.features(dict(state), probe)
+            finally:
+                pl_module.train()
+            for seed in (0, 1):
+                torch.manual_seed(seed)
+                if not _same(split.features(dict(state), probe), reference):
+                    return False
+        return True
+
+    def _fit_head_cached(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        client: int,
+        start: dict[str, Tensor],
+        chosen: FineTuningOptimizer,
+        split: FeatureSplit,
+    ) -> dict[str, Tensor]:
+        """:meth:`_fit_head` on the client's features, computed once: the same batches, optimizer and loss."""
+        head = {n: t.detach().clone().requires_grad_(True) for n, t in start.items()}
+        optimizer = chosen.build(head)
+        state = self._client_state(trainer, pl_module, client, head)
+        features, target = self._client_features(trainer, pl_module, client, state, split)
+        steps: Iterator[Tensor] = (b for epoch in self._index_batches(trainer, client) for b in epoch)
+        if trainer.fast_dev_run:  # a smoke run: one step per client
+            steps = itertools.islice(steps, 1)
+        plugin = trainer.precision_plugin
+        for index in steps:
+            index = index.to(features.device)
+            optimizer.zero_grad(set_to_none=True)
+            with plugin.train_step_context():
+                output = split.head(state, features[index])
+                loss = self._loss_fn(output, target[index]).float().mean()
+            loss.backward()
+            optimizer.step()
+        return {n: t.detach() for n, t in head.items()}
+
+    def _client_features(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        client: int,
+        state: dict[str, Tensor],
+        split: FeatureSplit,
+    ) -> tuple[Tensor, Tensor]:
+        """The body's output and the targets of all the client's training samples, in their order."""
+        plugin = trainer.precision_plugin
+        size = len(trainer.datamodule.client_data(client))
+        features, targets = [], []
+        with torch.no_grad():
+            for batch in trainer.datamodule.client_batches(client, torch.arange(size).split(FEATURE_CHUNK)):
+                inputs, target = self._inputs_and_target(batch)
+                inputs = plugin.convert_input(move_data_to_device(inputs, pl_module.device))
+                with plugin.train_step_context():
+                    features.append(split.features(state, inputs))
+                targets.append(move_data_to_device(target, pl_module.device))
+        return torch.cat(features), torch.cat(targets)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Check, before the first round, that a fine-tuning step runs on this module and data (one forward
@@ -353,6 +498,11 @@ class FineTunedEvaluation(FederatedCallback):
     def _client_batches(self, trainer: L.Trainer, client: int) -> Iterator[Any]:
         """``epochs`` shuffled passes over the client's training samples (the data set's transforms and the
         data module's collation apply)."""
+        for batches in self._index_batches(trainer, client):
+            yield from trainer.datamodule.client_batches(client, batches)
+
+    def _index_batches(self, trainer: L.Trainer, client: int) -> Iterator[tuple[Tensor, ...]]:
+        """Per epoch, the client's batches of sample positions (seeded per round and client)."""
         datamodule = trainer.datamodule
         batch_size = self.batch_size or int(datamodule.batch_size)
         generator = torch.Generator().manual_seed(
@@ -360,9 +510,7 @@ class FineTunedEvaluation(FederatedCallback):
         )
         size = len(datamodule.client_data(client))
         for _ in range(self.epochs):
-            yield from datamodule.client_batches(
-                client, torch.randperm(size, generator=generator).split(batch_size)
-            )
+            yield torch.randperm(size, generator=generator).split(batch_size)
 
     def _shared(self, trainer: L.Trainer) -> dict[str, Tensor]:
         return self.federation(trainer).global_view()
@@ -380,16 +528,19 @@ class FineTunedEvaluation(FederatedCallback):
         state.update(head)
         return state
 
-    def _loss(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, state: dict[str, Tensor], batch: Any
-    ) -> Tensor:
+    def _inputs_and_target(self, batch: Any) -> tuple[Any, Any]:
         try:
-            inputs, target = (self.unpack or _inputs_and_target)(batch)
+            return (self.unpack or _inputs_and_target)(batch)
         except (TypeError, ValueError, IndexError, KeyError) as error:
             raise TypeError(
                 f"FineTunedEvaluation could not split a training batch into (inputs, target): {error}. Pass "
                 "FineTunedEvaluation(unpack=lambda batch: (inputs, target))."
             ) from error
+
+    def _loss(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, state: dict[str, Tensor], batch: Any
+    ) -> Tensor:
+        inputs, target = self._inputs_and_target(batch)
         plugin = trainer.precision_plugin
         inputs = plugin.convert_input(move_data_to_device(inputs, pl_module.device))
         target = move_data_to_device(target, pl_module.device)
@@ -471,6 +622,13 @@ def _construct(optimizer_class: type[Optimizer], groups: list[dict[str, Any]]) -
         if p.default is inspect.Parameter.empty and n in groups[0] and n != "params"
     }
     return optimizer_class(groups, **required)
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Equal shapes and values, NaN equal to NaN."""
+    return a.shape == b.shape and bool(
+        torch.equal(a, b) or torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    )
 
 
 def _inputs_and_target(batch: Any) -> tuple[Any, Any]:

@@ -11,7 +11,7 @@ client each batch belongs to.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -355,3 +355,16 @@ class EvalLoader:
 
 MAX_FETCH = 4096
 """Samples fetched at once when a chunk of clients is collected."""
+
+
+def datasets_are_deterministic(datasets: Iterable[Any]) -> str | None:
+    """``None`` if no data set draws random transforms (a ``transform`` whose repr names a ``Random``
+    one), else why not: the rule for computing a frozen body's features once (the engine's head phases,
+    ``FineTunedEvaluation``)."""
+    for dataset in datasets:
+        if isinstance(dataset, TensorDataset):
+            continue
+        transform = getattr(dataset, "transform", None)
+        if transform is not None and "Random" in repr(transform):
+            return f"the training data is augmented at random ({type(dataset).__name__}.transform)"
+    return None

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
-from torch.utils.data import TensorDataset
 
 from lightning_fedrep.algorithms import PART_GROUPS
 from lightning_fedrep.engine import sizing
@@ -41,18 +40,11 @@ FEATURE_CHUNK = 1024
 
 def data_is_deterministic(loader: Any) -> str | None:
     """``None`` if every training batch is a pure function of its sample indices, else why not."""
-    from lightning_fedrep.data.loaders import RoundLoader
+    from lightning_fedrep.data.loaders import RoundLoader, datasets_are_deterministic
 
     if type(loader).client_batches is not RoundLoader.client_batches:
         return f"{type(loader).__name__} draws its own batches"
-    for data in loader.clients:
-        dataset = data.dataset
-        if isinstance(dataset, TensorDataset):
-            continue
-        transform = getattr(dataset, "transform", None)
-        if transform is not None and "Random" in repr(transform):
-            return f"the training data is augmented at random ({type(dataset).__name__}.transform)"
-    return None
+    return datasets_are_deterministic(data.dataset for data in loader.clients)
 
 
 class LockstepEngine:
