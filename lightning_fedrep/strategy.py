@@ -88,10 +88,10 @@ from lightning_fedrep.federation import (
 )
 from lightning_fedrep.hooks import FederatedCallback, LiveStep
 from lightning_fedrep.plan import RankShare, RoundPlan, plan_fingerprint, shard_round
-from lightning_fedrep.random_state import untouched_random_state
 from lightning_fedrep.sharding import IdleStep, RankSchedule, rank_schedule
 from lightning_fedrep.split import HeadSpec, ParameterSplit, resolve_layout
 from lightning_fedrep.trainer_checks import check_optimizers_cover_split, check_trainer_flags
+from lightning_fedrep.untouched import untouched_random_state
 
 
 class FederatedStrategyMixin:
@@ -514,7 +514,7 @@ class FederatedStrategyMixin:
             self._predict_loader = None
             if isinstance(dataloader, EvalLoader):
                 alone = self.federation is not None and self.federation.client_sizes is None  # predict alone
-                if alone and self.predict != "new_client":  # new-client predictions use the global part only
+                if alone and self._predictions_read_clients():
                     self._check_same_federation(
                         self.federation.federation_changes(self._evaluated_clients(dataloader))
                     )
@@ -639,6 +639,11 @@ class FederatedStrategyMixin:
         )
         self.federation.adopt_new_federation()
 
+    def _predictions_read_clients(self) -> bool:
+        """Whether ``trainer.predict`` may read the clients' stored state, so a checkpoint's federation must be
+        this data's: not for new-client predictions, which use the global part only (any clients may)."""
+        return self.predict != "new_client"
+
     def _evaluated_clients(self, loader: EvalLoader) -> dict[str, Any]:
         """The clients a validate/test/predict alone evaluates, as a checkpoint's fingerprint records them:
         the data module's training clients (number, sizes, partition); only their number for data that do
@@ -663,9 +668,7 @@ class FederatedStrategyMixin:
         saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("federation")
         if not saved or not isinstance(datamodule, FederatedDataModule):
             return []
-        if (
-            stage == "predict" and self.predict == "new_client"
-        ):  # the global part only: any clients may use it
+        if stage == "predict" and not self._predictions_read_clients():
             return []
         if stage == "fit":
             loader = datamodule.train_dataloader()

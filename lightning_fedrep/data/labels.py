@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_fedrep.data.loaders import ClientData
+from lightning_fedrep.untouched import untouched_modes
 
 
 def has_string_labels(targets: Any) -> bool:
@@ -76,17 +77,13 @@ def output_width(
     if not isinstance(y, Tensor) or y.is_floating_point() or y.dim() != 1 or len(y) == 0:
         return None
     x = convert_input(x) if convert_input is not None else x
-    modes = {m: m.training for m in module.modules()}
     devices = [device] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices):
+        with untouched_modes(module), torch.random.fork_rng(devices=devices):
             module.eval()
             output = module(x.to(device))
     except Exception:  # a forward that does not take x alone: nothing to compare the labels with
         return None
-    finally:
-        for m, training in modes.items():
-            m.training = training
     if not isinstance(output, Tensor) or output.dim() != 2 or output.shape[0] != len(y):
         return None
     return int(output.shape[1]) if output.is_floating_point() else None

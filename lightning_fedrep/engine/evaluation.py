@@ -24,7 +24,7 @@ from lightning_fedrep.data.loaders import ClientChunk, EvalLoader
 from lightning_fedrep.engine.contract import FeatureSplit, find_feature_split
 from lightning_fedrep.evaluation import ClientMetrics, headline_sums_per_client
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.random_state import untouched_random_state
+from lightning_fedrep.untouched import untouched_random_state
 
 EVALUATION_CHUNK_SAMPLES = 4096
 """Samples per batched evaluation step (consecutive clients, a larger client alone)."""

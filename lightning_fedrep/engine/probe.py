@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fedrep.engine.contract import LossFn, mse_per_sample
+from lightning_fedrep.untouched import untouched_modes
 
 ENGINE_LOG = "train/loss"
 """The one metric the engine logs from its steps (the mean loss of the clients that stepped)."""
@@ -51,18 +52,14 @@ def probe_problem(
 ) -> str | None:
     """Why the engine would not train what ``module.training_step`` trains on ``batches`` (each
     ``(batch, batch_idx, where)``, the batch as the step would get it), or ``None``."""
-    modes = {m: m.training for m in module.modules()}
-    module.train()
-    try:
+    with untouched_modes(module):
+        module.train()
         for batch, batch_idx, where in batches:
             problem = _batch_problem(batch, where) or _step_problem(
                 module, loss_fn, loss_name, batch, batch_idx, where
             )
             if problem is not None:
                 return problem
-    finally:
-        for m, training in modes.items():
-            m.training = training
     return None
 
 

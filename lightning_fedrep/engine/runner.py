@@ -26,7 +26,7 @@ from lightning_fedrep.engine.schedule import LockstepPlan, Segment, lockstep_pla
 from lightning_fedrep.federation import ClientResult, Federation
 from lightning_fedrep.loss_terms import VectorizedLossTerm
 from lightning_fedrep.plan import RoundPlan
-from lightning_fedrep.random_state import untouched_random_state
+from lightning_fedrep.untouched import untouched_random_state
 
 SMOKE_GROUP = 4
 """Clients per group in a smoke run (``fast_dev_run``: one lockstep step is the whole run)."""

@@ -1,4 +1,5 @@
-"""The run's random generators left as they were: for work done before training that must change no run."""
+"""What a probe leaves as it was (the run's random generators, every submodule's train/eval mode): for work
+done before training or evaluation that must change no run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+from torch import nn
 
 
 @contextmanager
@@ -22,3 +24,15 @@ def untouched_random_state() -> Iterator[None]:
     finally:
         np.random.set_state(numpy_state)
         random.setstate(python_state)
+
+
+@contextmanager
+def untouched_modes(module: nn.Module) -> Iterator[None]:
+    """Every submodule's train/eval mode is as it was afterwards (``module.train(flag)`` would also reset a
+    submodule the user keeps in eval mode, such as a frozen batch-norm backbone)."""
+    modes = {m: m.training for m in module.modules()}
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
