@@ -30,7 +30,6 @@ from lightning_fedrep.data.partition import (
     ShardPartitioner,
 )
 from lightning_fedrep.distributed import FederatedDDPStrategy
-from lightning_fedrep.engine.report import EngineReport
 from lightning_fedrep.export import personalized_state_dict
 from lightning_fedrep.federation import (
     ClientFault,
@@ -48,6 +47,7 @@ from lightning_fedrep.participation import (
     TwoClassExponential,
 )
 from lightning_fedrep.plan import ClientWork, RoundPlan, RoundSpec, StepLocation
+from lightning_fedrep.runners.report import EngineReport, RunnerReport
 from lightning_fedrep.split import ParameterSplit, SplitError, resolve_split
 from lightning_fedrep.strategy import CHECKPOINT_KEY, FederatedStrategy, FedRepStrategy
 
@@ -88,6 +88,7 @@ __all__ = [
     "RoundPlan",
     "RoundResult",
     "RoundSpec",
+    "RunnerReport",
     "RunSummary",
     "ShardPartitioner",
     "SplitError",

@@ -6,7 +6,9 @@ The strategy never checks an algorithm's name. It asks the algorithm object:
   FedPer, ``{"head"}`` for LG-FedAvg, both for FedAvg, none for Local Only); everything else stays on
   the client;
 * :meth:`Algorithm.default_phases` — the local work when only the epoch shorthands are given;
-* :meth:`Algorithm.aggregate` — the new global shared state from the round's weighted average;
+* :meth:`Algorithm.aggregator` — what reduces the round's per-client updates (a streaming
+  ``WeightedMean`` by default; ``Stacked`` keeps every client's update, for median or trimmed mean);
+* :meth:`Algorithm.aggregate` — the new global shared state from the round's aggregator;
 * :meth:`Algorithm.loss_term` — an extra term added to every local training loss (e.g. FedProx's
   proximal term);
 * :meth:`Algorithm.state_dict` — server state the algorithm keeps across rounds (saved in checkpoints).
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from lightning_fedrep.server import WeightedAverage
+    from lightning_fedrep.federation.aggregation import Aggregator, WeightedAverage
 
 Part = Literal["head", "body", "all"]
 """What trains in a local phase: the head, the body, or both."""
@@ -118,11 +120,26 @@ class Algorithm:
         """Local phases when the user gives only the epoch shorthands (called at construction)."""
         return (Phase("all", epochs=local_epochs),)
 
-    def aggregate(self, global_state: list[Tensor], average: WeightedAverage) -> list[Tensor]:
-        """The new global shared state at the end of a round (called once per aggregating round).
+    def aggregator(self, like: Mapping[str, Tensor]) -> Aggregator:
+        """A new aggregator for an aggregating round (called when the round opens, and when a mid-round
+        checkpoint is resumed). ``like`` maps the shared tensor names to the round's starting global values.
 
-        ``global_state`` is the state the round started from, ``average`` the running weighted sum
-        of the participants' shared tensors. The default is the weighted mean (FedAvg's server step).
+        The default is the streaming ``WeightedMean`` (float64 weighted sums). Return
+        ``Stacked(like)`` to receive every client's update in :meth:`aggregate` (``average.updates``,
+        ``average.stacked()``): coordinate-wise median, trimmed mean, FedNova, as user code.
+        """
+        from lightning_fedrep.federation.aggregation import WeightedMean
+
+        return WeightedMean(like)
+
+    def aggregate(self, global_state: list[Tensor], average: WeightedAverage | Aggregator) -> list[Tensor]:
+        """The new global shared state at the end of a round (called once per aggregating round in which a
+        client survived).
+
+        ``global_state`` is the state the round started from (in ``average.names`` order), ``average`` the
+        round's :meth:`aggregator` after every client: with the default ``WeightedMean``, the running
+        weighted sum of the participants' shared tensors. ``average.failures`` lists the clients left out
+        (``ClientFault``). The default is the weighted mean (FedAvg's server step).
         """
         return average.mean(global_state)
 

@@ -20,11 +20,12 @@ CHECKPOINT_KEY = "lightning_fedrep"
 
 
 class RunnerState(Protocol):
-    """What a checkpoint keeps of the runner of a round's local work (the lockstep engine)."""
+    """What a checkpoint keeps of the runner of a round's local work (``settings()`` is ``None`` for a
+    runner that keeps nothing: the sequential one)."""
 
-    def settings(self) -> dict[str, Any]: ...
+    def settings(self) -> dict[str, Any] | None: ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any] | None: ...
 
 
 class OptimizerState(Protocol):
@@ -44,8 +45,9 @@ def federated_entry(
     """The federated entry of a checkpoint written now (a collective on several processes, unless
     ``interrupted``: the other processes may be gone, so it records the writing rank alone)."""
     state = federation.state_dict()
-    if runner is not None:
-        state["engine"] = runner.settings()
+    settings = runner.settings() if runner is not None else None
+    if settings is not None:  # the lockstep runner's (the sequential runner keeps nothing)
+        state["engine"] = settings
         if federation.round_open:
             state["round"]["engine"] = runner.state_dict()
     if federation.round_open and round_start_loops is not None:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedrep.checkpoints import check_version, read_checkpoint
-from lightning_fedrep.clients import ClientStore
+from lightning_fedrep.federation.store import ClientStore
 from lightning_fedrep.strategy import CHECKPOINT_KEY
 
 

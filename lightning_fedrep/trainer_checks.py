@@ -1,50 +1,7 @@
-"""Refuse Trainer settings and optimizers that would silently break rounds (checked at ``setup``)."""
+"""Moved to :mod:`lightning_fedrep.lightning.checks`; this old import path is the same module (kept for existing code)."""
 
-from __future__ import annotations
+import sys
 
-from collections.abc import Sequence
+from lightning_fedrep.lightning import checks as _moved
 
-import lightning as L
-import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
-
-from lightning_fedrep.lightning_internals import reload_data_every_round
-from lightning_fedrep.split import ParameterSplit
-
-
-def check_trainer_flags(trainer: L.Trainer) -> None:
-    """Refuse settings that would cut or merge rounds; make Lightning re-read each round's length."""
-    if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
-        raise ValueError(
-            "GradientAccumulationScheduler would accumulate gradients across different clients' batches. "
-            "Remove it and use a larger batch_size in the data module instead."
-        )
-    if trainer.accumulate_grad_batches != 1:
-        raise ValueError(
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches} would accumulate gradients across "
-            "different clients' batches. Use a larger batch_size in the data module instead."
-        )
-    if trainer.overfit_batches:
-        raise ValueError("overfit_batches is not supported: rounds are planned per client, not per batch.")
-    limit = trainer.limit_train_batches
-    if not trainer.fast_dev_run and (isinstance(limit, int) or limit != 1.0):
-        raise ValueError(
-            f"limit_train_batches={trainer.limit_train_batches} would cut every round short, so later "
-            "clients of the round would never train. Use clients_per_round or fewer local epochs/steps "
-            "for shorter rounds (fast_dev_run=True is allowed for smoke tests)."
-        )
-    reload_data_every_round(trainer)
-
-
-def check_optimizers_cover_split(
-    optimizers: Sequence[torch.optim.Optimizer], module: torch.nn.Module, split: ParameterSplit
-) -> None:
-    """Every head and body parameter must be in an optimizer, or it would never train."""
-    in_optimizer = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
-    named = dict(module.named_parameters())
-    missing = [n for n in split.head + split.body if id(named[n]) not in in_optimizer]
-    if missing:
-        raise ValueError(
-            f"Parameters {missing} are in no optimizer returned by configure_optimizers, so they would never "
-            "train. Pass self.parameters() to the optimizer (the strategy freezes what each phase must not train)."
-        )
+sys.modules[__name__] = _moved

@@ -57,6 +57,10 @@ class Table1Column:
     headline: str = "val/acc"  # the logged metric the paper's number is (before _last10, finetune/)
     note: str = ""  # what else a reader must know (data, model quirks)
     ft_mode: str = "full"  # FedAvg + FT: what the official code's last round fine-tunes (HeadFineTuning mode)
+    ft_note: str = ""  # replaces FT_NOTE[ft_mode] where the official code's rule differs by data set
+    batch_size: int = 10  # the official local_bs
+    name: str = ""  # the column's label in headers and recipes/README.md (default: "<FOLDER> (n=.., S=..)")
+    local_note: str = ""  # what the official main_local.py does differently for this column
 
 
 TABLE1 = {
@@ -181,6 +185,51 @@ TABLE1 = {
             "lg_fedavg": 62.08,
             "fedper": 76.91,
             "fedrep": 78.56,
+        },
+    ),
+    "sent140_183_2": Table1Column(
+        folder="sent140",
+        name="Sent140 (n=183 clients, 2 classes)",
+        data_class="lightning_fedrep.data.sent140.Sent140DataModule",
+        data_args={
+            "train_dir": "data/sent140/train",
+            "test_dir": "data/sent140/test",
+            "glove_path": "data/glove.6B.300d.txt",
+            "max_clients": 183,
+            "user_order": "file",
+            "eval_batch_size": 4,
+        },
+        model_class="lightning_fedrep.models.Sent140RNN",
+        model_args={"glove_path": "data/glove.6B.300d.txt", "layout": "official"},
+        lg_shared=("rnn.weight_ih_l0", "decoder"),
+        rounds=50,
+        body_epochs=5,
+        batch_size=4,
+        fedavg_script=("the official scripts/FedAvg_sent140.sh", 10),
+        headline="val/acc_weighted",
+        ft_mode="head",
+        ft_note="Fine-tuning: only the head (HeadFineTuning mode: head), as the official Sent140 branch of the last round\n"
+        "(rnn and fc frozen, the decoder trained for 10 epochs) and the paper's text.",
+        local_note="Sent140: main_local.py's Sent140 branch calls LocalUpdate.train --epochs times instead (local_ep epochs\n"
+        "each, a fresh SGD with weight decay 1e-4 per call; no script sets them); this recipe keeps the other columns' reading.",
+        note=(
+            "Data: LEAF's Sent140 (preprocess.sh -s niid --sf 0.3 -k 50 -tf 0.8 -t sample), the first 183 users in file\n"
+            "order (user_order: file, --num_users 183), tweets as 25 GloVe word ids (the official tokenisation); batch 4.\n"
+            "Word vectors: glove_path (model and data: the same file) is GloVe's glove.6B.300d.txt or LEAF's embs.json;\n"
+            "nothing is downloaded.\n"
+            "Model: layout: official keeps the official emb.view(300, 4, 25) (sic: LSTM input 25 over 300 steps, each row\n"
+            "mixing the batch's 4 tweets), so evaluation runs in batches of 4 (eval_batch_size: 4) as the official test\n"
+            "loop; layout: tokens reads one word per step. The LSTM state starts at zero every batch (the official code\n"
+            "carries it across a client's batches) and a client's last incomplete batch is kept (the official drops it).\n"
+            "The official Sent140 accuracy is weighted by test samples: val/acc_weighted."
+        ),
+        paper={
+            "local": 69.88,
+            "fedavg": 52.75,
+            "fedavg_ft": 71.92,
+            "lg_fedavg": 70.37,
+            "fedper": 72.12,
+            "fedrep": 72.41,
         },
     ),
 }
@@ -351,7 +400,7 @@ def table1_recipe(column: str, method: str) -> tuple[str, str]:
         },
         "data": {
             "class_path": setting.data_class,
-            "init_args": {**setting.data_args, "batch_size": 10, "seed": 0},
+            "init_args": {**setting.data_args, "batch_size": setting.batch_size, "seed": 0},
         },
     }
     cifar = setting.data_class.endswith(("CIFAR10DataModule", "CIFAR100DataModule"))
@@ -364,13 +413,15 @@ def table1_recipe(column: str, method: str) -> tuple[str, str]:
     protocol = [
         ASSIGNMENT_NOTE if cifar else "",
         FIRST_STATE_NOTE if "first_state" in strategy else "",
-        FT_NOTE[setting.ft_mode] if spec.callbacks else "",
+        (setting.ft_note or FT_NOTE[setting.ft_mode]) if spec.callbacks else "",
+        setting.local_note if spec.algorithm == "local" else "",
         "main_local.py scores the unweighted mean (val/acc), unlike this column's other recipes."
         if spec.official_local and setting.headline != "val/acc"
         else "",
     ]
+    label = setting.name or f"{setting.folder.upper()} (n={n} clients, S={s} classes per client)"
     header = (
-        f"FedRep paper Table 1, {setting.folder.upper()} (n={n} clients, S={s} classes per client), r=0.1, T={setting.rounds} rounds.\n"
+        f"FedRep paper Table 1, {label}, r=0.1, T={setting.rounds} rounds.\n"
         + spec.description.format(
             body=local_epochs,
             lg="+".join(setting.lg_shared),
@@ -386,7 +437,7 @@ def table1_recipe(column: str, method: str) -> tuple[str, str]:
         + f"\nRun: lightning-fedrep fit --config recipes/{path}"
     )
     FACTS[path] = (
-        f"FedRep Table 1, {setting.folder.upper()} ({n}, {s}): {method}",
+        f"FedRep Table 1, {setting.name.split(' (')[0] or setting.folder.upper()} ({n}, {s}): {method}",
         headline_figure(spec, headline),
         f"{paper['local' if method == 'local_paper' else method]:.2f}%",
     )
@@ -744,9 +795,10 @@ Every recipe is a LightningCLI config: `lightning-fedrep fit --config recipes/<p
 what it reproduces, which logged figure is the paper's number and where the recipe follows the official code
 rather than the paper's text. This table is written by `recipes/generate.py` from the same tables as the
 headers (`python recipes/generate.py --check` is run by the tests). The paper recipes need the data sets
-(CIFAR downloads with `--data.download true`; FEMNIST from LEAF, see the main README) and a GPU to finish in
-hours; only the digits and synthetic recipes were run to the end here (see the main README for their measured
-results and costs); every recipe is smoke-run by the test suite on generated files in the real formats.
+(CIFAR downloads with `--data.download true`; FEMNIST and Sent140 from LEAF, Sent140's GloVe vectors from
+Stanford, see the main README) and a GPU to finish in hours; only the digits and synthetic recipes were run
+to the end here (see the main README for their measured results and costs); every recipe is smoke-run by the
+test suite on generated files in the real formats.
 
 The last column is how many seeds (independent repeats, each with a new partition) the paper's number
 averages. Run a recipe over seeds with `lightning-fedrep fit --config recipes/<path> --seeds 1,2,3` and read
@@ -761,7 +813,9 @@ header's `Seeds table:` line tells `table` the figure to read and the paper's nu
 def paper_seeds(path: str) -> str:
     """How many seeds the paper behind recipe ``path`` averaged (shared/reference/fedrep.md §5,
     flute.md §6, srpfl.md §2)."""
-    if path.startswith(("cifar10/", "cifar100/", "femnist/")):
+    if path == "sent140/183_2_fedrep.yaml":
+        return "2 (the official FedRep_sent140.sh: `for RUN in 1 2`; the paper does not say)"
+    if path.startswith(("cifar10/", "cifar100/", "femnist/", "sent140/")):
         return "5 (the official scripts' `for RUN in 1 2 3 4 5`; the paper does not say)"
     if path.startswith("flute/"):
         return "not stated (the paper gives mean ± std)"

@@ -44,11 +44,15 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     TwoClassExponential,
     ValidateAtRounds,
 )
+from lightning_fedrep.algorithms import FedRep
 from lightning_fedrep.app.seeds import parse_seeds, split_seeds  # noqa: F401
 from lightning_fedrep.checkpoints import CheckpointError
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: F401
 from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: F401
+from lightning_fedrep.data.sent140 import Sent140DataModule  # noqa: F401
 from lightning_fedrep.data.vision import EMNISTDataModule  # noqa: F401
+from lightning_fedrep.federation import Stacked
+from lightning_fedrep.models.sent140 import Sent140RNN  # noqa: F401
 from lightning_fedrep.split import SplitError
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule, tiny_datasets
 
@@ -185,6 +189,24 @@ class TwoOptimizerNet(TinyNet):
             torch.optim.SGD([*self.body.parameters(), self.classifier.weight], lr=0.05),
             torch.optim.Adam([self.classifier.bias], lr=0.01),
         ]
+
+
+class StackedFedRep(FedRep):
+    """FedRep keeping every client's body (``Stacked``) within ``max_bytes``: the tiny body is 752 bytes."""
+
+    def __init__(self, max_bytes: int = 2**30) -> None:
+        super().__init__()
+        self.max_bytes = max_bytes
+
+    def aggregator(self, like: Any) -> Stacked:
+        return Stacked(like, max_bytes=self.max_bytes)
+
+
+class DictAggregatorFedRep(FedRep):
+    """Its ``aggregator`` returns a plain dict, not an ``Aggregator``."""
+
+    def aggregator(self, like: Any) -> Any:
+        return {}
 
 
 def shifted(dataset: TensorDataset, by: int) -> TensorDataset:
@@ -360,6 +382,15 @@ CASES = [
     Refused('EMNISTDataModule(split="letters", first_classes=27)', ValueError, "first_classes"),
     Refused("EMNISTDataModule(partitioner=ShardPartitioner(4, 2), test_draws=50)", ValueError, "test_draws"),
     Refused("ShardPartitioner(4, 2, test_draws=0)", ValueError, "test_draws"),
+    Refused(
+        'Sent140DataModule("sent140/train", "sent140/test", glove_path="missing/glove.6B.300d.txt")',
+        FileNotFoundError,
+        "glove_path",
+    ),
+    Refused('Sent140RNN(glove_path="tests/data/empty_word_vectors.txt")', ValueError, "glove_path"),
+    Refused(
+        'Sent140RNN(glove_path="tests/data/empty_word_vectors.txt", layout="rows")', ValueError, "layout"
+    ),
     Refused("ValidateAtRounds()", ValueError, "every"),
     Refused("ValidateAtRounds(every=0)", ValueError, "every"),
     Refused(
@@ -372,6 +403,9 @@ CASES = [
     Refused('RunSummary(print_table="no")', TypeError, "print_table"),
     Refused('parse_seeds("1,x")', ValueError, "--seeds"),
     Refused('split_seeds(["test", "--seeds", "1,2"])', ValueError, "--seeds"),
+    # aggregation (an algorithm's aggregator, checked when a round opens, before its first step)
+    Refused(S + "algorithm=StackedFedRep(max_bytes=500)))", ValueError, "max_bytes", "set-up"),
+    Refused(S + "algorithm=DictAggregatorFedRep()))", TypeError, "aggregator()", "set-up"),
 ]
 
 

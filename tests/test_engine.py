@@ -26,6 +26,7 @@ from torch.utils.data import TensorDataset
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, Phase
 from lightning_fedrep.algorithms import epoch_settings
 from lightning_fedrep.engine import module_reasons, trainer_reasons
+from lightning_fedrep.lightning.constraints import constraints_of
 from tests.fixtures import quiet_trainer
 
 EQUAL = (24,) * 6
@@ -207,7 +208,7 @@ def test_vectorized_equals_sequential(algorithm, optimizer, state, sizes, model)
     sequential, seq_trainer = fit("sequential", **kwargs)
     vectorized, vec_trainer = fit("vectorized", **kwargs)
 
-    engine = vectorized._engine
+    engine = vectorized.lockstep_engine
     assert sequential.engine_report.engine == "sequential" and engine is not None
     assert vec_trainer.global_step < seq_trainer.global_step  # the clients really ran in lockstep
     if algorithm == "fedrep":  # a head phase: on cached features, through the expected split
@@ -377,8 +378,11 @@ def test_auto_falls_back_naming_the_reason_and_vectorized_refuses(
     lines = [r.getMessage() for r in caplog.records if "lightning_fedrep:" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: sequential engine (")
     assert reason in lines[0]
-    found = module_reasons(strategy.lightning_module, strategy.federation.layout) + trainer_reasons(
-        trainer, trainer.optimizers, trainer.lr_scheduler_configs
+    facts = constraints_of(
+        trainer, strategy.lightning_module, trainer.optimizers, trainer.lr_scheduler_configs
+    )
+    found = module_reasons(strategy.lightning_module, strategy.federation.layout, facts) + trainer_reasons(
+        facts
     )
     assert any(reason in r for r in found), found
 
@@ -394,7 +398,11 @@ def test_auto_runs_the_engine_where_exact_and_says_so(caplog):
     lines = [r.getMessage() for r in caplog.records if "lightning_fedrep:" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: vectorized engine (")
     assert "head phases on cached features" in lines[0]
-    assert module_reasons(strategy.lightning_module, strategy.federation.layout) == []
+    module = strategy.lightning_module
+    facts = constraints_of(
+        module.trainer, module, module.trainer.optimizers, module.trainer.lr_scheduler_configs
+    )
+    assert module_reasons(module, strategy.federation.layout, facts) == []
 
 
 @pytest.mark.parametrize(
@@ -424,7 +432,7 @@ def test_groups_of_two_over_five_clients_equal_sequential(optimizer):
     kwargs = dict(model=lambda: Net(optimizer=optimizer), clients_per_round=5, client_optimizer_state="keep")
     sequential, _ = fit("sequential", **kwargs)
     chunked, _ = fit("vectorized", engine_width=2, **kwargs)
-    engine = chunked._engine
+    engine = chunked.lockstep_engine
     assert engine.group_width == 2
     for r in range(3):
         segments = engine.schedule(chunked.round_plan(r)).segments
@@ -440,7 +448,7 @@ def test_groups_of_two_over_five_clients_equal_sequential(optimizer):
 def test_global_step_counts_lockstep_steps():
     sequential, seq_trainer = fit("sequential")
     vectorized, vec_trainer = fit("vectorized")
-    engine = vectorized._engine
+    engine = vectorized.lockstep_engine
     assert vec_trainer.global_step == sum(engine.schedule(vectorized.round_plan(r)).length for r in range(3))
     assert seq_trainer.global_step == sum(sequential.round_plan(r).length for r in range(3))
     # one lockstep step advances every client: a round lasts as long as its longest client's phases

@@ -74,7 +74,7 @@ def test_penalties_on_the_engine_equal_the_sequential_path(phases, server_step):
 
     sequential = fit("sequential", phases, callback())
     vectorized = fit("vectorized", phases, callback())
-    engine = vectorized._engine
+    engine = vectorized.lockstep_engine
     assert engine is not None and len(engine.loss_terms) == 1 and engine.needs_features
     assert engine.split is not None and engine.caching
     assert_same(sequential, vectorized)
@@ -121,7 +121,7 @@ def test_feature_penalty_on_another_module_keeps_the_run_sequential(caplog):
         return NeuralCollapse(nu=0.01, features_module="body", log_metrics=False)
 
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        assert fit("auto", callback=callback(), rounds=1)._engine is None
+        assert fit("auto", callback=callback(), rounds=1).lockstep_engine is None
     assert "takes the input of 'body' as its features, which is not the head's input" in caplog.text
     with pytest.raises(ValueError, match="takes the input of 'body' as its features"):
         fit("vectorized", callback=callback(), rounds=1)
@@ -148,7 +148,7 @@ def test_feature_penalty_before_the_heads_dropout_runs_on_the_engine():
 
     sequential = fit("sequential", FLUTE_STAR, callback(), model_cls=DroppedNet)
     vectorized = fit("vectorized", FLUTE_STAR, callback(), model_cls=DroppedNet)
-    assert vectorized._engine.loss_terms[0].features_of == "drop"
+    assert vectorized.lockstep_engine.loss_terms[0].features_of == "drop"
     assert_same(sequential, vectorized)
 
 
@@ -174,7 +174,7 @@ def test_penalties_without_the_feature_term_need_no_feature_split():
 
     sequential = fit("sequential", FLUTE, callback(), model_cls=ScaledOutput)
     vectorized = fit("vectorized", FLUTE, callback(), model_cls=ScaledOutput)
-    engine = vectorized._engine
+    engine = vectorized.lockstep_engine
     assert engine.split is None and not engine.needs_features and engine.loss_terms
     assert_same(sequential, vectorized)
 
@@ -206,7 +206,7 @@ class ClientScaled(FederatedCallback):
 def test_a_plain_callable_term_gets_the_client_id_and_the_phase():
     sequential = fit("sequential", FLUTE_STAR, ClientScaled())
     vectorized = fit("vectorized", FLUTE_STAR, ClientScaled())
-    engine = vectorized._engine
+    engine = vectorized.lockstep_engine
     assert isinstance(engine.loss_terms[0], VectorizedLossTerm) and engine.loss_terms[0].needs_features
     assert_same(sequential, vectorized)
     plain = fit("vectorized", FLUTE_STAR, NeuralCollapse(lam=0, mu=0, nu=0, log_metrics=False))
@@ -243,7 +243,7 @@ def test_feature_penalty_without_a_feature_cache_uses_the_split_in_every_step():
 
     sequential = fit("sequential", data=data())
     vectorized = fit("vectorized", data=data())
-    engine = vectorized._engine
+    engine = vectorized.lockstep_engine
     assert engine.split is not None and not engine.caching
     assert_same(sequential, vectorized)
 

@@ -129,8 +129,8 @@ def test_declared_feature_split_chunked_groups_and_epoch_scheduler_equal_sequent
     kwargs = dict(model_cls=DeclaredNet, data="unequal", scheduler=True, per_round=5)
     sequential, _ = fit("sequential", **kwargs)
     chunked, _ = fit("vectorized", engine_width=2, **kwargs)
-    assert chunked._engine.split.how == "forward_features/forward_head"
-    assert chunked._engine.group_width == 2
+    assert chunked.runner_settings["split"] == "forward_features/forward_head"
+    assert chunked.runner_settings["group_width"] == 2
     assert_same(sequential, chunked)
 
 
@@ -138,7 +138,7 @@ def test_body_lanes_one_client_at_a_time_equal_sequential(monkeypatch):
     monkeypatch.setattr(sizing, "faster_lane_width", lambda *a, **k: (False, 2.0, 1.0))
     sequential, _ = fit("sequential", data="unequal", client_optimizer_state="keep")
     lanes, _ = fit("auto", data="unequal", client_optimizer_state="keep")
-    assert lanes._engine.lane_width == 1
+    assert lanes.runner_settings["lane_width"] == 1
     assert_same(sequential, lanes)
 
 
@@ -247,7 +247,7 @@ def test_validation_and_early_stopping_run_each_round():
     the round that the validation history implies by Lightning's rule, restated (round 3 of 10 here,
     measured: val/loss 1.249, 1.110, 0.980, 0.893). Catches the summary logged under the metric's name
     being another value than the round's own (``f"{key}_last10": means[key]`` changed to
-    ``key: means[key]`` in ``FederatedStrategy._log_evaluation``: the running mean stops at round 1)."""
+    ``key: means[key]`` in ``evaluation_records.pass_values``: the running mean stops at round 1)."""
     stopping = EarlyStopping(monitor="val/loss", mode="min", min_delta=0.1, patience=1)
     strategy, trainer = fit(
         "vectorized", rounds=10, trainer=dict(callbacks=[stopping], limit_val_batches=None)

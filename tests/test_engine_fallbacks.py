@@ -158,7 +158,7 @@ def test_label_smoothing_in_training_step_falls_back_and_trains_what_the_step_tr
     cross-entropy, a different model)."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         auto, trainer = fit("auto", model=SmoothingNet)
-    assert auto._engine is None
+    assert auto.runner_report.runner == "sequential"
     assert trainer.global_step == sum(auto.round_plan(r).length for r in range(2))  # one client step each
     (line,) = engine_lines(caplog)
     assert line.startswith("lightning_fedrep: sequential engine (training_step's loss ")
@@ -192,7 +192,7 @@ def test_training_step_logs_fall_back_and_reach_the_logger(caplog):
     ``train/loss``, as the engine does, keeps the engine."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, trainer = fit("auto", model=LoggingNet)
-    assert strategy._engine is None
+    assert strategy.runner_report.runner == "sequential"
     (line,) = engine_lines(caplog)
     assert "training_step logs 'train_acc', which the engine would not log" in line
     assert "train_acc" in trainer.callback_metrics
@@ -200,7 +200,7 @@ def test_training_step_logs_fall_back_and_reach_the_logger(caplog):
         fit("vectorized", model=LoggingNet)
 
     kept, trainer = fit("auto", model=EngineLogNet)
-    assert kept._engine is not None and "train/loss" in trainer.callback_metrics
+    assert kept.runner_report.runner == "lockstep" and "train/loss" in trainer.callback_metrics
 
 
 def test_mse_declared_on_integer_labels_falls_back_naming_the_shapes(caplog):
@@ -208,7 +208,7 @@ def test_mse_declared_on_integer_labels_falls_back_naming_the_shapes(caplog):
     shape check in ``_declared_losses`` is removed: the reason is then only the loss values)."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, _ = fit("auto", model=MSEOnLabelsNet, rounds=1)
-    assert strategy._engine is None
+    assert strategy.runner_report.runner == "sequential"
     (line,) = engine_lines(caplog)
     assert "fedrep_loss='mse' compares outputs of shape (8, 4) with targets of shape (8,)" in line
     with pytest.raises(ValueError, match="compares outputs of shape"):
@@ -228,7 +228,7 @@ def test_the_probe_compares_on_a_later_batch_too(caplog):
     first batch: the engine then trains without the term)."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, _ = fit("auto", model=LaterTermNet, rounds=1)
-    assert strategy._engine is None
+    assert strategy.runner_report.runner == "sequential"
     (line,) = engine_lines(caplog)
     assert "differs from the declared fedrep_loss='cross_entropy'" in line
     assert f"(client {len(SIZES) - 1}'s second batch)" in line
@@ -246,7 +246,7 @@ def test_a_random_forward_falls_back(caplog):
     skips its second-seed forward: vmap then raises on randomness)."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, _ = fit("auto", model=FunctionalDropoutNet, rounds=1)
-    assert strategy._engine is None
+    assert strategy.runner_report.runner == "sequential"
     (line,) = engine_lines(caplog)
     assert "the module's forward is random" in line
 
@@ -259,7 +259,7 @@ def test_forward_returning_a_tuple_falls_back(caplog):
     (fails when ``_step_problem`` and ``find_feature_split`` stop checking for a tensor output)."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, _ = fit("auto", model=TupleNet, rounds=1)
-    assert strategy._engine is None
+    assert strategy.runner_report.runner == "sequential"
     (line,) = engine_lines(caplog)
     assert "the module's forward returns a tuple, not a tensor" in line
     with pytest.raises(ValueError, match="forward returns a tuple"):
@@ -277,7 +277,7 @@ def test_dict_batches_fall_back(caplog):
 
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, _ = fit("auto", model=DictBatchNet, rounds=1, data=data(), headline_metrics=False)
-    assert strategy._engine is None
+    assert strategy.runner_report.runner == "sequential"
     (line,) = engine_lines(caplog)
     assert "the training batches are a dict with keys ['x', 'y'], not (inputs, targets) tensors" in line
     with pytest.raises(ValueError, match="not \\(inputs, targets\\) tensors"):
@@ -300,7 +300,7 @@ def test_float64_precision_runs_on_the_engine_and_equals_sequential():
     options = dict(model=HeadlineNet, trainer={"precision": "64-true", "limit_val_batches": None})
     sequential, seq_trainer = fit("sequential", **options)
     vectorized, vec_trainer = fit("vectorized", **options)
-    assert vectorized._engine is not None and vectorized._engine.caching
+    assert vectorized.runner_report.runner == "lockstep" and vectorized.lockstep_engine.caching
     assert vectorized._batched_evaluation is not None
     assert vectorized.global_tensors()["body.0.weight"].dtype == torch.float64
     assert_same(sequential, vectorized)
@@ -425,7 +425,9 @@ def test_the_probe_draws_nothing_from_the_runs_random_generators(model):
         return fit(engine, model=model, data=data)[0]
 
     sequential, auto = run("sequential"), run("auto")
-    assert auto._engine is None  # the step's loss is not plain cross-entropy: auto runs sequentially
+    assert (
+        auto.runner_report.runner == "sequential"
+    )  # the step's loss is not plain cross-entropy: auto runs sequentially
     assert_same(sequential, auto, exact=True)
 
 
@@ -477,12 +479,12 @@ class TwoRanks(Collective):
 
 def fit_with_rank1(monkeypatch, rank1, **kwargs):
     """``fit`` where the engine's start gathers from a simulated rank 1 (the rest of the fit is one process)."""
-    from lightning_fedrep import strategy as strategy_module
+    from lightning_fedrep.runners import selection
 
     def start(*args, **options):
         return start_engine(*args, **{**options, "collective": TwoRanks(rank1)})
 
-    monkeypatch.setattr(strategy_module, "start_engine", start)
+    monkeypatch.setattr(selection, "start_engine", start)
     return fit(**kwargs)
 
 
@@ -500,7 +502,7 @@ def test_every_rank_falls_back_when_another_rank_finds_a_problem(monkeypatch, ca
 
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         auto, _ = fit_with_rank1(monkeypatch, rank1, engine="auto", rounds=1)
-    assert auto._engine is None
+    assert auto.runner_report.runner == "sequential"
     (line,) = engine_lines(caplog)
     assert line == f"lightning_fedrep: sequential engine ({RANDOM})."
     sequential, _ = fit("sequential", rounds=1)
@@ -522,6 +524,6 @@ def test_features_are_cached_only_where_every_rank_can(monkeypatch, caplog):
 
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, _ = fit_with_rank1(monkeypatch, rank1, engine="vectorized", rounds=1)
-    assert strategy._engine is not None and not strategy._engine.caching
+    assert strategy.runner_report.runner == "lockstep" and not strategy.runner_settings["caching"]
     (line,) = engine_lines(caplog)
     assert f"no feature cache: rank 1 cannot: {why}" in line

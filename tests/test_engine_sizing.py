@@ -35,7 +35,7 @@ def test_body_phase_one_client_at_a_time_equals_sequential(sequential, monkeypat
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto")
     assert "the other phases one client at a time" in caplog.text
-    assert strategy._engine is not None and strategy._engine.lane_width == 1
+    assert strategy.runner_report.runner == "lockstep" and strategy.lockstep_engine.lane_width == 1
     assert_same_federation(sequential, strategy)
 
 
@@ -44,7 +44,7 @@ def test_body_phase_in_lockstep_equals_sequential(sequential, monkeypatch, caplo
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto")
     assert "the other phases in lockstep" in caplog.text
-    assert strategy._engine.lane_width is None
+    assert strategy.runner_settings["lane_width"] is None
     assert_same_federation(sequential, strategy)
 
 
@@ -60,14 +60,14 @@ def test_auto_runs_sequentially_where_the_engine_gains_nothing(monkeypatch, capl
 def test_memory_budget_chunks_the_round_into_groups(sequential, caplog):
     unbounded = fit("vectorized", rounds=1)
     params = sum(p.numel() * p.element_size() for p in LossNet().parameters())
-    per_client = unbounded._engine.client_bytes
+    per_client = unbounded.runner_settings["client_bytes"]
     assert per_client > params * (2 + sizing.OPTIMIZER_SLOTS)  # tensors, state, activations, features
-    assert unbounded._engine.group_width > 5
+    assert unbounded.runner_settings["group_width"] > 5
     budget = 2 * per_client + 1
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("vectorized", engine_memory=budget)
     assert "groups of up to 2 clients" in caplog.text
-    assert strategy._engine.group_width == 2
+    assert strategy.runner_settings["group_width"] == 2
     assert_same_federation(sequential, strategy)
 
 
@@ -136,7 +136,7 @@ def test_resumed_run_keeps_the_measured_widths(tmp_path, monkeypatch):
     resumed = FederatedStrategy(**kwargs)
     trainer = quiet_trainer(strategy=resumed, max_epochs=2, limit_val_batches=0)
     trainer.fit(LossNet(), datamodule=tiny_datamodule(num_clients=8, seed=3), ckpt_path=saved)
-    assert resumed._engine.lane_width == 1
+    assert resumed.runner_settings["lane_width"] == 1
     for name, value in first.global_tensors().items():
         assert torch.equal(resumed.global_tensors()[name], value)
 

@@ -25,6 +25,9 @@ import lightning_fedrep
 PACKAGE = "lightning_fedrep"
 ROOT = Path(lightning_fedrep.__file__).parent
 LIGHTNING = ("lightning", "pytorch_lightning")
+LIGHTNING_MARKER = "<lightning>"
+"""How the checker names the Lightning distribution: never a dotted name inside the package, so it cannot
+be confused with the package's own ``lightning/`` folder (design section 6.7)."""
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "core": (
@@ -37,6 +40,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "evaluation",
         "evaluation_records",
         "federation",
+        "federation.*",  # state, round, live, ranks, store, aggregation (issue 25 step 4)
         "history",
         "loss_terms",
         "losses",
@@ -45,9 +49,11 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "sharding",
         "split",
     ),
-    "runners": ("engine", "engine.*"),
+    "runners": ("engine", "engine.*", "runners", "runners.*"),
     "lightning face": (
-        "strategy",
+        "lightning",  # our lightning_fedrep/lightning/ folder (the distribution is LIGHTNING_MARKER)
+        "lightning.*",
+        "strategy",  # the shims below: old import paths of moved modules
         "distributed",
         "hooks",
         "trainer_checks",
@@ -77,6 +83,7 @@ RULES: tuple[Rule, ...] = (
     Rule("core", "app", "the command and reports sit on top of everything"),
     Rule("core", "lightning", "the federation core runs without Lightning"),
     Rule("runners", "lightning face", "runners use the core's types (loss_terms, not hooks)"),
+    Rule("runners", "lightning", "runners read the Trainer through Constraints, built by the face"),
     Rule("runners", "callbacks", "runners see callbacks only through duck-typed hooks"),
     Rule("runners", "app", "the command and reports sit on top of everything"),
     Rule("lightning face", "app", "the command and reports sit on top of everything"),
@@ -132,7 +139,7 @@ def _internal(name: str) -> str | None:
 
 def imports_of_source(module: str, source: str, path: Path) -> set[str]:
     """What ``source`` (the text of ``module``) imports: package modules by relative dotted name, and
-    ``"lightning"`` for any Lightning package. Every import statement counts (see the module docstring)."""
+    ``"<lightning>"`` for any Lightning package. Every import statement counts (see the module docstring)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -144,7 +151,7 @@ def imports_of_source(module: str, source: str, path: Path) -> set[str]:
             continue
         for name in names:
             if name.split(".")[0] in LIGHTNING:
-                found.add("lightning")
+                found.add(LIGHTNING_MARKER)
             elif (inner := _internal(name)) is not None and inner != module:
                 found.add(inner)
     return found
@@ -157,7 +164,7 @@ def imports_of(module: str) -> frozenset[str]:
 
 
 def group_of(module: str) -> str | None:
-    if module == "lightning":
+    if module == LIGHTNING_MARKER:
         return "lightning"
     for group, patterns in GROUPS.items():
         if any(fnmatch.fnmatchcase(module, p) for p in patterns):
@@ -284,11 +291,11 @@ def test_planted_violation_is_found() -> None:
         "def f():\n    from lightning_fedrep import hooks\n    import lightning.pytorch as pl\n"
     )
     found = imports_of_source("sharding", source, ROOT / "sharding.py")
-    assert found == {"data.loaders", "hooks", "lightning"}
+    assert found == {"data.loaders", "hooks", LIGHTNING_MARKER}
     assert [line.split(" (")[0] for line in violations({"sharding": frozenset(found)})] == [
+        "sharding imports <lightning>",
         "sharding imports data.loaders",
         "sharding imports hooks",
-        "sharding imports lightning",
     ]
 
 
@@ -298,3 +305,81 @@ def test_planted_cycle_is_found() -> None:
     assert find_cycle(diamond) is None
     circle = {**diamond, "d": frozenset({"e"}), "e": frozenset({"b"})}
     assert find_cycle(circle) == ["b", "d", "e", "b"]
+
+
+# ----------------------------------------------------------------------------- the thin Lightning face
+
+MIXIN_LINES = 400
+"""Issue 25: the strategy mixin's class body, docstrings included, at most this many lines."""
+PROCESSES = frozenset({"collective", "distributed", "world_size", "rank"})
+RUNNER_OR_PROCESSES = PROCESSES | {"engine", "_engine", "runner", "vectorized", "lockstep"}
+"""Names a Lightning hook must not branch on: the runner (engine) or the number of processes."""
+
+
+def _is_override(node: ast.FunctionDef) -> bool:
+    names = {d.id if isinstance(d, ast.Name) else getattr(d, "attr", None) for d in node.decorator_list}
+    return "override" in names
+
+
+def hook_branches(class_node: ast.ClassDef) -> list[str]:
+    """``hook: line`` for every branch (``if``, conditional expression, ``while``, comprehension filter,
+    ``and``/``or``) inside an ``@override`` method whose condition names the runner or the processes."""
+    found = []
+    for hook in class_node.body:
+        if not isinstance(hook, ast.FunctionDef) or not _is_override(hook):
+            continue
+        for node in ast.walk(hook):
+            if isinstance(node, ast.If | ast.IfExp | ast.While):
+                tests = [node.test]
+            elif isinstance(node, ast.comprehension):
+                tests = list(node.ifs)
+            elif isinstance(node, ast.BoolOp):
+                tests = node.values
+            else:
+                continue
+            names = {
+                n.id if isinstance(n, ast.Name) else n.attr
+                for test in tests
+                for n in ast.walk(test)
+                if isinstance(n, ast.Name | ast.Attribute)
+            }
+            if names & RUNNER_OR_PROCESSES:
+                found.append(f"{hook.name}: line {node.lineno}")
+    return found
+
+
+def _mixin() -> ast.ClassDef:
+    tree = ast.parse(modules()["lightning.strategy"].read_text())
+    (mixin,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FederatedStrategyMixin"]
+    return mixin
+
+
+def test_the_strategy_mixin_is_thin() -> None:
+    """Catches the God class coming back (issue 25): the mixin over 400 lines, or a Lightning hook that
+    branches on the runner or on the processes, e.g. ``if self.collective.distributed:`` in
+    ``on_train_batch_start`` (those decisions belong to the runners and the ``Sharded`` wrapper)."""
+    mixin = _mixin()
+    assert mixin.end_lineno - mixin.lineno + 1 <= MIXIN_LINES
+    hooks = [n for n in mixin.body if isinstance(n, ast.FunctionDef) and _is_override(n)]
+    assert len(hooks) >= 15  # the checker sees the hooks
+    assert hook_branches(mixin) == []
+
+
+def test_planted_hook_branches_are_found() -> None:
+    """The branch checker finds a hook's test of the processes or the runner, and nothing in a helper."""
+    source = (
+        "class FederatedStrategyMixin:\n"
+        "    @override\n"
+        "    def on_train_batch_start(self, batch, batch_idx):\n"
+        "        if self.collective.distributed:\n            pass\n"
+        "    @override\n"
+        "    def training_step(self, *args):\n"
+        "        return 1 if self._run.runner.vectorized else 2\n"
+        "    @override\n"
+        "    def setup(self, trainer):\n"
+        "        if trainer.state.fn == 'fit' and self.lightning_module.automatic_optimization:\n            pass\n"
+        "    def _helper(self):\n"
+        "        if self.collective.world_size > 1:\n            pass\n"
+    )
+    (mixin,) = ast.parse(source).body
+    assert hook_branches(mixin) == ["on_train_batch_start: line 4", "training_step: line 8"]

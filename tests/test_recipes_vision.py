@@ -1,4 +1,4 @@
-"""Every paper recipe (CIFAR-10, CIFAR-100, FEMNIST) runs through the CLI on tiny data written in
+"""Every paper recipe (CIFAR-10, CIFAR-100, FEMNIST, Sent140) runs through the CLI on tiny data written in
 each data set's real on-disk format (``fast_dev_run``: one step of training and of validation)."""
 
 from pathlib import Path
@@ -9,6 +9,7 @@ import pytest
 from lightning_fedrep.app.cli import build_cli
 from tests.fixtures import leaf_user, write_cifar10, write_cifar100, write_leaf_file
 from tests.test_datasets import write_emnist
+from tests.test_sent140 import write_glove, write_sent140
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -24,6 +25,8 @@ def data_root(tmp_path_factory):
     write_leaf_file(
         root / "femnist" / "test" / "test.json", {u: leaf_user(i, 2) for i, u in enumerate(users)}
     )
+    write_glove(root / "glove.txt")
+    write_sent140(root / "sent140", {f"u{u}": (5 + u % 3, 2) for u in range(12)})
     return root
 
 
@@ -36,7 +39,7 @@ def _no_md5(monkeypatch):
 
 RECIPE_FILES = sorted(
     str(p.relative_to(RECIPES))
-    for d in ("cifar10", "cifar100", "femnist", "flute", "srpfl")
+    for d in ("cifar10", "cifar100", "femnist", "flute", "sent140", "srpfl")
     for p in (RECIPES / d).glob("*.yaml")
     if not p.name.startswith("digits_")  # the digits SRPFL demos run in test_cli.py
 )
@@ -49,6 +52,13 @@ def test_paper_recipe_smoke(recipe, data_root, tmp_path, monkeypatch):
         data_args = [
             f"--data.init_args.train_dir={data_root}/femnist/train",
             f"--data.init_args.test_dir={data_root}/femnist/test",
+        ]
+    elif recipe.startswith("sent140"):
+        data_args = [
+            f"--data.init_args.train_dir={data_root}/sent140/train",
+            f"--data.init_args.test_dir={data_root}/sent140/test",
+            f"--data.init_args.glove_path={data_root}/glove.txt",
+            f"--model.init_args.glove_path={data_root}/glove.txt",
         ]
     else:
         data_args = [f"--data.init_args.root={data_root}", "--data.init_args.download=false"]
@@ -67,7 +77,8 @@ def test_paper_recipe_smoke(recipe, data_root, tmp_path, monkeypatch):
 
 
 # The official FedAvg script's local epochs per Table 1 column (reference/fedrep.md, "[CODE] scripts use
-# FedAvg local_ep = 1 for CIFAR10 (100,2), CIFAR10 (100,5) and CIFAR100 (both); 5 for CIFAR10 (1000,2) and FEMNIST").
+# FedAvg local_ep = 1 for CIFAR10 (100,2), CIFAR10 (100,5) and CIFAR100 (both); 5 for CIFAR10 (1000,2) and FEMNIST;
+# **10** for Sent140").
 OFFICIAL_FEDAVG_EPOCHS = {
     "cifar10/100_2": 1,
     "cifar10/100_5": 1,
@@ -75,6 +86,7 @@ OFFICIAL_FEDAVG_EPOCHS = {
     "cifar100/100_5": 1,
     "cifar100/100_20": 1,
     "femnist/150_3": 5,
+    "sent140/183_2": 10,
 }
 PAPER_RULE_EPOCHS = {
     "cifar10/100_2": 1,
@@ -83,6 +95,7 @@ PAPER_RULE_EPOCHS = {
     "cifar100/100_5": 5,
     "cifar100/100_20": 5,
     "femnist/150_3": 5,
+    "sent140/183_2": 5,
 }
 
 
@@ -115,8 +128,8 @@ def test_fedavg_ft_recipes_name_the_fine_tuned_figure(column):
     ]
     text = "\n".join(header)
     metric = (
-        "val/acc_weighted" if column.startswith("femnist") else "val/acc"
-    )  # FEMNIST: weighted, as official
+        "val/acc_weighted" if column.startswith(("femnist", "sent140")) else "val/acc"
+    )  # FEMNIST, Sent140: weighted, as official
     assert f"The paper's figure is the fine-tuned accuracy: finetune/{metric} " in text
     for method in ("fedrep", "fedavg", "fedper", "lg_fedavg"):
         text = (RECIPES / f"{column}_{method}.yaml").read_text()

@@ -43,7 +43,7 @@ from _common import make_trainer, quiet  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, ShardPartitioner  # noqa: E402
 from lightning_fedrep.models import CIFAR10CNN  # noqa: E402
-from lightning_fedrep.models._optim import fedrep_sgd  # noqa: E402
+from lightning_fedrep.models.optim import fedrep_sgd  # noqa: E402
 
 HEAD = ("fc3.weight", "fc3.bias")
 

@@ -37,7 +37,7 @@ from _common import make_trainer, quiet  # noqa: E402
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, IIDPartitioner  # noqa: E402
 from lightning_fedrep.algorithms import epoch_settings, get_algorithm  # noqa: E402
 from lightning_fedrep.models import MLPClassifier  # noqa: E402
-from lightning_fedrep.models._optim import fedrep_sgd  # noqa: E402
+from lightning_fedrep.models.optim import fedrep_sgd  # noqa: E402
 
 SAMPLES, BATCH, HEAD_EPOCHS, BODY_EPOCHS = 50, 10, 5, 1
 

@@ -1,6 +1,6 @@
 """Memory of the per-client store at 1k, 10k and 100k clients of the CIFAR-10 CNN (heads of 650 values).
 
-Fills a :class:`~lightning_fedrep.clients.ClientStore` (what ``strategy.federation.store`` is) with
+Fills a :class:`~lightning_fedrep.federation.store.ClientStore` (what ``strategy.federation.store`` is) with
 every client's head, as after a run in which every client trained, and measures the process's
 resident memory before and after (so Python and tensor overheads count; after a warm-up fill, with
 freed heap memory given back first, so neither first-use costs nor reused memory skew a row), against two references
@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from lightning_fedrep.clients import ClientStore
+from lightning_fedrep.federation.store import ClientStore
 from lightning_fedrep.models import CIFAR10CNN
 
 HEAD = ("fc3.weight", "fc3.bias")

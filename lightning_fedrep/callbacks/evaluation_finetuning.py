@@ -22,7 +22,7 @@ from lightning_fedrep.federation import RoundResult
 from lightning_fedrep.hooks import FederatedCallback
 from lightning_fedrep.lightning_internals import configured_learning_rate, configured_optimizers
 from lightning_fedrep.losses import NAMED_LOSSES, declared_loss
-from lightning_fedrep.models._optim import weight_decay_groups
+from lightning_fedrep.models.optim import weight_decay_groups
 from lightning_fedrep.untouched import untouched_random_state
 
 LossFn = Callable[[Tensor, Tensor], Tensor]

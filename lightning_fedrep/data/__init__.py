@@ -2,6 +2,7 @@
 
 from lightning_fedrep.data.leaf import LEAFDataModule
 from lightning_fedrep.data.partition import NaturalPartitioner
+from lightning_fedrep.data.sent140 import Sent140DataModule
 from lightning_fedrep.data.synthetic_classification import SyntheticClassificationDataModule
 from lightning_fedrep.data.vision import (
     CIFAR10DataModule,
@@ -17,5 +18,6 @@ __all__ = [
     "LEAFDataModule",
     "MNISTDataModule",
     "NaturalPartitioner",
+    "Sent140DataModule",
     "SyntheticClassificationDataModule",
 ]

@@ -4,5 +4,6 @@ from lightning_fedrep.models.cnn import CIFAR10CNN, CIFAR100CNN
 from lightning_fedrep.models.femnist import FEMNISTMLP
 from lightning_fedrep.models.linear import LowRankLinear
 from lightning_fedrep.models.mlp import MLPClassifier
+from lightning_fedrep.models.sent140 import Sent140RNN
 
-__all__ = ["CIFAR100CNN", "CIFAR10CNN", "FEMNISTMLP", "LowRankLinear", "MLPClassifier"]
+__all__ = ["CIFAR100CNN", "CIFAR10CNN", "FEMNISTMLP", "LowRankLinear", "MLPClassifier", "Sent140RNN"]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_fedrep.models._optim import fedrep_sgd
+from lightning_fedrep.models.optim import fedrep_sgd
 
 __all__ = ["CIFAR100CNN", "CIFAR10CNN"]
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_fedrep.models._optim import fedrep_sgd
+from lightning_fedrep.models.optim import fedrep_sgd
 
 
 class MLPClassifier(L.LightningModule):

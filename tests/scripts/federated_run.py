@@ -33,7 +33,27 @@ from lightning_fedrep import (  # noqa: E402
     FederatedStrategy,
     HeadFineTuning,
 )
-from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
+from lightning_fedrep.algorithms import FedRep, epoch_settings, register_algorithm  # noqa: E402
+from lightning_fedrep.federation import Stacked  # noqa: E402
+
+
+class MedianFedRep(FedRep):
+    """FedRep whose server takes the coordinate-wise median of the bodies (``--algorithm fedrep_median``;
+    ``tests/test_aggregation.py``): every rank must see every rank's updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "fedrep_median"
+
+    def aggregator(self, like):
+        return Stacked(like)
+
+    def aggregate(self, global_state, average):
+        rows = average.stacked()
+        return [rows[name].median(dim=0).values for name in average.names]
+
+
+register_algorithm(MedianFedRep(), override=True)
 
 SIZES = (7, 41, 13, 22, 30, 9, 55, 18)  # uneven: 1 to 7 batches of 8 per epoch
 

@@ -1,0 +1,386 @@
+"""The round as a transaction: open -> client steps -> finish client -> close (aggregate) or roll back.
+
+:class:`RoundTransaction` is the part of :class:`~lightning_fedrep.federation.Federation` that runs a
+round: it plans it, opens it, stores each client that finishes (handing the server a
+:class:`~lightning_fedrep.federation.aggregation.ClientUpdate`, or a :class:`ClientFault` for a client left
+out), and closes it through the algorithm's aggregator, or undoes it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fedrep.algorithms import PART_GROUPS
+from lightning_fedrep.federation.aggregation import Aggregator, ClientFault, ClientUpdate, WeightedAverage
+from lightning_fedrep.federation.store import OptimizerState
+from lightning_fedrep.plan import RoundPlan, StepLocation, plan_round, sample_clients
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """What one client did in a round (``FederatedCallback.on_client_end``).
+
+    ``steps`` counts the local steps it ran (in this process); ``seconds`` is the wall-clock time of
+    its ``timed_steps``: every step but the first after the client was loaded (which pays for the
+    swap) and the round's last step (which pays for the aggregation). Timing runs only when a
+    callback asks for it; otherwise ``seconds`` is 0.
+    """
+
+    round: int
+    client: int
+    steps: int
+    timed_steps: int
+    seconds: float
+    fault: str = ""
+    """Why the client was left out of the round (non-finite values, an error); ``""`` if it was not."""
+
+
+class ClientFaultError(RuntimeError):
+    """A client failed under the ``"raise"`` policy (``on_nonfinite`` / ``on_client_error``)."""
+
+
+class ClientFaultWarning(UserWarning):
+    """A client was left out of a round under the ``"skip"`` policy."""
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """A closed round (``FederatedCallback.on_round_end``): its plan, what each client did, whether the
+    shared state was replaced by the aggregate."""
+
+    round: int
+    plan: RoundPlan
+    clients: tuple[ClientResult, ...]
+    aggregated: bool
+    weight: float = 0.0
+    """The total aggregation weight of the participants (samples, or their count when uniform)."""
+    faults: tuple[ClientFault, ...] = ()
+    """The clients left out of the round, and why."""
+
+
+@dataclass
+class _RoundStart:
+    """What the open round may change, as it was when the round opened (for :meth:`Federation.rollback_round`)."""
+
+    round_index: int
+    rng: Tensor
+    finetuned: dict[int, dict[str, Tensor]]
+    clients: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Each client stored in the round so far: its record before the round."""
+
+
+@dataclass
+class _LiveClient:
+    client: int
+    steps: int = 0
+    timed_steps: int = 0
+    seconds: float = 0.0
+    fresh: bool = True
+    step_started: float | None = field(default=None, repr=False)
+    fault: str = ""
+
+
+class RoundTransaction:
+    """The round state machine of a :class:`~lightning_fedrep.federation.Federation` (one of its parts)."""
+
+    def plan(self, round_index: int, configure: Callable[[RoundPlan], RoundPlan] | None = None) -> RoundPlan:
+        """The frozen plan of a round: its sampled clients and their phases' step counts, passed once
+        through ``configure`` (the federated callbacks) when the round is first planned."""
+        sizes = self._require_data()
+        plan = self._plans.get(round_index)
+        if plan is None:
+            clients = sample_clients(len(sizes), self.config.clients_per_round, self.config.seed, round_index)
+            plan = plan_round(round_index, clients, self.config.phases, sizes, self.batch_size)
+            if configure is not None:
+                plan = configure(plan)
+            self._plans = {r: p for r, p in self._plans.items() if r >= round_index - 1}
+            self._plans[round_index] = plan
+        return plan
+
+    def open_round(self, plan: RoundPlan) -> None:
+        """Start training round ``plan.round``."""
+        self._require_state()
+        aggregator = self._new_aggregator(plan) if self.shared_names and plan.aggregate else None
+        self._before_round = _RoundStart(self.round_index, torch.get_rng_state(), dict(self.store.finetuned))
+        self.round_index = plan.round
+        self.round_open = True
+        if plan.aggregate:
+            self.store.finetuned.clear()  # a new federated round makes earlier fine-tuning stale
+        if self.store.sharded:
+            self._lend_clients(plan)
+        self._average = aggregator
+        self._local_average = self._new_local_average(plan.aggregate)
+        self._finished = []
+
+    def _new_aggregator(self, plan: RoundPlan) -> Aggregator:
+        """The algorithm's aggregator for the round (``WeightedMean`` unless it chooses another)."""
+        aggregator = self.algorithm.aggregator(self.global_view())
+        if not isinstance(aggregator, Aggregator):
+            raise TypeError(
+                f"{type(self.algorithm).__name__}.aggregator() must return an Aggregator (e.g. WeightedMean or "
+                f"Stacked from lightning_fedrep.federation.aggregation), got {type(aggregator).__name__}."
+            )
+        aggregator.expect(len(plan.clients))
+        return aggregator
+
+    def _new_local_average(self, aggregate: bool) -> WeightedAverage | None:
+        """A running average of the local part when untrained clients start from it (``first_state``)."""
+        if self.config.first_state != "average" or not aggregate or not self.local_names:
+            return None
+        return WeightedAverage(self.store.template)
+
+    def begin_step(self, location: StepLocation) -> None:
+        """Before the live client's step at ``location``: set the phase, start its timer if timed."""
+        live = self._live
+        if location.part != self.live_phase:
+            self.set_phase(location.part)
+        live.steps += 1
+        timed = self.timing and not live.fresh and not location.last_of_round
+        live.fresh = False
+        live.step_started = self._clock() if timed else None
+
+    def end_step(self) -> None:
+        """After the live client's step (its optimizer step): stop its timer."""
+        live = self._live
+        if live is not None and live.step_started is not None:
+            live.seconds += self._clock() - live.step_started
+            live.timed_steps += 1
+            live.step_started = None
+
+    def finish_client(self) -> ClientResult | None:
+        """Store the live client's state and add its shared part to the round's average."""
+        live = self._live
+        if live is None:
+            return None
+        names = self.shared_names + self.local_names
+        keep = self.config.client_optimizer_state == "keep"
+        if live.fault:
+            result = self._leave_out(live.client, live.steps, live.fault)
+        else:
+            result = self.store_client(
+                live.client,
+                dict(zip(names, self._tensors(names))),
+                self._optimizer_snapshot() if keep else None,
+                live.steps,
+                live.timed_steps,
+                live.seconds,
+            )
+        self._live = None
+        self.live_phase = None
+        return result
+
+    def start_tensors(self, client: int) -> dict[str, Tensor]:
+        """A client's tensors at the start of its round by name (not copies): the global shared part,
+        its local part, and what it fine-tuned."""
+        return {**self.global_view(), **self.store.personal(client, self.local_names)}
+
+    def store_client(
+        self,
+        client: int,
+        tensors: Mapping[str, Tensor],
+        optimizer_state: OptimizerState | None,
+        steps: int,
+        timed_steps: int = 0,
+        seconds: float = 0.0,
+    ) -> ClientResult:
+        """A client finished its round's work with ``tensors`` (by name): keep its local part (and, in a
+        round that does not aggregate, what it trained of the shared part), its optimizer state if kept,
+        and add its shared part to the round's average. A client whose tensors are not all finite is
+        left out of the round (``on_nonfinite="skip"``) or stops the run (``"raise"``)."""
+        floats = {n: t for n, t in tensors.items() if t.is_floating_point()}
+        finite = [torch.isfinite(t).all() for t in floats.values()]
+        bad = (
+            []
+            if not finite or bool(torch.stack(finite).all())
+            else [n for n, f in zip(floats, finite) if not f]
+        )
+        if bad:
+            reason = f"non-finite values in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}"
+            if self.config.on_nonfinite == "raise":
+                raise ClientFaultError(
+                    f"Client {client} in round {self.round_index}: {reason} after {steps} local steps "
+                    "(on_nonfinite='raise'; 'skip' leaves such a client out of the round)."
+                )
+            return self._leave_out(client, steps, reason)
+        if self._average is not None:
+            self._average.add(self._update(client, tensors, steps))
+        if self._local_average is not None:
+            self._local_average.add([tensors[n] for n in self.local_names], self.weight_of(client))
+        if self._before_round is not None and client not in self._before_round.clients:
+            record = self.store.record(client)
+            self._before_round.clients[client] = {
+                "local": None if record["local"] is None else [t.detach().clone() for t in record["local"]],
+                "optimizer": record["optimizer"],  # replaced, never modified in place
+                "finetuned": record["finetuned"],
+            }
+        plan = self.plan(self.round_index)
+        if not plan.aggregate:
+            trained = {g for phase in plan.phases for g in PART_GROUPS[phase.train]}
+            names = [n for n in self.shared_names if self.split.group(n) in trained]
+            self.store.finetuned[client] = {n: tensors[n].detach().clone() for n in names}
+        self.store.put(client, [tensors[n] for n in self.local_names])
+        if optimizer_state is not None and self.config.client_optimizer_state == "keep":
+            self.store.optimizer_states[client] = optimizer_state
+        result = ClientResult(self.round_index, client, steps, timed_steps, seconds)
+        self._finished.append(result)
+        return result
+
+    def _update(self, client: int, tensors: Mapping[str, Tensor], steps: int) -> ClientUpdate:
+        """What ``client`` hands the server: its shared tensors (views), weight, samples and steps."""
+        upload = {n: tensors[n] for n in self.shared_names}
+        samples = int(self._require_data()[client])
+        return ClientUpdate(client, self.round_index, self.weight_of(client), samples, steps, upload)
+
+    def weight_of(self, client: int) -> float:
+        """A client's aggregation weight: its training samples, or 1 under uniform weighting."""
+        return float(self._require_data()[client]) if self.config.weighting == "samples" else 1.0
+
+    def fail_live_client(self, step: int, error: BaseException) -> None:
+        """The live client's step raised (``on_client_error="skip"``): it trains no further this round
+        and is left out of it when it finishes."""
+        if self._live is not None and not self._live.fault:
+            self._live.fault = f"{type(error).__name__} at local step {step}: {error}"
+            self._live.steps = step
+
+    @property
+    def live_failed(self) -> bool:
+        """Whether the live client failed this round (its remaining steps train nothing)."""
+        return self._live is not None and bool(self._live.fault)
+
+    def _leave_out(self, client: int, steps: int, reason: str) -> ClientResult:
+        warnings.warn(
+            f"Client {client} is left out of round {self.round_index}: {reason} (after {steps} local steps); its "
+            "state stays as it was before the round.",
+            ClientFaultWarning,
+            stacklevel=3,
+        )
+        result = ClientResult(self.round_index, client, steps, 0, 0.0, fault=reason)
+        self._finished.append(result)
+        return result
+
+    @torch.no_grad()
+    def close_round(self) -> RoundResult | None:
+        """Aggregate the round: the algorithm turns the participants' shared parts into the new global
+        state. Idempotent; a round cut short averages the clients that trained."""
+        if not self.round_open:
+            return None
+        self.finish_client()
+        if self.collective.distributed:
+            self._gather_round()
+        aggregated, weight = False, 0.0
+        faults = tuple(ClientFault(r.round, r.client, r.steps, r.fault) for r in self._finished if r.fault)
+        if self._average is not None:
+            for fault in faults:
+                self._average.failed(fault)
+        if self._average is not None and not self._average.empty:
+            weight = self._average.weight
+            self.global_state = self.algorithm.aggregate(self.global_state, self._average)
+            aggregated = True
+        elif self._average is not None and faults:
+            warnings.warn(
+                f"Every client of round {self.round_index} was left out ({len(faults)} faults): the global state "
+                "is unchanged.",
+                ClientFaultWarning,
+                stacklevel=2,
+            )
+        if self._local_average is not None and not self._local_average.empty:
+            # untrained clients read the template: it becomes the round's average of every local tensor
+            self.store.template = self._local_average.mean(self.store.template)
+        if faults:
+            self.faults.extend(faults)
+            self.history.record(self.round_index, {"faults": float(len(faults))})
+        plan = self.plan(self.round_index)
+        if plan.aggregate:  # a federated round (fine-tuning rounds train every client apart)
+            self.history.count_participants(plan.clients)
+        self._write(self.shared_names, self.global_state)
+        self.round_open = False
+        self._average = None
+        self._local_average = None
+        self._before_round = None
+        result = RoundResult(
+            self.round_index, self.plan(self.round_index), tuple(self._finished), aggregated, weight, faults
+        )
+        self._finished = []
+        return result
+
+    def rollback_round(self) -> bool:
+        """Undo the open round (the run stopped inside it): every client stored in it gets back what it
+        held before, nothing is aggregated, the RNG and the module are as at the round's start, and the
+        federation is again after the previous round. Returns whether there was a round to undo."""
+        before = self._before_round
+        if not self.round_open or before is None:
+            return False
+        for client, record in before.clients.items():
+            self.store.load_record(client, record, self._device)
+        self.store.finetuned.clear()
+        self.store.finetuned.update(before.finetuned)
+        for client in list(self.store.borrowed):
+            self.store.drop(client)
+        torch.set_rng_state(before.rng)
+        self.round_index, self.round_open = before.round_index, False
+        self._average, self._finished, self._live, self.live_phase = None, [], None, None
+        self._local_average = None
+        self._before_round = None
+        self._write(self.shared_names, self.global_state)
+        self._write(self.local_names, self.store.template)
+        return True
+
+    def restore_round(self, state: dict[str, Any]) -> None:
+        """Restore the RNG and an interrupted round (live client, its tensors and phase, the partial
+        average, the clients already finished), after the optimizers exist."""
+        torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        round_state = state["round"]
+        self.round_index = round_state["index"]
+        self.round_open = round_state["open"]
+        if not self.round_open:
+            return
+        self._average = None
+        if round_state["average"] is not None:
+            self._average = self.algorithm.aggregator(self.global_view())
+            self._average.load_state_dict(round_state["average"])
+        self._local_average = None
+        if round_state.get("local_average") is not None:
+            self._local_average = WeightedAverage(self.store.template)
+            self._local_average.load_state_dict(round_state["local_average"])
+        self._finished = [ClientResult(**r) for r in round_state.get("finished", [])]
+        self._write(self.shared_names + self.local_names, round_state["live_tensors"])
+        client = round_state["live_client"]
+        self._live = None if client < 0 else _LiveClient(client)
+        counts = round_state.get("live_counts") or []
+        if self._live is not None and counts:
+            self._live.steps, self._live.timed_steps, self._live.seconds = (
+                int(counts[0]),
+                int(counts[1]),
+                float(counts[2]),
+            )
+        if self._live is not None:
+            self._live.fault = round_state.get("live_fault", "")
+        before = round_state.get("before")
+        self._before_round = None
+        if before is not None:
+            device = self._device
+            self._before_round = _RoundStart(
+                int(before["round_index"]),
+                before["rng"],
+                {
+                    c: {n: t.to(device) for n, t in tensors.items()}
+                    for c, tensors in before["finetuned"].items()
+                },
+                dict(before["clients"]),
+            )
+        self.live_phase = None
+        if self._live is not None and round_state["live_part"]:
+            self.set_phase(round_state["live_part"])
+
+    def _clock(self) -> float:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return self.clock()

@@ -1,0 +1,302 @@
+"""One fit (or evaluation) of a federation, driven step by step by the Lightning face, without Lightning.
+
+:class:`Runner` is the protocol of what runs a round's local work (``lightning_fedrep.runners``: the
+sequential runner, the lockstep engine, both wrapped by the per-process ``Sharded`` runner). It is declared
+here, in the core, so the core never imports a runner. :class:`FederatedRun` opens and closes rounds around
+the runner's steps, hands the clients' ends to the federated callbacks (:class:`CallbackBus`) and builds the
+checkpoint entry. The Lightning face (``lightning_fedrep.lightning.strategy``) turns each Lightning hook
+into one call here, handing in what it reads from the Trainer as plain values and callables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from lightning_fedrep.algorithms import Algorithm
+from lightning_fedrep.checkpoint_payload import (
+    OptimizerState,
+    check_round_runner,
+    federated_entry,
+    restore_rank_state,
+    this_rank_state,
+)
+from lightning_fedrep.collective import Collective
+from lightning_fedrep.federation import Federation
+from lightning_fedrep.loss_terms import LiveStep
+from lightning_fedrep.plan import RoundPlan
+from lightning_fedrep.sharding import StepSchedule
+
+
+class NothingRan:
+    """What :meth:`Runner.loss` returns when this process trained nothing at the step (an idle step, or
+    the live client failed with ``on_client_error="skip"``)."""
+
+    def __repr__(self) -> str:
+        return "NOTHING_RAN"
+
+
+NOTHING_RAN = NothingRan()
+
+
+class Notify(Protocol):
+    def __call__(self, hook: str, *args: Any) -> None: ...
+
+
+class Runner(Protocol):
+    """Runs a round's local work one Lightning step at a time against a :class:`Federation`; no Lightning.
+
+    The sequential runner trains one client step per Lightning step (the user's ``training_step``); the
+    lockstep runner trains a group of clients per step (``torch.func``). Runners hand the clients they
+    start and finish to the callbacks themselves (``notify``), so the callbacks see them in order.
+    """
+
+    vectorized: bool
+    """Whether the clients train in lockstep (what a mid-round checkpoint records as ``"engine"``)."""
+
+    def schedule(self, plan: RoundPlan, own: bool = True) -> RoundPlan | StepSchedule:
+        """What the round's loader iterates (``own``: this process's part, worth caching)."""
+
+    def open_round(self, plan: RoundPlan) -> None:
+        """Before the round's first step (the processes agree on the plan here)."""
+
+    def begin_step(self, plan: RoundPlan, step: int) -> None:
+        """Before the round's ``step``-th Lightning step: open the group/client and phase."""
+
+    def loss(self, batch: Any, batch_idx: int, user_step: Callable[[], Any]) -> Any:
+        """``training_step``'s value: the user's step plus loss terms, the lockstep losses, or
+        :data:`NOTHING_RAN`."""
+
+    def logged_loss(self) -> Callable[[], Any] | None:
+        """What computes the step's loss to log as ``train/loss`` (``None``: the user's step logs its own)."""
+
+    def step(self, optimizer_step: Callable[[], Any], closure: Callable[[], Any]) -> Any:
+        """The optimizer step (``optimizer_step`` runs the user's; ``closure`` only the loss and backward)."""
+
+    def end_step(self) -> None:
+        """After the optimizer step: hand over the clients whose round work is done."""
+
+    def finish(self) -> None:
+        """Hand over the open client/group (round end, or a round cut short)."""
+
+    def abandon(self) -> None:
+        """The round was rolled back: drop the open client/group."""
+
+    @property
+    def current_clients(self) -> tuple[int, ...]: ...
+
+    @property
+    def current_phase(self) -> str | None: ...
+
+    def settings(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps at every stage (the lockstep widths); ``None``: nothing."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The open group (mid-round), or ``None``."""
+
+    def load_settings(self, settings: dict[str, Any] | None) -> None: ...
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None: ...
+
+
+class CallbackBus:
+    """The federated callbacks, as the run sees them. The face binds ``trainer`` and ``module`` (opaque
+    here: each hook receives them first, as Lightning callbacks do)."""
+
+    def __init__(
+        self,
+        callbacks: Sequence[Any] = (),
+        loss_callbacks: Sequence[Any] = (),
+        trainer: Any = None,
+        module: Any = None,
+    ):
+        self.callbacks = list(callbacks)
+        self.loss_callbacks = list(loss_callbacks)
+        self.trainer = trainer
+        self.module = module
+
+    def notify(self, hook: str, *args: Any) -> None:
+        """Call ``hook`` (``on_round_start``, ``on_client_start``, ...) on every federated callback."""
+        for callback in self.callbacks:
+            getattr(callback, hook)(self.trainer, self.module, *args)
+
+    def configure_round(self, plan: RoundPlan) -> RoundPlan:
+        """``plan`` after every callback's ``configure_round``."""
+        for callback in self.callbacks:
+            changed = callback.configure_round(self.trainer, plan)
+            if not isinstance(changed, RoundPlan) or changed.round != plan.round:
+                raise TypeError(
+                    f"{type(callback).__name__}.configure_round must return a RoundPlan for round {plan.round} "
+                    f"(e.g. plan.replace(clients=...)), got {changed!r}."
+                )
+            plan = changed
+        return plan
+
+
+def has_loss_terms(algorithm: Algorithm, bus: CallbackBus) -> bool:
+    """Whether the algorithm or a callback adds a loss term to the user's step."""
+    return type(algorithm).loss_term is not Algorithm.loss_term or bool(bus.loss_callbacks)
+
+
+def loss_terms(
+    algorithm: Algorithm, federation: Federation, bus: CallbackBus
+) -> Callable[[Any, int], list[Any]] | None:
+    """The sequential step's loss terms (the algorithm's, then each callback's), or ``None`` for none."""
+    if not has_loss_terms(algorithm, bus):
+        return None
+
+    def terms(batch: Any, batch_idx: int) -> list[Any]:
+        module = bus.module
+        found = [algorithm.loss_term(module, federation.global_view())]
+        step = LiveStep(federation.round_index, federation.live_client, federation.live_phase, batch_idx)
+        found += [callback.loss_term(bus.trainer, module, batch, step) for callback in bus.loss_callbacks]
+        return found
+
+    return terms
+
+
+class FederatedRun:
+    """A fit/validate/test of a federation: its :class:`Federation`, the :class:`Runner` of the local work
+    and the :class:`CallbackBus`. Opens and closes rounds around the runner's steps.
+
+    Args:
+        federation: the federated state and round transaction.
+        runner: what runs the local work (always the per-process ``Sharded`` wrapper).
+        bus: the federated callbacks.
+        zero: a zero loss that needs a gradient (a step that trains nothing under automatic optimization).
+    """
+
+    def __init__(self, federation: Federation, runner: Runner, bus: CallbackBus, zero: Callable[[], Any]):
+        self.federation = federation
+        self.runner = runner
+        self.bus = bus
+        self.zero = zero
+        self.round_start_loops: dict[str, Any] | None = None
+        """The Trainer's loops as they were when the open round started (a rolled-back round resumes there)."""
+        self.validated_round = -1
+        """The last round validated in this fit."""
+
+    # ------------------------------------------------------------------ rounds
+    def plan(self, round_index: int) -> RoundPlan:
+        """The frozen plan of a round, after every callback's ``configure_round``."""
+        return self.federation.plan(round_index, self.bus.configure_round)
+
+    def schedule(self, round_index: int) -> RoundPlan | StepSchedule:
+        """What the round's loader iterates on this process."""
+        return self.runner.schedule(self.plan(round_index))
+
+    def training_step_starts(self, round_index: int, step: int, loops: Callable[[], dict[str, Any]]) -> None:
+        """Before a training step: close the last round if it is still open, open this one on its first
+        step (``loops``: the Trainer's loop state to rewind to), then the runner's step."""
+        federation = self.federation
+        if federation.round_open and federation.round_index != round_index:
+            self.close_round()
+        plan = self.plan(round_index)
+        if not federation.round_open:
+            self.runner.open_round(plan)
+            self.round_start_loops = loops()
+            federation.open_round(plan)
+            self.bus.notify("on_round_start", plan)
+        self.runner.begin_step(plan, step)
+
+    def loss(
+        self,
+        batch: Any,
+        batch_idx: int,
+        user_step: Callable[[], Any],
+        automatic: bool,
+        round_ends: Callable[[], bool],
+        log: Callable[[Callable[[], Any]], None],
+    ) -> Any:
+        """``training_step``'s value. Under manual optimization the step is over when it returns: the
+        round closes after its last step. ``log`` receives what computes the runner's loss to log (the
+        lockstep runner's; the face decides whether the loggers want it now)."""
+        output = self.runner.loss(batch, batch_idx, user_step)
+        logged = self.runner.logged_loss()
+        if logged is not None:
+            log(logged)
+        if not automatic:
+            self.step_done(round_ends)
+            return None if output is NOTHING_RAN else output
+        return self.zero() if output is NOTHING_RAN else output
+
+    def optimizer_step(
+        self,
+        optimizer_step: Callable[[], Any],
+        closure: Callable[[], Any],
+        automatic: bool,
+        round_ends: Callable[[], bool],
+    ) -> Any:
+        """The optimizer step; under automatic optimization the step is then over (see :meth:`step_done`)."""
+        output = self.runner.step(optimizer_step, closure)
+        if automatic:
+            self.step_done(round_ends)
+        return output
+
+    def step_done(self, round_ends: Callable[[], bool]) -> None:
+        """After a training step: hand over finished clients; close the round after its last step."""
+        self.runner.end_step()
+        if round_ends():
+            self.close_round()
+
+    def close_round(self) -> None:
+        """Hand over the open clients, aggregate, and tell the callbacks."""
+        self.runner.finish()
+        result = self.federation.close_round()
+        if result is not None:
+            self.bus.notify("on_round_end", result)
+
+    def end_training(self) -> str | None:
+        """At the end of training: close a round cut short (returns the warning to show), release phases."""
+        federation = self.federation
+        note = None
+        if federation.round_open:
+            note = f"Training stopped inside round {federation.round_index}; averaging the clients that trained in it."
+            self.close_round()
+        federation.release_phases()
+        return note
+
+    def roll_back(self) -> str | None:
+        """Roll the open round back (the run stopped inside it); returns the warning to show, ``None`` when
+        no round was open."""
+        federation = self.federation
+        stopped_in = federation.round_index
+        if not federation.rollback_round():
+            return None
+        self.runner.abandon()
+        return (
+            f"The run stopped inside round {stopped_in}: the round is rolled back (a checkpoint written now "
+            "resumes at its first step)."
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_entry(
+        self,
+        collective: Collective,
+        optimizers: Sequence[OptimizerState],
+        interrupted: bool,
+        validation_owed: bool,
+    ) -> dict[str, Any]:
+        """The federated entry of a checkpoint written now."""
+        return federated_entry(
+            self.federation,
+            collective,
+            runner=self.runner,
+            optimizers=optimizers,
+            round_start_loops=self.round_start_loops,
+            interrupted=interrupted,
+            validation_owed=validation_owed,
+        )
+
+    def restore(self, state: dict[str, Any], collective: Collective) -> dict[str, Any]:
+        """Restore this process's open round, RNG and round records, and the runner's settings and open
+        group; returns this process's saved state (its optimizers, ``validation_owed``)."""
+        state = this_rank_state(state, collective.rank, collective.world_size)
+        restore_rank_state(self.federation, state)
+        if state["round"]["open"]:
+            self.round_start_loops = state["round"].get("start_loops")
+        self.runner.load_settings(state.get("engine"))
+        if self.federation.round_open:
+            check_round_runner(state, vectorized=self.runner.vectorized)
+            self.runner.load_state_dict(state["round"].get("engine"))
+        return state

@@ -1,0 +1,310 @@
+"""The federation's stored state: settings, the global and client tensors, fingerprint, ``state_dict``.
+
+:class:`FederationState` is the part of :class:`~lightning_fedrep.federation.Federation` that reads and
+writes what a checkpoint holds; the round (:mod:`.round`), the live module (:mod:`.live`) and the
+processes (:mod:`.ranks`) are its other parts.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_fedrep.algorithms import Phase
+from lightning_fedrep.federation.aggregation import ClientFault
+from lightning_fedrep.federation.store import ClientStore
+from lightning_fedrep.history import History
+from lightning_fedrep.split import ParameterSplit
+
+STATE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """The settings of a federation that do not depend on the model (checked at construction)."""
+
+    phases: tuple[Phase, ...]
+    clients_per_round: float | int = 0.1
+    weighting: Literal["samples", "uniform"] = "samples"
+    client_optimizer_state: Literal["reset", "keep"] = "reset"
+    seed: int = 0
+    on_nonfinite: Literal["skip", "raise"] = "skip"
+    on_client_error: Literal["raise", "skip"] = "raise"
+    first_state: Literal["initial", "average"] = "initial"
+    """Where a client that has not trained yet starts its local part: the module's ``"initial"`` values, or
+    the ``"average"`` of every local tensor over the last aggregated round's clients (the official code's
+    aliasing of ``w_locals`` to the global model, into which it averages every key, heads included)."""
+
+    def __post_init__(self) -> None:
+        for name, value in (("on_nonfinite", self.on_nonfinite), ("on_client_error", self.on_client_error)):
+            if value not in ("skip", "raise"):
+                raise ValueError(f"{name} must be 'skip' or 'raise', got {value!r}.")
+        if self.weighting not in ("samples", "uniform"):
+            raise ValueError(f"weighting must be 'samples' or 'uniform', got {self.weighting!r}.")
+        if self.client_optimizer_state not in ("reset", "keep"):
+            raise ValueError(
+                f"client_optimizer_state must be 'reset' or 'keep', got {self.client_optimizer_state!r}."
+            )
+        if self.first_state not in ("initial", "average"):
+            raise ValueError(f"first_state must be 'initial' or 'average', got {self.first_state!r}.")
+
+
+class FederationMismatch(ValueError):
+    """A checkpoint saved by another federation (other clients or planning settings) than the run's."""
+
+
+def clients_fingerprint(client_sizes: Sequence[int], partition: int) -> dict[str, Any]:
+    """The clients' part of a federation's fingerprint: their number, a checksum of their training-set
+    sizes, and ``partition``, a checksum of which samples each holds (``RoundLoader.partition_checksum``)."""
+    sizes = tuple(int(n) for n in client_sizes)
+    return {
+        "num_clients": len(sizes),
+        "client_sizes": zlib.crc32(str(sizes).encode()),
+        "partition": int(partition),
+    }
+
+
+def federation_fingerprint(
+    client_sizes: Sequence[int], partition: int, batch_size: int, algorithm: str, config: FederationConfig
+) -> dict[str, Any]:
+    """What a checkpoint records of its federation: the clients (:func:`clients_fingerprint`), the batch
+    size, the algorithm, how rounds are planned (seed, clients per round, phases) and where untrained
+    clients start (``first_state``; absent from older checkpoints, whose resumes compare the rest)."""
+    return {
+        **clients_fingerprint(client_sizes, partition),
+        "batch_size": int(batch_size),
+        "algorithm": algorithm,
+        "seed": config.seed,
+        "clients_per_round": repr(config.clients_per_round),
+        "phases": repr(config.phases),
+        "first_state": config.first_state,
+    }
+
+
+def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
+    """``"<key> <saved> -> <current>"`` for each key of ``current`` the ``saved`` fingerprint records
+    with another value (``[]`` without a saved fingerprint)."""
+    if not saved:
+        return []
+    return [
+        f"{key} {saved[key]!r} -> {value!r}"
+        for key, value in current.items()
+        if key in saved and saved[key] != value
+    ]
+
+
+class FederationState:
+    """The stored state of a :class:`~lightning_fedrep.federation.Federation` (one of its parts)."""
+
+    @property
+    def split(self) -> ParameterSplit:
+        """Which parameters are head, body and frozen."""
+        return self.layout.split
+
+    @property
+    def shared_names(self) -> tuple[str, ...]:
+        """Names of the tensors the server averages (parameters and buffers)."""
+        return self.layout.shared
+
+    @property
+    def local_names(self) -> tuple[str, ...]:
+        """Names of the tensors every client keeps for itself."""
+        return self.layout.local
+
+    @property
+    def num_clients(self) -> int:
+        """Number of clients (known once the training data is bound)."""
+        return len(self._require_data())
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the global and client state exist (after ``initialize`` or loading a checkpoint)."""
+        return self.store is not None
+
+    def global_tensors(self) -> dict[str, Tensor]:
+        """The global shared tensors by name (copies)."""
+        self._require_state()
+        return {n: t.detach().clone() for n, t in zip(self.shared_names, self.global_state)}
+
+    def global_view(self) -> dict[str, Tensor]:
+        """The global shared tensors by name, not copied: read them, never modify them."""
+        self._require_state()
+        return dict(zip(self.shared_names, self.global_state))
+
+    def client_tensors(self, client: int) -> dict[str, Tensor]:
+        """What makes ``client``'s model its own, by name (copies): its local part (the initial one if it
+        never trained) and any shared tensors it fine-tuned in a round that did not aggregate."""
+        self._require_state()
+        self.check_client(client)
+        return {n: t.detach().clone() for n, t in self.store.personal(client, self.local_names).items()}
+
+    def check_client(self, client: int) -> None:
+        """Refuse a client id outside the federation (``-1``, a client that never trained, is allowed)."""
+        known = len(self.client_sizes) if self.client_sizes is not None else None
+        if known is None and self.saved_federation is not None:
+            known = self.saved_federation.get("num_clients")
+        if (
+            isinstance(client, bool)
+            or not isinstance(client, int)
+            or client < -1
+            or (known is not None and client >= known)
+        ):
+            raise IndexError(
+                f"client must be a client id in 0..{'' if known is None else known - 1} (or -1 for a client that never "
+                f"trained), got {client!r}."
+            )
+
+    def personalized_state(self, base_state: Mapping[str, Tensor], client: int) -> dict[str, Tensor]:
+        """``base_state`` (a module ``state_dict`` holding the global shared part) made ``client``'s own."""
+        return {**{k: v.detach().clone() for k, v in base_state.items()}, **self.client_tensors(client)}
+
+    def update_global(self, tensors: Mapping[str, Tensor]) -> None:
+        """Overwrite some of the global shared tensors (e.g. a server step after aggregation)."""
+        self._require_state()
+        index = {n: i for i, n in enumerate(self.shared_names)}
+        unknown = set(tensors) - set(index)
+        if unknown:
+            raise KeyError(f"{sorted(unknown)} are not shared; shared tensors are {list(self.shared_names)}.")
+        for name, value in tensors.items():
+            self.global_state[index[name]].copy_(value.detach())
+        if not self.round_open:
+            self._write(self.shared_names, self.global_state)
+
+    def update_client(self, client: int, tensors: Mapping[str, Tensor]) -> None:
+        """Overwrite some of ``client``'s local tensors (e.g. a server step on the heads)."""
+        self._require_state()
+        unknown = set(tensors) - set(self.local_names)
+        if unknown:
+            raise KeyError(
+                f"{sorted(unknown)} are not local to a client; local tensors are {list(self.local_names)}."
+            )
+        current = [t.detach().clone() for t in self.store.get(client)]
+        for i, name in enumerate(self.local_names):
+            if name in tensors:
+                current[i] = tensors[name].detach().to(current[i].device, current[i].dtype)
+        self.store.put(client, current)
+        if client == self.live_client:
+            self._write(self.local_names, current)
+
+    def record(self, **values: float) -> None:
+        """Add columns to the history row of the current (or just closed) round."""
+        self.history.record(self.round_index, {k: float(v) for k, v in values.items()})
+
+    def initialize(self, device: torch.device) -> None:
+        """Snapshot the global shared part and the initial local part from the module (first time),
+        or move the existing state to ``device``."""
+        self._device = torch.device(device)
+        if self.store is None:
+            self.global_state = [t.detach().clone() for t in self._tensors(self.shared_names)]
+            self.store = ClientStore(self._tensors(self.local_names))
+        else:
+            self.global_state = [t.to(device) for t in self.global_state]
+            self.store.to(device)
+
+    def bind_data(self, client_sizes: Sequence[int], batch_size: int, partition: int = 0) -> None:
+        """The clients' training-set sizes (aggregation weights, epoch budgets), the batch size, and a
+        checksum of which samples each client holds (part of the federation's fingerprint)."""
+        self.client_sizes = tuple(int(n) for n in client_sizes)
+        self.batch_size = int(batch_size)
+        self.partition = int(partition)
+        self._plans = {}
+
+    def adopt_new_federation(self) -> None:
+        """Keep the loaded global state and forget the loaded clients (another federation's)."""
+        self.store.local.clear()
+        self.store.optimizer_states.clear()
+        self.store.finetuned.clear()
+        self.saved_federation = None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What makes a checkpoint this federation's: its clients (count, sizes, which samples), the
+        batch size, the algorithm, how rounds are planned (seed, clients per round, phases), ``first_state``."""
+        return federation_fingerprint(
+            self._require_data(), self.partition, self.batch_size, self.algorithm.name, self.config
+        )
+
+    def federation_changes(self, current: Mapping[str, Any] | None = None) -> list[str]:
+        """How this run's federation differs from the one the loaded checkpoint was saved with: all of
+        :meth:`fingerprint`, or only the keys of ``current`` (in evaluation, the clients:
+        :func:`clients_fingerprint`)."""
+        return fingerprint_changes(self.saved_federation, self.fingerprint() if current is None else current)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume the federation exactly (tensors, ints, strings, lists, dicts)."""
+        self._require_state()
+        state: dict[str, Any] = {
+            "version": STATE_VERSION,
+            "algorithm": self.algorithm.name,
+            "algorithm_state": self.algorithm.state_dict(),
+            "shared_names": list(self.shared_names),
+            "local_names": list(self.local_names),
+            "global": [t.detach().clone() for t in self.global_state],
+            "clients": self.store.state_dict(),
+            "history": self.history.state_dict(),
+            "faults": [asdict(f) for f in self.faults],
+            "federation": self.fingerprint() if self.client_sizes is not None else self.saved_federation,
+            "round": {"open": self.round_open, "index": self.round_index},
+            "torch_rng": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        if self.round_open:
+            live = self._live
+            state["round"].update(
+                live_client=-1 if live is None else live.client,
+                live_part=self.live_phase or "",
+                live_tensors=self._eval_stash
+                if self._eval_stash is not None
+                else [t.detach().clone() for t in self._tensors(self.shared_names + self.local_names)],
+                average=self._average.state_dict() if self._average is not None else None,
+                local_average=self._local_average.state_dict() if self._local_average is not None else None,
+                finished=[asdict(r) for r in self._finished],
+                live_counts=[live.steps, live.timed_steps, live.seconds] if live is not None else [],
+                live_fault=live.fault if live is not None else "",
+            )
+            before = self._before_round
+            if before is not None:  # a run resumed from here can still roll the whole round back
+                state["round"]["before"] = {
+                    "round_index": before.round_index,
+                    "rng": before.rng,
+                    "finetuned": before.finetuned,
+                    "clients": before.clients,
+                }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Restore the global state, every client and the history (any stage). The open round is
+        restored separately by :meth:`restore_round`, once the optimizers exist."""
+        if list(state["shared_names"]) != list(self.shared_names) or list(state["local_names"]) != list(
+            self.local_names
+        ):
+            raise ValueError(
+                f"The checkpoint's federated state was saved with algorithm {state['algorithm']!r} sharing "
+                f"{state['shared_names']} and keeping {state['local_names']} local, but this strategy shares "
+                f"{list(self.shared_names)} and keeps {list(self.local_names)}. Use the same algorithm and head "
+                "as when saving."
+            )
+        self.global_state = [t.to(device) if device is not None else t for t in state["global"]]
+        self.store = ClientStore([])
+        self.store.load_state_dict(state["clients"], device)
+        self.history = History()
+        self.history.load_state_dict(state.get("history", []))
+        self.faults = [ClientFault(**f) for f in state.get("faults", [])]
+        self.saved_federation = state.get("federation")
+        self.algorithm.load_state_dict(state.get("algorithm_state", {}))
+
+    def _require_data(self) -> tuple[int, ...]:
+        if self.client_sizes is None:
+            raise RuntimeError(
+                "The federation has not seen the training data yet (it does at the start of fit)."
+            )
+        return self.client_sizes
+
+    def _require_state(self) -> None:
+        if self.store is None:
+            raise RuntimeError("No federated state yet: call trainer.fit(...) or load a checkpoint first.")

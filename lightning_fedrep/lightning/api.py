@@ -1,0 +1,216 @@
+"""The public API of the federated strategies: accessors over the federation and the run (documented in
+the README's *API* section). A mixin of :class:`~lightning_fedrep.lightning.strategy.FederatedStrategyMixin`,
+kept apart from its Lightning hooks."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+from torch import Tensor
+
+from lightning_fedrep.checkpoint_payload import CHECKPOINT_KEY
+from lightning_fedrep.data.module import FederatedDataModule
+from lightning_fedrep.federation import ClientFault, Federation, federation_fingerprint, fingerprint_changes
+from lightning_fedrep.lightning import loading
+from lightning_fedrep.plan import RankShare, RoundPlan, shard_round
+from lightning_fedrep.runners.lockstep.engine import LockstepEngine
+from lightning_fedrep.runners.lockstep.evaluation import evaluation_split
+from lightning_fedrep.runners.report import RunnerReport
+from lightning_fedrep.split import ParameterSplit
+
+
+class StrategyAPI:
+    """Public accessors of a federated strategy (the attributes they read are set by the strategy)."""
+
+    @property
+    def split(self) -> ParameterSplit | None:
+        """Which parameters are head, body and frozen (``None`` before the module is connected)."""
+        return self.federation.split if self.federation is not None else None
+
+    @property
+    def current_client(self) -> int | None:
+        """The client whose state the live module holds during training (``None`` between rounds, and
+        on the vectorized engine, where :attr:`current_clients` train together)."""
+        return self.federation.live_client if self.federation is not None else None
+
+    @property
+    def current_clients(self) -> tuple[int, ...]:
+        """The clients training in the current step: several in lockstep on the vectorized engine, the
+        live client on the sequential path, none between rounds."""
+        return self._run.runner.current_clients if self._run is not None else ()
+
+    @property
+    def current_phase(self) -> str | None:
+        """What trains right now: ``"head"``, ``"body"`` or ``"all"``."""
+        return self._run.runner.current_phase if self._run is not None else None
+
+    @property
+    def runner_report(self) -> RunnerReport | None:
+        """Which runner runs this fit's training steps (``"lockstep"``, the vectorized engine, or
+        ``"sequential"``: :attr:`RunnerReport.runner`), why, decided when, and how each phase kind runs
+        (:class:`~lightning_fedrep.runners.report.RunnerReport`); ``None`` before the first fit's ``setup``."""
+        return self._selection.report
+
+    @property
+    def engine_report(self) -> RunnerReport | None:
+        """The :attr:`runner_report` (its name before the runners)."""
+        return self.runner_report
+
+    @property
+    def runner_settings(self) -> dict[str, Any]:
+        """The lockstep runner's decided settings: ``group_width`` and ``lane_width`` (``None``: a round's
+        clients, the group's), ``client_bytes`` (one client's estimated bytes), ``caching`` and ``split`` (how
+        head phases run on cached features); ``{}`` on the sequential runner."""
+        engine = self._selection.engine
+        if engine is None:
+            return {}
+        return {
+            "group_width": engine.group_width,
+            "lane_width": engine.lane_width,
+            "client_bytes": engine.client_bytes,
+            "caching": engine.caching,
+            "split": engine.split.how if engine.split is not None else None,
+        }
+
+    @property
+    def lockstep_engine(self) -> LockstepEngine | None:
+        """The lockstep runner's engine (its groups, schedules, loss terms: for inspection), ``None`` when
+        the fit runs sequentially."""
+        return self._selection.engine
+
+    @property
+    def num_clients(self) -> int:
+        """Number of clients in the training data."""
+        return self.require_federation().num_clients
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every validated federated round: ``{"round": r, "val/acc": ..., <recorded columns>}`` (the
+        rounds between validations, with only recorded columns, are in ``federation.history.rows``)."""
+        return self.federation.history.evaluated_rows if self.federation is not None else []
+
+    @property
+    def evaluated_clients(self) -> list[int]:
+        """The clients this process evaluates in the current (or last) validation/test: every client with
+        evaluation data on one process, this rank's share on several (``[]`` before any evaluation)."""
+        return list(self._eval_loader.evaluated_clients) if self._eval_loader is not None else []
+
+    def feature_split(self, names: Sequence[str], probe: Tensor) -> Any:
+        """The live module as ``head(features(x))`` with ``names`` as the head, in evaluation mode, verified
+        on ``probe`` (the engine's detection: a :class:`~lightning_fedrep.engine.FeatureSplit`), or ``None``:
+        for a callback that computes a frozen body's output once (``FineTunedEvaluation``)."""
+        return evaluation_split(self.lightning_module, tuple(names), probe)
+
+    @property
+    def faults(self) -> list[ClientFault]:
+        """Every client left out of a round so far: ``ClientFault(round, client, step, reason)``."""
+        return list(self.federation.faults) if self.federation is not None else []
+
+    def results(self) -> dict[str, dict[str, float]]:
+        """The papers' figures: the last validated round (``final``), the mean over the last 10
+        validated rounds (``last10``), the last fine-tuning evaluation (``finetune``)."""
+        return self.federation.history.results() if self.federation is not None else {}
+
+    def round_plan(self, round_index: int) -> RoundPlan:
+        """The frozen plan of a round (sampled clients, in order, their phases' step counts), after
+        every federated callback's ``configure_round``."""
+        self.require_federation()
+        return self._run.plan(round_index)
+
+    def round_shares(self, round_index: int | None = None) -> tuple[RankShare, ...]:
+        """How a round's clients (the current round's by default) are dealt to the processes: each
+        rank's clients and their local steps, balanced by steps (one share on one process)."""
+        r = self.lightning_module.trainer.current_epoch if round_index is None else round_index
+        return shard_round(self.round_plan(r), self.collective.world_size)
+
+    def rank_steps(self, round_index: int | None = None) -> tuple[int, ...]:
+        """The Lightning steps each process trains in a round (the current one by default) before it
+        idles, by rank: every rank runs the largest count, the others pad with idle steps."""
+        r = self.lightning_module.trainer.current_epoch if round_index is None else round_index
+        self.require_federation()
+        return self._run.schedule(r).lengths
+
+    def client_for(self, batch_idx: int, round_index: int | None = None) -> int:
+        """The client that trains on the ``batch_idx``-th batch of a round (the current one by default).
+
+        A callback's or the module's ``on_train_batch_start`` runs before the strategy switches clients.
+        """
+        r = self.lightning_module.trainer.current_epoch if round_index is None else round_index
+        return self.round_plan(r).locate(batch_idx).client
+
+    def global_tensors(self) -> dict[str, Tensor]:
+        """The global shared part, by name (a copy)."""
+        return self.require_federation().global_tensors()
+
+    def update_global(self, tensors: dict[str, Tensor]) -> None:
+        """Overwrite some of the global shared tensors (e.g. a server step after aggregation)."""
+        self.require_federation().update_global(tensors)
+
+    def client_tensors(self, client: int) -> dict[str, Tensor]:
+        """The tensors specific to ``client`` (its local part and any fine-tuned part), by name. A copy."""
+        return self.require_federation().client_tensors(client)
+
+    def update_client(self, client: int, tensors: dict[str, Tensor]) -> None:
+        """Overwrite some of ``client``'s local tensors (e.g. a server step on the heads)."""
+        self.require_federation().update_client(client, tensors)
+
+    def client_state_dict(self, client: int) -> dict[str, Tensor]:
+        """A ``state_dict`` of the user's module personalized for ``client`` (global shared part, its
+        local part, and what it fine-tuned). Load it into a fresh instance of the module to predict."""
+        return self.require_federation().personalized_state(self.lightning_module.state_dict(), client)
+
+    def client_model(self, client: int) -> L.LightningModule:
+        """A copy of the user's module holding ``client``'s personalized model (for prediction or export)."""
+        state = self.client_state_dict(client)
+        module = copy.deepcopy(self.lightning_module)
+        module.load_state_dict(state)
+        return module
+
+    def new_client_model(self) -> L.LightningModule:
+        """What the federation gives a client that never trained: the global shared part with the
+        initial local part (for FedAvg, the global model). The starting point of new clients."""
+        return self.client_model(-1)
+
+    def gather_clients(self) -> None:
+        """Give this process every client's state. A collective: call it on every process. Needed only
+        after a fit with ``client_store="sharded"`` (each rank then holds its own clients), before reading
+        any client (``client_model(i)``, ``client_tensors(i)``) on any rank; a no-op otherwise."""
+        self.require_federation().gather_clients()
+
+    def require_federation(self) -> Federation:
+        """The federation, with an error that says how to get one."""
+        if self.federation is None or not self.federation.has_state:
+            raise RuntimeError("No federated state yet: call trainer.fit(...) or load a checkpoint first.")
+        return self.federation
+
+    def checkpoint_changes(self, checkpoint: dict[str, Any], datamodule: Any, stage: str) -> list[str]:
+        """How ``datamodule``'s clients (and, to resume a ``fit``, this strategy's settings) differ from the
+        federation ``checkpoint`` was saved by: what ``trainer.<stage>(ckpt_path=...)`` checks when the data
+        are loaded, answered before anything runs (the command asks it before it writes anything).
+
+        Raises:
+            FederationMismatch: they differ and ``allow_new_federation`` is not set.
+        """
+        saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("federation")
+        if not saved or not isinstance(datamodule, FederatedDataModule):
+            return []
+        if stage == "predict" and not loading.predictions_read_clients(self):
+            return []
+        if stage == "fit":
+            loader = datamodule.train_dataloader()
+            current = federation_fingerprint(
+                loader.client_sizes(),
+                loader.partition_checksum(),
+                loader.batch_size,
+                self.algorithm.name,
+                self.config,
+            )
+        else:
+            current = loading.training_clients(datamodule) or {"num_clients": datamodule.num_clients}
+        changes = fingerprint_changes(saved, current)
+        if changes and not self.allow_new_federation:
+            loading.check_same_federation(self, changes)
+        return changes

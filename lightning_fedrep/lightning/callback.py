@@ -1,0 +1,167 @@
+"""``FederatedCallback``: the one API through which callbacks take part in a federated run.
+
+A federated callback is a Lightning ``Callback`` (every Lightning hook and ``state_dict`` work as
+usual) with federated hooks the strategy calls, in the order of ``trainer.callbacks``:
+
+====================================================  ===============================================
+hook                                                  when
+====================================================  ===============================================
+``configure_round(trainer, plan) -> plan``            once per round, when it is planned (before its
+                                                      first batch); return ``plan`` or a changed plan
+                                                      (``plan.replace(...)``). Each callback receives
+                                                      the previous one's plan, so they compose.
+``loss_term(trainer, pl_module, batch, step)``        every local training step, right after the
+                                                      user's ``training_step``; a tensor is added to the
+                                                      loss, ``None`` adds nothing (automatic
+                                                      optimization only)
+``vectorized_loss_term(trainer, pl_module)``          once, when the vectorized engine is built (at
+                                                      ``setup``): ``loss_term``'s pure form, a
+                                                      :class:`VectorizedLossTerm` the engine applies
+                                                      per client inside its ``vmap``; ``None`` (the
+                                                      default) keeps a run with ``loss_term`` sequential
+``on_round_start(trainer, pl_module, plan)``          before the round's first step
+``on_client_start(trainer, pl_module, client)``       after a client was loaded, before its first step
+``on_client_end(trainer, pl_module, result)``         after a client's last step of the round and its
+                                                      state was stored (:class:`ClientResult`: steps,
+                                                      measured seconds)
+``on_round_end(trainer, pl_module, result)``          after the round was aggregated, before validation
+                                                      (:class:`RoundResult`)
+====================================================  ===============================================
+
+From any hook, :meth:`FederatedCallback.federation` gives the run's :class:`Federation`: read-only views
+(``split``, ``shared_names``, ``local_names``, ``global_tensors()``, ``client_tensors(c)``,
+``num_clients``, ``history``), the explicit updates ``update_global`` / ``update_client``, and
+:meth:`FederatedCallback.record` adds the callback's own columns to the round's history row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+from lightning_fedrep.algorithms import Algorithm
+from lightning_fedrep.evaluation import ClientMetrics
+from lightning_fedrep.federation import ClientResult, Federation, RoundResult
+from lightning_fedrep.loss_terms import LiveStep, VectorizedLossTerm, no_loss_term
+from lightning_fedrep.plan import RoundPlan
+
+__all__ = [
+    "ClientResult",
+    "FederatedCallback",
+    "FederatedStrategyAPI",
+    "LiveStep",
+    "RoundResult",
+    "VectorizedLossTerm",
+]
+
+
+@runtime_checkable
+class FederatedStrategyAPI(Protocol):
+    """What a federated callback may use of the Trainer's strategy (``FederatedStrategy`` implements it)."""
+
+    algorithm: Algorithm
+    client_metrics: dict[str, ClientMetrics]
+
+    @property
+    def current_client(self) -> int | None: ...
+
+    @property
+    def current_clients(self) -> tuple[int, ...]: ...
+
+    @property
+    def current_phase(self) -> str | None: ...
+
+    @property
+    def history(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def faults(self) -> list[Any]: ...
+
+    @property
+    def evaluated_clients(self) -> list[int]: ...
+
+    def require_federation(self) -> Federation: ...
+
+    def round_plan(self, round_index: int) -> RoundPlan: ...
+
+    def results(self) -> dict[str, dict[str, float]]: ...
+
+
+class FederatedCallback(Callback):
+    """Base class of callbacks that take part in federated rounds (see the module docstring).
+
+    Set ``needs_client_timing = True`` on a callback that reads ``ClientResult.seconds``: the strategy
+    then times every client's steps (synchronising the device on GPU), which it skips otherwise.
+    Set ``needs_every_client = True`` on one that reads or updates clients' state beyond what
+    ``on_client_*`` hands it (a server step over all heads, metrics over every client): on several
+    processes it needs every client on every rank, which ``client_store="sharded"`` refuses at setup.
+    """
+
+    needs_client_timing: bool = False
+    needs_every_client: bool = False
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Refuse a Trainer whose strategy is not federated (subclasses call ``super().setup``)."""
+        self.strategy(trainer)
+
+    # ------------------------------------------------------------------ federated hooks
+    def configure_round(self, trainer: L.Trainer, plan: RoundPlan) -> RoundPlan:
+        """Return the round's plan, changed or not (once per round, before it starts)."""
+        return plan
+
+    @no_loss_term
+    def loss_term(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step: LiveStep
+    ) -> Tensor | None:
+        """A term to add to the live client's training loss, or ``None`` (every local step)."""
+        return None
+
+    def vectorized_loss_term(
+        self, trainer: L.Trainer, pl_module: L.LightningModule
+    ) -> VectorizedLossTerm | None:
+        """Optional: :meth:`loss_term` as a pure per-client function for the vectorized engine, or ``None``.
+
+        Called once when the engine is built (at ``setup``, before ``on_fit_start``: read state that is
+        set later, e.g. per-client tables, when the term runs). The engine applies the returned
+        :class:`VectorizedLossTerm` inside its ``vmap``, once per client per lockstep step; it must add
+        exactly what :meth:`loss_term` adds. ``None`` (the default) sends a run whose callbacks add a
+        :meth:`loss_term` to the sequential path (``engine="auto"``), or refuses it
+        (``engine="vectorized"``). A plain callable is taken as ``VectorizedLossTerm(fn)``."""
+        return None
+
+    def on_round_start(self, trainer: L.Trainer, pl_module: L.LightningModule, plan: RoundPlan) -> None:
+        """Before the round's first step."""
+
+    def on_client_start(self, trainer: L.Trainer, pl_module: L.LightningModule, client: int) -> None:
+        """After ``client`` was loaded into the module, before its first step of the round (on several
+        processes: only on the rank that trains it)."""
+
+    def on_client_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: ClientResult) -> None:
+        """After a client's last step of the round, once its state is stored (on several processes:
+        only on the rank that trained it; decide from :meth:`on_round_end`'s result, which every rank sees)."""
+
+    def on_round_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: RoundResult) -> None:
+        """After the round's aggregation, before validation and checkpoints. On several processes
+        ``result.clients`` holds every rank's clients and every rank holds every client's state."""
+
+    # ------------------------------------------------------------------ helpers
+    def strategy(self, trainer: L.Trainer) -> FederatedStrategyAPI:
+        """The Trainer's federated strategy (a clear error if it has none)."""
+        strategy = trainer.strategy
+        if not isinstance(strategy, FederatedStrategyAPI):
+            raise TypeError(
+                f"{type(self).__name__} takes part in federated rounds: use it with a FederatedStrategy "
+                f"(e.g. Trainer(strategy='fedrep')), not {type(strategy).__name__}."
+            )
+        return strategy
+
+    def federation(self, trainer: L.Trainer) -> Federation:
+        """The run's federation: read-only views of the split and the tensors, and explicit updates."""
+        return self.strategy(trainer).require_federation()
+
+    def record(self, trainer: L.Trainer, **values: float) -> None:
+        """Add ``values`` as columns of the current round's history row (``strategy.history``, summaries)."""
+        self.federation(trainer).record(**values)

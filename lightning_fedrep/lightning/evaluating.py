@@ -1,0 +1,139 @@
+"""The Lightning side of a personalized evaluation pass (validation, test) and of prediction: the pass's
+steps on each batch's client, the logged summaries over clients and the notes, whose content comes from
+:mod:`lightning_fedrep.evaluation` and :mod:`lightning_fedrep.evaluation_records` (Lightning-free)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_fedrep.data.loaders import ClientChunk
+from lightning_fedrep.evaluation import EvaluationPass
+from lightning_fedrep.evaluation_records import gather_pass, non_finite_note, partial_pass_note, pass_values
+from lightning_fedrep.lightning import internals
+from lightning_fedrep.lightning.capture import batch_size_of, capture_logs
+from lightning_fedrep.lightning.loading import warn
+from lightning_fedrep.sharding import IdleStep
+
+PREDICTION_MODES = {
+    "personalized": "personalized predictions, each batch on its client's own model (the global body and the "
+    "client's head); strategy.prediction_clients gives each batch's client",
+    "new_client": "new-client predictions, every batch on the model a client that never trained gets (the "
+    "global body and the initial head), not on the clients' personalized models",
+}
+
+
+def begin(strategy: Any, stage: str) -> None:
+    """Before a pass: the federation evaluates the global shared part with each client's own part."""
+    strategy.require_federation().begin_evaluation()
+    strategy._evaluation = EvaluationPass(
+        stage, capture_logs, batch_size_of, headline=strategy.headline_metrics
+    )
+
+
+def end(strategy: Any, stage: str) -> None:
+    """After a pass: keep its per-client metrics, restore training's state."""
+    evaluation, strategy._evaluation = strategy._evaluation, None
+    if evaluation is not None:
+        strategy.headline_metrics = evaluation.headline
+        if evaluation.metrics.samples:
+            strategy.client_metrics[stage] = evaluation.metrics
+    strategy.federation.end_evaluation()
+
+
+def step(strategy: Any, user_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """One evaluation batch: on its client's personalized model (a batched chunk of clients, or nothing on
+    an idle step); logs the pass's summaries after its last batch."""
+    batch = args[0] if args else kwargs["batch"]
+    batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
+    evaluation, module = strategy._evaluation, strategy.lightning_module
+    plugin = strategy.precision_plugin
+    context = plugin.val_step_context if evaluation.stage == "val" else plugin.test_step_context
+    output = None
+    if isinstance(batch, ClientChunk):
+        strategy._batched_evaluation.add(
+            batch, module, strategy.federation, evaluation.metrics, evaluation.stage, context
+        )
+    elif not isinstance(batch, IdleStep):  # an idle step: this process has evaluated all its clients
+        client = strategy._eval_loader.client_of(batch_idx)
+        strategy.federation.evaluate_client(client)
+        output = evaluation.step(module, lambda: user_step(*args, **kwargs), batch, client, context)
+    if internals.evaluation_ends_now(module.trainer):
+        log(strategy, evaluation)
+    return output
+
+
+def log(strategy: Any, evaluation: EvaluationPass) -> None:
+    """Log every metric's summary over clients; keep the federated rounds' history (validation)."""
+    module, federation, collective = strategy.lightning_module, strategy.federation, strategy.collective
+    trainer = module.trainer
+    if collective.distributed:
+        gather_pass(evaluation, collective.all_gather_object)
+    if evaluation.metrics.samples:  # complete now: callbacks' on_*_end hooks run before the strategy's
+        strategy.client_metrics["sanity" if trainer.sanity_checking else evaluation.stage] = (
+            evaluation.metrics
+        )
+    notes = [non_finite_note(evaluation)]
+    if not trainer.sanity_checking:
+        notes.insert(0, _partial_pass_note(strategy, evaluation))
+    for note in notes:
+        warn(note)
+    in_fit = evaluation.stage == "val" and trainer.state.fn == "fit" and not trainer.sanity_checking
+    prefix = ""
+    if evaluation.stage == "val" and federation.round_index >= 0 and federation.client_sizes is not None:
+        prefix = strategy.round_plan(federation.round_index).prefix
+    if in_fit:
+        strategy._run.validated_round = federation.round_index
+    values = pass_values(evaluation, federation.history, federation.round_index, prefix, in_fit)
+    for key, value in values.items():
+        options = evaluation.logging_options(key.removeprefix(prefix))
+        # the same value on every process: synced only to spare Lightning's warning
+        sync = collective.distributed
+        module.log(key, value, on_step=False, on_epoch=True, batch_size=1, sync_dist=sync, **options)
+
+
+def _partial_pass_note(strategy: Any, evaluation: EvaluationPass) -> str | None:
+    """What a pass cut short (``limit_val_batches``, ``fast_dev_run``) evaluated, read off the Trainer."""
+    loader, trainer = strategy._eval_loader, strategy.lightning_module.trainer
+    if loader is None:
+        return None
+    limit = "limit_val_batches" if evaluation.stage == "val" else "limit_test_batches"
+    batches = trainer.num_val_batches if evaluation.stage == "val" else trainer.num_test_batches
+    cause = "fast_dev_run" if trainer.fast_dev_run else f"{limit}={getattr(trainer, limit)}"
+    sizes = [len(data) for data in loader.clients]
+    return partial_pass_note(evaluation, sizes, batches[0] if batches else None, len(loader), cause)
+
+
+def begin_prediction(strategy: Any) -> None:
+    """Decide whose model predicts (``predict``), say it in a log line, and load the model a new client
+    gets (global shared part, initial local part)."""
+    federated = strategy._predict_loader is not None
+    mode = ("personalized" if federated else "new_client") if strategy.predict == "auto" else strategy.predict
+    if mode == "personalized" and not federated:
+        raise ValueError(
+            "predict='personalized' predicts each batch with its client's own model, but these batches carry "
+            "no client (they do not come from a FederatedDataModule). Predict with datamodule=<the federated "
+            "data module> (each client's test samples), use strategy.client_model(i) for client i's model, or "
+            "pass predict='new_client' (or 'auto')."
+        )
+    strategy.prediction_mode = mode
+    rank_zero_info(f"trainer.predict (predict={strategy.predict!r}): {PREDICTION_MODES[mode]}.")
+    if strategy.federation is not None and strategy.federation.has_state:
+        strategy.federation.load_personalized(-1)
+    strategy.prediction_clients = []
+    strategy._predicting_client = -1
+
+
+def prediction_client(strategy: Any, args: tuple, kwargs: dict) -> None:
+    """Before a predicted batch: with ``predict="personalized"`` load its client's own model."""
+    loader = strategy._predict_loader
+    if loader is None:
+        return
+    batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+    client = loader.client_of(batch_idx)
+    strategy.prediction_clients.append(client)
+    if strategy.prediction_mode == "personalized" and client != strategy._predicting_client:
+        strategy.require_federation().load_personalized(client)
+        strategy._predicting_client = client

@@ -1,0 +1,630 @@
+"""The Lightning strategies: a whole federated training inside one ``Trainer.fit``.
+
+One Lightning epoch is one communication round. Every hook here is thin: it says when Lightning calls
+it and delegates to the Lightning-free :class:`~lightning_fedrep.federation.run.FederatedRun` (rounds,
+callbacks, checkpoint entry) and its runner (:mod:`lightning_fedrep.runners`), to the
+:class:`~lightning_fedrep.federation.Federation`, or to the Lightning glue of this folder (data binding:
+:mod:`~lightning_fedrep.lightning.loading`; evaluation: :mod:`~lightning_fedrep.lightning.evaluating`).
+The public accessors are on :class:`~lightning_fedrep.lightning.api.StrategyAPI`. Lightning behaviour
+relied on beyond the documented hooks lives in :mod:`lightning_fedrep.lightning.internals`.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_fedrep.algorithms import (
+    ALGORITHMS,
+    EPOCH_DEFAULTS,
+    Algorithm,
+    Phase,
+    get_algorithm,
+    parse_phases,
+)
+from lightning_fedrep.arguments import (
+    check_bool,
+    check_choice,
+    check_clients_per_round,
+    check_epoch_shorthands,
+    check_int,
+)
+from lightning_fedrep.callbacks.progress import FederatedProgressBar
+from lightning_fedrep.checkpoint_payload import (
+    CHECKPOINT_KEY,
+    read_federated_entry,
+    refuse_plain_checkpoint_in_fit,
+    round_evaluation_missing,
+)
+from lightning_fedrep.checkpoints import check_federated_state, read_checkpoint
+from lightning_fedrep.collective import Collective
+from lightning_fedrep.data.loaders import EvalLoader
+from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass
+from lightning_fedrep.federation import Federation, FederationConfig
+from lightning_fedrep.federation.run import CallbackBus, FederatedRun, has_loss_terms
+from lightning_fedrep.lightning import evaluating, internals, loading
+from lightning_fedrep.lightning.api import StrategyAPI
+from lightning_fedrep.lightning.callback import FederatedCallback
+from lightning_fedrep.lightning.checks import check_optimizers_cover_split, check_trainer_flags
+from lightning_fedrep.lightning.constraints import constraints_of
+from lightning_fedrep.runners.lockstep.evaluation import BatchedEvaluation
+from lightning_fedrep.runners.selection import RunnerSelection
+from lightning_fedrep.split import HeadSpec, resolve_layout
+
+
+class FederatedStrategyMixin(StrategyAPI):
+    """The federated hooks shared by :class:`FederatedStrategy` (one device) and
+    :class:`~lightning_fedrep.distributed.FederatedDDPStrategy` (several processes): put before a
+    Lightning strategy class in the bases.
+
+    Args:
+        head: the per-client part: module name(s) / parameter-name prefixes, or a compiled regex.
+            ``None`` uses the module's own ``fedrep_head`` attribute.
+        algorithm: a registered name (``"fedrep"``, ``"fedper"``, ``"lg_fedavg"``, ``"fedavg"``,
+            ``"local"``) or an :class:`~lightning_fedrep.algorithms.Algorithm` object.
+        clients_per_round: a fraction in (0, 1] of the clients, or a count, sampled each round.
+        head_epochs: FedRep's local epochs of the head, with the body frozen (first in a round).
+        body_epochs: FedRep's local epochs of the body, with the head frozen (after the head's).
+        local_epochs: local epochs of the other algorithms (everything trains jointly).
+        phases: explicit local phases instead of the shorthands, e.g.
+            ``[Phase("head", steps=10), Phase("body", steps=1)]`` (dicts are accepted too).
+        weighting: ``"samples"`` weights clients by their training-set size (the official code),
+            ``"uniform"`` averages them equally (the paper's Algorithm 1).
+        client_optimizer_state: ``"reset"`` gives every client a fresh optimizer state every round (the
+            official FedRep recipe); ``"keep"`` keeps the optimizer state of each client's *local*
+            part (its head, for FedRep) across rounds; the shared part's state restarts every round.
+        first_state: where a client that has not trained yet starts its local part (its head, for
+            FedRep; LG-FedAvg's local representation), and what it is evaluated with until it trains:
+            ``"initial"``, the module's initial values; ``"average"``, the weighted average of that part
+            over the last aggregated round's clients (the official FedRep/FLUTE/SRPFL code, whose clients
+            alias the global model into which every key, heads included, is averaged each round).
+        evaluate_clients: validation and test score only the first this many clients (ids ``0 .. N-1``);
+            ``None``: every client. The official ``main_local.py`` (Local Only) scores the first
+            ``min(100, n)`` clients with an unweighted mean (``val/acc``).
+        buffers: ``"shared"``: buffers (BatchNorm statistics) follow the body, averaged when the
+            algorithm shares the body; ``"local"`` keeps them per client for every algorithm (FedBN).
+        allow_frozen: keep parameters that are frozen at setup fixed, instead of raising.
+        seed: seeds client sampling (data order is seeded by the data module).
+        headline_metrics: compute ``val/acc`` and ``val/loss`` (``test/``...) from ``model(x)`` on
+            ``(x, y)`` batches, in addition to what the module logs.
+        on_nonfinite: a client whose tensors are not all finite after its round's work (a NaN loss, NaN
+            data, a diverging step): ``"skip"`` leaves it out of the round (nothing it computed is kept,
+            the round aggregates without it, a warning and the history say so); ``"raise"`` stops.
+        allow_new_federation: resume or evaluate a checkpoint with other clients or settings than it was
+            saved with (e.g. fine-tune its global model on new clients); by default that is refused.
+        on_client_error: a client whose step raises: ``"raise"`` stops the run (the open round is rolled
+            back, so a checkpoint written on the exception restarts the round); ``"skip"`` leaves the
+            client out of the round like a non-finite one (sequential path only: one client's steps).
+        engine: how a round's local work runs. ``"vectorized"``: a round's clients train together in
+            lockstep (one Lightning step = one local step of every client; ``torch.func``), head phases
+            on cached body features; exact, but only for a module that declares its loss
+            (``fedrep_loss``), has no random layers or batch norm, and an element-wise optimizer without
+            gradient clipping (an error lists what is missing). ``"sequential"``: one client step per
+            Lightning step, the user's ``training_step`` as is. ``"auto"``: vectorized where exact,
+            else sequential with a one-line message saying why.
+            ``"auto"`` also times, once per fit, whether a phase that cannot use cached features (FedRep's
+            body epoch) is faster in lockstep or one client at a time (the choice is logged and
+            checkpointed), and runs sequentially where the engine would gain nothing.
+        engine_width: at most this many clients train together; ``None``: a round's clients, as many as
+            ``engine_memory`` allows.
+        predict: whose model ``trainer.predict`` runs: ``"personalized"``, each batch's client's own model
+            (needs a federated data module's batches: each client's test samples, client after client);
+            ``"new_client"``, the model a client that never trained gets (global body, initial head);
+            ``"auto"``, personalized where the batches carry their clients (a federated data module), else
+            new_client. A log line says which ran; ``prediction_mode`` holds it and
+            ``prediction_clients`` the client of each batch.
+        engine_memory: bytes a lockstep group may take (tensors, gradients, optimizer state, one step's
+            activations, cached features, per client); ``None``: half a GPU's free memory, a quarter of
+            the host's RAM.
+    """
+
+    def __init__(
+        self,
+        head: HeadSpec = None,
+        algorithm: str | Algorithm = "fedrep",
+        clients_per_round: int | float = 0.1,
+        head_epochs: int = 10,
+        body_epochs: int = 1,
+        local_epochs: int = 1,
+        phases: Sequence[Phase | dict] | None = None,
+        weighting: Literal["samples", "uniform"] = "samples",
+        client_optimizer_state: Literal["reset", "keep"] = "reset",
+        first_state: Literal["initial", "average"] = "initial",
+        evaluate_clients: int | None = None,
+        buffers: Literal["shared", "local"] = "shared",
+        allow_frozen: bool = False,
+        seed: int = 0,
+        headline_metrics: bool = True,
+        on_nonfinite: Literal["skip", "raise"] = "skip",
+        on_client_error: Literal["raise", "skip"] = "raise",
+        allow_new_federation: bool = False,
+        engine: Literal["auto", "vectorized", "sequential"] = "auto",
+        engine_width: int | None = None,
+        engine_memory: int | None = None,
+        predict: Literal["auto", "new_client", "personalized"] = "auto",
+        **kwargs: Any,
+    ):
+        super().__init__(**kwargs)
+        _check_settings(
+            head, head_epochs, body_epochs, local_epochs, allow_frozen, headline_metrics, seed, predict
+        )
+        _check_evaluation_and_engine_settings(
+            allow_new_federation, first_state, evaluate_clients, buffers, engine, engine_width, engine_memory
+        )
+        resolved = get_algorithm(algorithm)
+        # a registered algorithm is shared by name: each strategy gets its own copy of its server state
+        self.algorithm: Algorithm = copy.deepcopy(resolved) if isinstance(algorithm, str) else resolved
+        epochs = {"head_epochs": head_epochs, "body_epochs": body_epochs, "local_epochs": local_epochs}
+        check_epoch_shorthands(
+            self.algorithm, phases is not None, epochs, EPOCH_DEFAULTS, owner=type(self).__name__
+        )
+        self.evaluate_clients, self.predict, self.head, self.buffers = (
+            evaluate_clients,
+            predict,
+            head,
+            buffers,
+        )
+        self.engine, self.engine_width, self.engine_memory = engine, engine_width, engine_memory
+        self.allow_frozen, self.headline_metrics = allow_frozen, headline_metrics
+        self.allow_new_federation = allow_new_federation
+        self.prediction_mode: str | None = None
+        """Whose model the last ``trainer.predict`` ran: ``"personalized"`` or ``"new_client"``."""
+        self.prediction_clients: list[int] = []
+        """After ``trainer.predict`` on a federated data module: the client of each predicted batch, in
+        the order of the returned predictions."""
+        self.config = FederationConfig(
+            phases=parse_phases(phases)
+            if phases is not None
+            else self.algorithm.default_phases(head_epochs, body_epochs, local_epochs),
+            clients_per_round=check_clients_per_round(clients_per_round),
+            weighting=weighting,
+            client_optimizer_state=client_optimizer_state,
+            first_state=first_state,
+            seed=seed,
+            on_nonfinite=on_nonfinite,
+            on_client_error=on_client_error,
+        )
+        self.federation: Federation | None = None
+        """The federated state and round state machine (created when the module's split is known)."""
+        self.client_metrics: dict[str, ClientMetrics] = {}
+        """Per stage (``"val"``, ``"test"``, ``"sanity"``), the last evaluation's per-client metrics."""
+        self.collective: Collective = Collective()
+        """The processes a round's clients are sharded over (one here; several on the DDP strategy)."""
+        self._run: FederatedRun | None = None
+        self._selection = RunnerSelection(engine, engine_width, engine_memory)
+        self._callbacks: list[FederatedCallback] = []
+        self._evaluation: EvaluationPass | None = None
+        self._eval_loader: EvalLoader | None = None
+        self._predict_loader: EvalLoader | None = None
+        self._batched_evaluation: BatchedEvaluation | None = None
+        self._pending: dict[str, Any] | None = None
+        self._restored = False
+        self._labels_checked: set[str] = set()
+        self._checkpoint_path: Any = None
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def connect(self, model: L.LightningModule) -> None:
+        """Called first in every ``fit``/``validate``/``test``: resolve the body/head split."""
+        super().connect(model)
+        self._restored = False
+        self._labels_checked = set()
+        internals.replace_default_progress_bar(model.trainer, FederatedProgressBar)
+        if any(True for _ in model.parameters()):  # else the module builds its layers in configure_model
+            self._resolve_layout(model)
+
+    def _resolve_layout(self, model: torch.nn.Module) -> None:
+        needs_head = self.algorithm.needs_split or any(p.train != "all" for p in self.config.phases)
+        layout = resolve_layout(
+            model, self.head, shares=self.algorithm.shares, needs_head=needs_head, buffers=self.buffers,
+            allow_frozen=self.allow_frozen,
+        )  # fmt: skip
+        if self.federation is None or self.federation.layout != layout:
+            self.federation = Federation(self.algorithm, layout, self.config)
+            zero = lambda: torch.zeros((), device=self.root_device, requires_grad=True)  # noqa: E731
+            self._run = FederatedRun(self.federation, None, CallbackBus(), zero)
+            self._selection.install(self._run, self.algorithm, self.collective)
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        """Called after the module's ``setup`` (and a checkpoint's model state): check the Trainer's
+        settings (fit), create the optimizers, snapshot the global and initial local state, then choose
+        the runner (fit: :mod:`lightning_fedrep.runners.selection`, which says why in one line)."""
+        fit = trainer.state.fn == "fit"
+        if trainer.training or fit:
+            check_trainer_flags(trainer)
+        if self.federation is None:
+            self._resolve_layout(self.lightning_module)
+        _refuse_another_module(self, trainer)
+        super().setup(trainer)
+        module, federation = self.lightning_module, self.federation
+        if fit:
+            check_optimizers_cover_split(self.optimizers, module, federation.split)
+        federation.attach(module, self.optimizers)
+        federation.initialize(self.root_device)
+        federation.collective = self.collective
+        self._callbacks = [c for c in trainer.callbacks if isinstance(c, FederatedCallback)]
+        terms = [c for c in self._callbacks if type(c).loss_term is not FederatedCallback.loss_term]
+        self._run.bus = CallbackBus(self._callbacks, terms, trainer, module)
+        federation.timing = any(c.needs_client_timing for c in self._callbacks)
+        _refuse_manual_loss_terms(fit and not module.automatic_optimization, self.algorithm, self._run.bus)
+        constraints = constraints_of(trainer, module, self.optimizers, self.lr_scheduler_configs, terms)
+        loading.say(
+            self._selection.setup(self._run, constraints, module, self.algorithm, self.collective, fit)
+        )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Called for each data iterable Lightning loads: bind the training ``RoundLoader`` to the run's
+        schedule (the first one decides the runner's details); keep, shard and chunk the evaluation loader."""
+        return loading.bind_loader(self, dataloader)
+
+    # ------------------------------------------------------------------ rounds
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Called right before each training step (after callbacks' and the module's hook): open the
+        round on its first step, switch client(s) and phase."""
+        trainer = self.lightning_module.trainer
+        round_index = trainer.current_epoch
+        loops = lambda: internals.loops_state_at_round_start(trainer, round_index)  # noqa: E731
+        self._run.training_step_starts(round_index, batch_idx, loops)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Called for each training batch (inside the optimizer closure in automatic optimization): the
+        runner's loss (the user's step plus the loss terms; on the lockstep runner every active client's
+        loss, summed, without the user's step). Under manual optimization, the round closes after its last
+        step. A step that trains nothing (an idle process, a failed client) returns a zero that needs grad
+        (``None`` under manual optimization)."""
+        module = self.lightning_module
+        trainer = module.trainer
+        batch = args[0] if args else kwargs["batch"]
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        user_step = lambda: super(FederatedStrategyMixin, self).training_step(*args, **kwargs)  # noqa: E731
+        round_ends = lambda: internals.round_ends_now(trainer)  # noqa: E731
+        log = lambda loss: _log_train_loss(module, loss)  # noqa: E731
+        return self._run.loss(batch, batch_idx, user_step, module.automatic_optimization, round_ends, log)
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """Called for each optimizer step: the runner's step (the user's optimizer; on the lockstep runner
+        the closure, then every client's optimizer; on an idle step the closure alone). Under automatic
+        optimization the round closes after its last step."""
+        module = self.lightning_module
+        step = lambda: super(FederatedStrategyMixin, self).optimizer_step(optimizer, closure, model, **kwargs)  # noqa: E731
+        round_ends = lambda: internals.round_ends_now(module.trainer)  # noqa: E731
+        return self._run.optimizer_step(step, closure, module.automatic_optimization, round_ends)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Called when the run stops on an exception: roll the open round back, so the federation holds
+        what it held before the round (no client half-updated over an unaggregated body)."""
+        _roll_back(self._run)
+        super().on_exception(exception)
+
+    @override
+    def on_train_end(self) -> None:
+        """Called when training ends: close a round cut short (``max_steps``, a stop request)."""
+        loading.warn(self._run.end_training())
+        super().on_train_end()
+
+    # ------------------------------------------------------------------ evaluation
+    @override
+    def on_validation_start(self) -> None:
+        """Called before each validation pass (also mid-round): evaluate the global shared part."""
+        evaluating.begin(self, "val")
+        super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        """Called after each validation pass: keep its per-client metrics, restore training's state."""
+        evaluating.end(self, "sanity" if self.lightning_module.trainer.sanity_checking else "val")
+        super().on_validation_end()
+
+    @override
+    def on_test_start(self) -> None:
+        """Called before testing: evaluate the global shared part with each client's own part."""
+        evaluating.begin(self, "test")
+        super().on_test_start()
+
+    @override
+    def on_test_end(self) -> None:
+        """Called after testing: keep its per-client metrics."""
+        evaluating.end(self, "test")
+        super().on_test_end()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Called for each validation batch: run it on the batch's client's personalized model."""
+        return evaluating.step(self, super().validation_step, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Called for each test batch: run it on the batch's client's personalized model."""
+        return evaluating.step(self, super().test_step, args, kwargs)
+
+    @override
+    def on_predict_start(self) -> None:
+        """Called before predicting (after the data is loaded): decide whose model predicts (``predict``),
+        say it in a log line, and load the model a new client gets (global shared part, initial local part)."""
+        evaluating.begin_prediction(self)
+        super().on_predict_start()
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Called for each predicted batch: with ``predict="personalized"`` and a federated data module, on
+        the batch's client's own model."""
+        evaluating.prediction_client(self, args, kwargs)
+        return super().predict_step(*args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Called when a checkpoint is saved: the module's ``state_dict`` with the *global* shared part and
+        the *initial* local part, so ``load_from_checkpoint`` of the user's module works and does not
+        depend on which client happened to be live. Every client's state is saved separately."""
+        state = super().lightning_module_state_dict()
+        if self.federation is None or not self.federation.has_state:
+            return state
+        return self.federation.personalized_state(state, -1)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Called to write a checkpoint: add the federation's state under ``checkpoint["lightning_fedrep"]``.
+        Written because the run stopped inside a round (``OnExceptionCheckpoint``), it holds the state
+        before that round, and resumes at the round's first step."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        validation_owed = False
+        if (
+            interrupted
+            and self._run is not None
+            and self._run.round_start_loops is not None
+            and _roll_back(self._run)
+        ):
+            checkpoint["loops"] = self._run.round_start_loops
+        elif trainer is not None and "loops" in checkpoint and _round_validation_owed(trainer, self._run):
+            checkpoint["loops"] = internals.loops_state_before_round_validation(checkpoint["loops"])
+            validation_owed = True
+        if self.federation is not None and self.federation.has_state:
+            checkpoint[CHECKPOINT_KEY] = self._run.checkpoint_entry(
+                self.collective, self.optimizers, interrupted, validation_owed
+            )
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Called first when restoring from ``ckpt_path``: keep the federation's state for the loads below."""
+        load = super().load_checkpoint
+        checkpoint = read_checkpoint(
+            checkpoint_path, lambda: load(checkpoint_path, weights_only=weights_only)
+        )
+        self._pending = checkpoint.get(CHECKPOINT_KEY)
+        self._checkpoint_path = checkpoint_path
+        read_federated_entry(checkpoint, checkpoint_path)
+        if self._pending is None:
+            module = self.lightning_module
+            in_fit = module is not None and module._trainer is not None and module.trainer.state.fn == "fit"
+            refuse_plain_checkpoint_in_fit(checkpoint, checkpoint_path, in_fit)
+            rank_zero_info(
+                "The checkpoint has no federated state; every client starts from the module's head."
+            )
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """Called in every stage, before ``setup``: restore the module, the global state, every client."""
+        super().load_model_state_dict(checkpoint, strict=strict)
+        self._restored = True
+        module = self.lightning_module
+        if self.federation is None:
+            self._resolve_layout(module)
+        if self._pending is not None:
+            named = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+            federation = self.federation
+            check_federated_state(
+                self._pending, named, federation.shared_names, federation.local_names, self._checkpoint_path
+            )
+            federation.load_state_dict(self._pending, module.device)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Called in fit only, after ``setup``: restore the RNG, the runner and an interrupted round."""
+        super().load_optimizer_state_dict(checkpoint)
+        state, self._pending = self._pending, None
+        if state is None:
+            return
+        self._selection.checkpoint(self._run, state, self.algorithm, self.collective)
+        state = self._run.restore(state, self.collective)
+        if "optimizers" in state and state["round"]["open"]:  # Lightning restored rank 0's: take this rank's
+            for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+                optimizer.load_state_dict(saved)
+        if not self.federation.round_open and not state.get("validation_owed"):
+            internals.start_next_round_after_restore(
+                self.lightning_module.trainer
+            )  # else its validation first
+
+
+def _log_train_loss(module: L.LightningModule, loss: Callable[[], Any]) -> None:
+    """Log the lockstep runner's mean loss as ``train/loss`` when the loggers would see it."""
+    trainer = module.trainer
+    if internals.step_metrics_reach_loggers(trainer) or internals.round_ends_now(trainer):
+        module.log("train/loss", loss(), on_step=True, batch_size=1)
+
+
+def _roll_back(run: FederatedRun | None) -> bool:
+    """Roll the open round back (warning that it did); whether a round was open."""
+    note = run.roll_back() if run is not None else None
+    loading.warn(note)
+    return note is not None
+
+
+def _round_validation_owed(trainer: L.Trainer, run: FederatedRun | None) -> bool:
+    """Whether a checkpoint written now falls between the end of a round and the end of its validation
+    (written at its last step, or during validation): resuming from it must run that validation again,
+    or the round's evaluation would be missing from the history."""
+    in_fit = trainer.state.fn == "fit" and not trainer.sanity_checking
+    federation = run.federation if run is not None else None
+    validated = run.validated_round if run is not None else -1
+    missing = in_fit and round_evaluation_missing(federation, validated)
+    return missing and internals.round_validation_due(trainer)
+
+
+def _refuse_another_module(strategy: FederatedStrategyMixin, trainer: L.Trainer) -> None:
+    """A federation holds a body and one head per client; a module passed to a later ``fit``/``validate``/
+    ``test`` without ``ckpt_path`` holds one model, whose weights the federation's would silently replace."""
+    federation = strategy.federation
+    held = federation.module if federation is not None and federation.has_state else None
+    if held is None or held is strategy.lightning_module or strategy._restored:
+        return
+    call = str(trainer.state.fn.value)
+    raise ValueError(
+        f"trainer.{call}() was given another module than the one this strategy's federation holds (from an "
+        "earlier fit or checkpoint): its weights would be replaced by the federation's global body and "
+        f"per-client heads without a word. To evaluate a checkpoint, pass ckpt_path (trainer.{call}(model, "
+        f"ckpt_path='best') restores its body and every client's head); to use the federation, pass the module "
+        f"it was fitted with (trainer.lightning_module); to start from this module's own weights, use a new "
+        "strategy (and Trainer)."
+    )
+
+
+def _refuse_manual_loss_terms(manual_fit: bool, algorithm: Algorithm, bus: CallbackBus) -> None:
+    if manual_fit and has_loss_terms(algorithm, bus):
+        raise RuntimeError(
+            "Loss terms (from the algorithm or a FederatedCallback) need automatic optimization; this module "
+            "uses manual optimization."
+        )
+
+
+def _check_settings(
+    head: Any,
+    head_epochs: Any,
+    body_epochs: Any,
+    local_epochs: Any,
+    allow_frozen: Any,
+    headline_metrics: Any,
+    seed: Any,
+    predict: Any,
+) -> None:
+    """Refuse bad strategy arguments at construction (each error names the argument)."""
+    _check_head(head)
+    for name, epochs in (
+        ("head_epochs", head_epochs),
+        ("body_epochs", body_epochs),
+        ("local_epochs", local_epochs),
+    ):
+        check_int(name, epochs, minimum=0)
+    for name, flag in (("allow_frozen", allow_frozen), ("headline_metrics", headline_metrics)):
+        check_bool(name, flag)
+    check_int("seed", seed)
+    check_choice("predict", predict, ("auto", "new_client", "personalized"))
+
+
+def _check_evaluation_and_engine_settings(
+    allow_new_federation: Any,
+    first_state: Any,
+    evaluate_clients: Any,
+    buffers: Any,
+    engine: Any,
+    engine_width: Any,
+    engine_memory: Any,
+) -> None:
+    """Refuse bad strategy arguments at construction (the rest of :func:`_check_settings`)."""
+    check_bool("allow_new_federation", allow_new_federation)
+    check_choice("first_state", first_state, ("initial", "average"))
+    if evaluate_clients is not None:
+        check_int("evaluate_clients", evaluate_clients, minimum=1)
+    if buffers not in ("shared", "local"):
+        raise ValueError(f"buffers must be 'shared' or 'local', got {buffers!r}.")
+    if engine not in ("auto", "vectorized", "sequential"):
+        raise ValueError(f"engine must be 'auto', 'vectorized' or 'sequential', got {engine!r}.")
+    _check_positive_or_none("engine_width", engine_width, "a client count", "a round's clients")
+    _check_positive_or_none(
+        "engine_memory", engine_memory, "a number of bytes", "half a GPU's free memory, a quarter of the RAM"
+    )
+
+
+def _check_head(head: Any) -> None:
+    valid = head is None or isinstance(head, str | re.Pattern)
+    if isinstance(head, Sequence) and not isinstance(head, str):
+        valid = len(head) > 0 and all(isinstance(entry, str) and entry for entry in head)
+    if not valid:
+        raise TypeError(
+            "head must be a module name or parameter-name prefix ('classifier'), a non-empty list of them, "
+            f"a compiled regex (re.compile(...)), or None (the module's `fedrep_head`); got {head!r}."
+        )
+
+
+def _check_positive_or_none(name: str, value: Any, what: str, default: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be {what} >= 1 or None ({default}), got {value!r}.")
+
+
+class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
+    """Personalized federated learning (FedRep and its family) on one device: a whole federated training
+    inside one ``Trainer.fit``, one Lightning epoch per communication round.
+
+    Takes every federated setting of :class:`FederatedStrategyMixin` (``head``, ``algorithm``,
+    ``clients_per_round``, ``head_epochs``, ``body_epochs``, ``local_epochs``, ``phases``, ``weighting``,
+    ``client_optimizer_state``, ``first_state``, ``evaluate_clients``, ``buffers``, ``allow_frozen``, ``seed``, ``headline_metrics``, ``engine``,
+    ``engine_width``, ``engine_memory``), and:
+
+    Args:
+        device: the device to train on; by default the one the Trainer's accelerator picks.
+
+    For several processes (GPUs, nodes) use :class:`~lightning_fedrep.distributed.FederatedDDPStrategy`
+    (``strategy="fedrep_ddp"``, ...).
+    """
+
+    strategy_name = "federated"
+
+    def __init__(self, *args: Any, device: str | torch.device | None = None, **kwargs: Any):
+        super().__init__(*args, device=device or "cpu", **kwargs)
+        # Lightning fills ``parallel_devices`` from ``Trainer(accelerator=..., devices=...)``; the
+        # device then comes from there (SingleDeviceStrategy alone would stay on the CPU).
+        self.parallel_devices = [torch.device(device)] if device is not None else None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register one strategy name per registered algorithm (``"fedrep"``, ``"fedavg"``, ...)."""
+        for name, algorithm in ALGORITHMS.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=algorithm.description, algorithm=name)
+
+    @override
+    def setup_environment(self) -> None:
+        """Called first in a run: refuse several devices or nodes (this strategy runs one process)."""
+        devices = len(self.parallel_devices or [])
+        module = self.lightning_module
+        nodes = internals.requested_num_nodes(module.trainer) if module is not None and module._trainer else 1
+        if devices > 1 or nodes > 1:
+            name = self.algorithm.name if self.algorithm.name in ALGORITHMS else "fedrep"
+            given = f"devices={devices}" if devices > 1 else f"num_nodes={nodes}"
+            raise ValueError(
+                f"{type(self).__name__} runs on one device, but the Trainer was given {given}. For several "
+                f"processes use strategy='{name}_ddp' (lightning_fedrep.FederatedDDPStrategy), or pass devices=1 "
+                "and num_nodes=1."
+            )
+        super().setup_environment()
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """The training device: the Trainer's accelerator device (P15: not SingleDeviceStrategy's CPU)."""
+        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+
+
+FedRepStrategy = FederatedStrategy
+"""The :class:`FederatedStrategy` under FedRep's name (its default algorithm is FedRep; any other may be named)."""

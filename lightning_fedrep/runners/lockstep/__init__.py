@@ -1,0 +1,27 @@
+"""The lockstep runner: a round's clients trained together (``torch.func``), the head phase on cached body
+features, and the rules for when that is exactly the sequential computation (was ``lightning_fedrep.engine``,
+which stays an import path). ``runner.py``: :class:`LockstepRunner` (the runner protocol); ``engine.py``:
+:class:`LockstepEngine`; ``schedule.py`` (lockstep segments), ``group.py`` (stacked client tensors),
+``optimizers.py``, ``contract.py`` (declared loss, feature split), ``probe.py``, ``validity.py`` (why not
+exact), ``sizing.py`` (memory bound, lockstep timing), ``evaluation.py`` (batched personalized evaluation)."""
+
+from lightning_fedrep.runners.lockstep.contract import FeatureSplit, declared_loss, find_feature_split
+from lightning_fedrep.runners.lockstep.engine import LockstepEngine, data_is_deterministic
+from lightning_fedrep.runners.lockstep.runner import LockstepRunner
+from lightning_fedrep.runners.lockstep.schedule import LockstepPlan, Segment, lockstep_plan
+from lightning_fedrep.runners.lockstep.validity import federation_reasons, module_reasons, trainer_reasons
+
+__all__ = [
+    "FeatureSplit",
+    "LockstepEngine",
+    "LockstepPlan",
+    "LockstepRunner",
+    "Segment",
+    "data_is_deterministic",
+    "declared_loss",
+    "federation_reasons",
+    "find_feature_split",
+    "lockstep_plan",
+    "module_reasons",
+    "trainer_reasons",
+]

@@ -1,0 +1,556 @@
+"""``LockstepEngine``: runs a round's local work with its clients in lockstep (the strategy's fast path).
+
+Per Lightning step it computes every active client's loss in one ``torch.func.vmap`` over the
+group's stacked tensors (the module as a pure function of its tensors, with the declared per-sample
+loss, padding masked out), and after Lightning's backward steps every client's own optimizer. In a
+head phase whose body is frozen and deterministic, each client's features are computed once per
+segment and the head trains on them. Finished clients go to the :class:`Federation` exactly as the
+sequential path hands them over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fedrep.algorithms import PART_GROUPS
+from lightning_fedrep.federation import ClientResult, Federation
+from lightning_fedrep.loss_terms import VectorizedLossTerm
+from lightning_fedrep.plan import RoundPlan
+from lightning_fedrep.runners.constraints import move_to_device
+from lightning_fedrep.runners.lockstep import sizing
+from lightning_fedrep.runners.lockstep.contract import FeatureSplit, LossFn, find_feature_split, same_tensor
+from lightning_fedrep.runners.lockstep.group import ClientGroup
+from lightning_fedrep.runners.lockstep.probe import loss_label, probe_problem
+from lightning_fedrep.runners.lockstep.schedule import LockstepPlan, Segment, lockstep_plan
+from lightning_fedrep.untouched import untouched_random_state
+
+SMOKE_GROUP = 4
+"""Clients per group in a smoke run (``fast_dev_run``: one lockstep step is the whole run)."""
+
+MEASURED_CLIENTS = 8
+"""Clients whose steps ``engine="auto"`` times to choose lockstep or one client at a time."""
+
+FEATURE_CHUNK = 1024
+"""Samples per forward pass when a client's features are cached."""
+
+
+def data_is_deterministic(loader: Any) -> str | None:
+    """``None`` if every training batch is a pure function of its sample indices, else why not."""
+    from lightning_fedrep.data.loaders import RoundLoader, datasets_are_deterministic
+
+    if type(loader).client_batches is not RoundLoader.client_batches:
+        return f"{type(loader).__name__} draws its own batches"
+    return datasets_are_deterministic(data.dataset for data in loader.clients)
+
+
+class LockstepEngine:
+    """The vectorized execution of a federation's rounds.
+
+    Args:
+        federation: the federated state it reads clients from and hands them back to.
+        module: the live module, used as a stateless template (``torch.func.functional_call``).
+        optimizer: the user's optimizer (class, param groups, hyper-parameters).
+        loss: the module's declared per-sample loss.
+        width: at most this many clients train together (memory); ``None``: a round's clients.
+        split: how to run the head on cached features (``None``: no caching).
+        loss_terms: the callbacks' vectorized loss terms, applied per client inside the ``vmap``.
+        convert_input: what Lightning does to a training batch before the step (the trainer's precision,
+            e.g. float tensors to float64 under ``precision="64-true"``), applied to the batches the
+            engine draws itself (probe, cached features, timing).
+        to_device: how a batch moves to a device (the face passes Lightning's ``move_data_to_device``).
+    """
+
+    def __init__(
+        self,
+        federation: Federation,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss: LossFn,
+        width: int | None = None,
+        split: FeatureSplit | None = None,
+        loss_terms: Sequence[VectorizedLossTerm] = (),
+        convert_input: Callable[[Any], Any] | None = None,
+        to_device: Callable[[Any, torch.device], Any] | None = None,
+    ):
+        self.federation = federation
+        self.module = module
+        self.user_optimizer = optimizer
+        self.loss_fn = loss
+        self.convert_input = convert_input or (lambda batch: batch)
+        self.to_device = to_device or move_to_device
+        self.probe_problem: str | None = None
+        """Why the engine would not train what ``training_step`` trains (decided in :meth:`bind_loader`:
+        :func:`~lightning_fedrep.runners.lockstep.probe.probe_problem`), or ``None``."""
+        self.loss_terms = list(loss_terms)
+        """Callbacks' vectorized loss terms (those with ``needs_features`` need a feature split)."""
+        self.needs_features = any(term.needs_features for term in self.loss_terms)
+        """Whether uncached steps run the module as ``head(features(x))`` (for the loss terms)."""
+        self.loss_terms_problem: str | None = None
+        """Why the loss terms cannot run on this engine (decided in :meth:`bind_loader`), or ``None``."""
+        self.width = width
+        self.split = split
+        self.caching = split is not None
+        """Whether head phases run on cached features (decided in :meth:`bind_loader`)."""
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.trainable = [
+            n
+            for n in federation.shared_names + federation.local_names
+            if n in dict(module.named_parameters())
+        ]
+        self.param_names = [
+            names.get(id(p)) if names.get(id(p)) in self.trainable else None
+            for group in optimizer.param_groups
+            for p in group["params"]
+        ]
+        self.group: ClientGroup | None = None
+        self.segment: Segment | None = None
+        self._group_index = -1
+        self._active: list[bool] = []
+        self._features: Tensor | None = None
+        self._labels: Tensor | None = None
+        self._loader: Any = None
+        self._schedules: dict[int, LockstepPlan] = {}
+        self._pending: dict[str, Any] | None = None
+        self._cache_decided = split is not None
+        self.group_width: int | None = None
+        """Clients per group after the memory bound (``None``: a round's clients)."""
+        self.lane_width: int | None = None
+        """Clients per lockstep step in phases without cached features (``None``: the group's)."""
+        self._sized = False
+        self.client_bytes = 0
+        """Estimated bytes one client of a lockstep group takes."""
+
+    # ------------------------------------------------------------------ schedule
+    def bind_loader(
+        self, loader: Any, device: torch.device, gather: Callable[[Any], list[Any]] | None = None
+    ) -> str | None:
+        """The round's training loader (cached features are read from it). The first time, check on
+        probe batches that the engine trains what ``training_step`` trains (:attr:`probe_problem`), find
+        the feature split, decide whether head phases run on cached features (and whether the loss terms
+        can run: :attr:`loss_terms_problem`), and return a line saying so (then ``None``).
+
+        On several processes ``gather`` (an all-gather of one object per rank) makes every rank decide
+        alike: the first problem any rank found (in rank order) is every rank's, and head phases run on
+        cached features only where every rank can cache (a rank that ran the engine while another ran
+        the sequential path would wait forever for the other's steps)."""
+        self._loader = loader
+        self._schedules = {}
+        if self._cache_decided:
+            return None
+        self._cache_decided = True
+        probes = self._probe_batches(loader, device)
+        name = loss_label(getattr(self.module, "fedrep_loss", self.loss_fn))
+        with untouched_random_state():  # a training_step may draw from numpy's or Python's generator too
+            problem = probe_problem(self.module, self.loss_fn, name, probes)
+        self.probe_problem = _first_problem(problem, gather)
+        if self.probe_problem is not None:
+            self.split, self.caching = None, False
+            return f"no feature cache: {self.probe_problem}"
+        why = self._decide_split(probes[0][0][0])
+        if gather is not None:
+            every = gather({"loss_terms_problem": self.loss_terms_problem, "no_cache": why})
+            self.loss_terms_problem = next(
+                (v["loss_terms_problem"] for v in every if v["loss_terms_problem"] is not None), None
+            )
+            if why is None:
+                why = next(
+                    (f"rank {r} cannot: {v['no_cache']}" for r, v in enumerate(every) if v["no_cache"]), None
+                )
+        self.caching = why is None and self.split is not None
+        return (
+            f"head phases on cached features ({self.split.how})"
+            if self.caching
+            else f"no feature cache: {why}"
+        )
+
+    def _decide_split(self, x: Tensor) -> str | None:
+        """Find the feature split on probe inputs ``x`` (and check the loss terms' features); returns why
+        head phases cannot run on cached features, or ``None``."""
+        head = self.federation.split.head
+        why = data_is_deterministic(self._loader) if head else "no head marked"
+        if head and (why is None or self.needs_features):
+            self.split = find_feature_split(self.module, head, x)
+            if self.split is None:
+                why = "the module's output is not head(features(x)): declare forward_features/forward_head"
+            elif self.needs_features:
+                self.loss_terms_problem = self._features_of_problem(x)
+        if self.needs_features and self.split is None:
+            self.loss_terms_problem = f"the callbacks' vectorized loss terms need the head's input ({why})"
+        return why
+
+    def _probe_batches(self, loader: Any, device: torch.device) -> list[tuple[Any, int, str]]:
+        """The first batch of the first client with data and the second batch of the last one, as
+        Lightning hands batches to ``training_step`` (each with its ``batch_idx`` and a name). Fetching
+        them draws nothing from the run's generators (a loader's seed, a random transform's noise)."""
+        clients = [c for c in range(len(loader.clients)) if loader.client_size(c)]
+        first, last = clients[0], clients[-1]
+
+        def batch(client: int, step: int) -> Any:
+            with untouched_random_state():
+                fetched = next(iter(loader.client_batches(client, 0, step, 1)))
+            return self._as_stepped(fetched, device)
+
+        return [
+            (batch(first, 0), 0, f"client {first}'s first batch"),
+            (batch(last, 1), 1, f"client {last}'s second batch"),
+        ]
+
+    def _as_stepped(self, batch: Any, device: torch.device) -> Any:
+        """A batch the engine draws itself, as Lightning would hand it to the step: in the trainer's
+        precision, on ``device``."""
+        return self.to_device(self.convert_input(batch), device)
+
+    def _features_of_problem(self, probe: Tensor) -> str | None:
+        """Whether every loss term's ``features_of`` submodule gets exactly the split's features as its
+        input on ``probe`` (the term's features are then what the engine hands it)."""
+        tensors = {**dict(self.module.named_buffers()), **dict(self.module.named_parameters())}
+        with torch.no_grad():
+            features = self.split.features(tensors, probe)
+        names = dict.fromkeys(t.features_of for t in self.loss_terms if t.needs_features and t.features_of)
+        for name in names:
+            seen: list[Any] = []
+            hook = self.module.get_submodule(name).register_forward_pre_hook(
+                lambda _m, args, seen=seen: seen.append(args[0] if args else None)
+            )
+            try:
+                with torch.no_grad():
+                    self.module(probe)
+            finally:
+                hook.remove()
+            got = seen[0] if len(seen) == 1 else None  # called once, on exactly the split's features
+            if not same_tensor(got, features):
+                return (
+                    f"a vectorized loss term takes the input of {name!r} as its features, which is not the "
+                    f"head's input ({self.split.how})"
+                )
+        return None
+
+    def prepare(
+        self,
+        plan: RoundPlan,
+        device: torch.device,
+        measure: bool,
+        memory: int | None = None,
+        smoke: bool = False,
+    ) -> str:
+        """Before the first round of a fit: bound the group width by ``memory`` bytes (default: see
+        :func:`~lightning_fedrep.runners.lockstep.sizing.default_memory_budget`) and, if ``measure``, time whether
+        phases without cached features are faster in lockstep or one client at a time. A smoke run
+        (``fast_dev_run``) trains groups of at most :data:`SMOKE_GROUP` clients. A run resumed from a
+        checkpoint keeps the widths it was saved with. Returns a line saying what was decided."""
+        if not self._sized:
+            self._sized = True
+            width = self._memory_width(plan, device, memory)
+            width = min(width, self.width) if self.width else width
+            self.group_width = min(width, SMOKE_GROUP) if smoke else width
+            self.lane_width = None
+            self._timing = ""
+            if measure and self._pending is None:
+                self._measure_lanes(plan, device)
+        bound = (
+            f"by memory ({self.client_bytes / 2**20:.3g} MiB each; "
+            if self.client_bytes  # not measured when the widths come from a checkpoint
+            else "("
+        )
+        groups = f"groups of up to {self.group_width} clients {bound}the first round has {len(plan.work)})"
+        lanes = (
+            "the other phases one client at a time"
+            if self.lane_width == 1
+            else "the other phases in lockstep"
+        )
+        return f"{groups}; {lanes}{self._timing}"
+
+    def gains(self, plan: RoundPlan) -> bool:
+        """Whether the engine does anything the sequential path does not in rounds like ``plan``: a
+        head phase on cached features, or phases in lockstep."""
+        cached = self.caching and any(phase.train == "head" for phase in plan.phases)
+        return cached or self.lane_width != 1
+
+    def settings(self) -> dict[str, int]:
+        """The widths decided for this run (checkpointed: a resumed run keeps them)."""
+        return {"group_width": self.group_width or 0, "lane_width": self.lane_width or 0}
+
+    def load_settings(self, settings: dict[str, int] | None) -> None:
+        """Keep the widths of the run a checkpoint was saved from."""
+        if settings:
+            self.group_width = settings["group_width"] or None
+            self.lane_width = settings["lane_width"] or None
+            self._sized = True
+            self._timing = " (widths as in the checkpoint)"
+            self._schedules = {}
+
+    def _memory_width(self, plan: RoundPlan, device: torch.device, memory: int | None) -> int:
+        loader, module = self._loader, self.module
+        with untouched_random_state():
+            first = next(iter(loader.client_batches(plan.work[0].client, plan.round, 0, 1)))
+        x, y = self._as_stepped(first, device)
+        loss_fn = self.loss_fn
+        activations = sizing.activation_bytes(lambda: loss_fn(module(x), y).sum())
+        features = 0
+        if self.caching:
+            with torch.no_grad():
+                per_sample = self.split.features(sizing.module_tensors(module), x[:1])
+            largest = max(plan.client_sizes[w.client] for w in plan.work)
+            features = largest * (
+                per_sample.numel() * per_sample.element_size() + y[:1].numel() * y.element_size()
+            )
+        named = dict(module.named_parameters())
+        per_client = sizing.client_bytes((named[n] for n in self.trainable), activations, features)
+        self.client_bytes = per_client
+        budget = memory if memory is not None else sizing.default_memory_budget(device)
+        return sizing.group_width(budget, per_client)
+
+    def _measure_lanes(self, plan: RoundPlan, device: torch.device) -> None:
+        """Decide ``lane_width`` (1 or the group's) by timing the first uncached phase on the first
+        :data:`MEASURED_CLIENTS` clients: one lockstep step of them against their steps one by one."""
+        width = min(self.group_width, len(plan.work), MEASURED_CLIENTS)
+        wide_plan = lockstep_plan(plan, width, cache_head=self.caching)
+        wide = next((s for s in wide_plan.segments if s.group == 0 and not s.cached), None)
+        if wide is None or len(wide.clients) < 2:
+            return
+        narrow_plan = lockstep_plan(plan, width, cache_head=self.caching, uncached_width=1)
+        narrow = [s for s in narrow_plan.segments if s.group == 0 and s.phase_index == wide.phase_index]
+
+        def first_batch(schedule: LockstepPlan, segment: Segment) -> dict[str, Tensor]:
+            with untouched_random_state():
+                batch = next(iter(schedule.batches(self._loader, segment.start)))
+            return self._as_stepped(batch, device)
+
+        def work(segment: Segment, batch: dict[str, Tensor]) -> Callable[[], None]:
+            def run() -> None:
+                self._enter_segment(segment)
+                self._active = segment.active(0)
+                self.loss(batch).backward()
+
+            return run
+
+        self._open_group(wide)
+        try:
+            faster, wide_s, narrow_s = sizing.faster_lane_width(
+                work(wide, first_batch(wide_plan, wide)),
+                [work(s, first_batch(narrow_plan, s)) for s in narrow],
+                device,
+            )
+        finally:
+            self.group, self.segment, self._features, self._labels = None, None, None, None
+            self._group_index = -1
+        self.lane_width = None if faster else 1
+        self._timing = (
+            f" (one step of {len(wide.clients)} clients measured {wide_s * 1e3:.2f} ms in lockstep, "
+            f"{narrow_s * 1e3:.2f} ms one after another)"
+        )
+
+    def mean_loss(self) -> Tensor:
+        """The mean loss of the clients that stepped in the last lockstep (for logging)."""
+        active = torch.tensor(self._active, device=self.last_losses.device)
+        return self.last_losses[active].mean()
+
+    def schedule(self, plan: RoundPlan) -> LockstepPlan:
+        """The round's lockstep schedule (computed once per round plan)."""
+        schedule = self._schedules.get(plan.round)
+        if schedule is None or schedule.plan is not plan:
+            schedule = self.build_schedule(plan)
+            self._schedules = {r: s for r, s in self._schedules.items() if r >= plan.round - 1}
+            self._schedules[plan.round] = schedule
+        return schedule
+
+    def build_schedule(self, plan: RoundPlan) -> LockstepPlan:
+        """``plan`` as lockstep segments with this run's widths (not cached: another rank's part)."""
+        width = min(self.group_width or len(plan.work), max(1, len(plan.work)))
+        return lockstep_plan(plan, width, self.caching, self.lane_width)
+
+    def use_widths(self, settings: dict[str, int]) -> None:
+        """Take the widths another process decided (:meth:`settings`), so every rank schedules alike."""
+        self.group_width = settings["group_width"] or None
+        self.lane_width = settings["lane_width"] or None
+        self._schedules = {}
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, schedule: LockstepPlan, batch_idx: int) -> list[int]:
+        """Before a Lightning step: open its group and phase; returns the clients that start now."""
+        segment, step = schedule.locate(batch_idx)
+        started: list[int] = []
+        if self.group is None or self._group_index != segment.group:
+            resumed = self._open_group(segment)
+            started = [] if resumed else list(segment.group_clients)
+        if self.segment is not segment:
+            self._enter_segment(segment)
+        self._step = step
+        self._active = segment.active(step)
+        return started
+
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        """The sum over the segment's clients of each one's mean loss on its batch (padding masked out)
+        plus the callbacks' vectorized loss terms, each applied per client inside the same ``vmap``
+        (clients that do not step count zero)."""
+        mask = batch["mask"]
+        trained, frozen = self._lane_tensors
+        fixed = self._fixed
+        loss_fn, split = self.loss_fn, self.split
+        terms, phase = self.loss_terms, self.segment.part
+
+        if self.segment.cached:
+            k = torch.arange(mask.shape[0], device=mask.device)[:, None]
+            positions = batch["positions"]
+            inputs, targets = self._features[k, positions], self._labels[k, positions]
+
+            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor | None]:
+                return split.head(tensors, x), x
+
+        elif self.needs_features:
+            inputs, targets = batch["x"], batch["y"]
+
+            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor | None]:
+                features = split.features(tensors, x)
+                return split.head(tensors, features), features
+
+        else:
+            inputs, targets = batch["x"], batch["y"]
+
+            def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor | None]:
+                return torch.func.functional_call(self.module, tensors, (x,)), None
+
+        def client_loss(
+            own: dict[str, Tensor], rest: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor, client: Tensor
+        ) -> Tensor:
+            tensors = {**fixed, **rest, **own}
+            output, features = run(tensors, x)
+            per_sample = loss_fn(output, y)
+            loss = (per_sample * m).sum() / m.sum().clamp_min(1.0)
+            for term in terms:
+                extra = term(tensors, features if term.needs_features else None, m, client, phase)
+                if extra is not None:
+                    loss = loss + extra
+            return loss
+
+        clients = torch.tensor(self.segment.clients, device=mask.device)
+        losses = torch.func.vmap(client_loss)(trained, frozen, inputs, targets, mask, clients)
+        active = torch.tensor(self._active, dtype=losses.dtype, device=losses.device)
+        losses = losses * active
+        self.last_losses = losses.detach()
+        return losses.sum()
+
+    def end_step(self) -> list[ClientResult]:
+        """After Lightning's backward: step every active client; returns clients whose round is done."""
+        group = self.group
+        group.sync_hyperparameters(self.user_optimizer)
+        group.step(self._active)
+        # the user's optimizer.step() never runs here: mark it as stepped (what torch's LR scheduler wrapper
+        # of .step() does), else every epoch scheduler warns that it stepped before the optimizer
+        self.user_optimizer._opt_called = True
+        if self._step == self.segment.length - 1 and self.segment.last_of_group:
+            return self.finish_group()
+        return []
+
+    def finish_group(self) -> list[ClientResult]:
+        """Hand every client of the open group to the federation (also for a round cut short)."""
+        group, federation = self.group, self.federation
+        if group is None:
+            return []
+        keep = federation.config.client_optimizer_state == "keep"
+        local = set(federation.local_names)
+        results = []
+        for k, client in enumerate(group.clients):
+            tensors = {**federation.start_tensors(client), **group.client_tensors(k)}
+            state = group.client_optimizer_state(k, local) if keep else None
+            results.append(federation.store_client(client, tensors, state, group.steps[k]))
+        self.group, self.segment, self._features, self._labels = None, None, None, None
+        self._group_index = -1
+        return results
+
+    def abandon(self) -> None:
+        """Drop the open group without handing its clients to the federation (the round was rolled back)."""
+        self.group, self.segment, self._features, self._labels = None, None, None, None
+        self._group_index = -1
+
+    # ------------------------------------------------------------------ groups and phases
+    def _open_group(self, segment: Segment) -> bool:
+        """Stack the group's starting tensors (or restore a checkpointed group: returns ``True``)."""
+        federation = self.federation
+        pending, self._pending = self._pending, None
+        clients = segment.group_clients
+        starts = [federation.start_tensors(c) for c in clients]
+        stacked = {n: torch.stack([s[n].detach() for s in starts]).clone() for n in self.trainable}
+        kept = [federation.store.optimizer_states.get(c) for c in clients]
+        if federation.config.client_optimizer_state != "keep":
+            kept = [None] * len(clients)
+        self.group = ClientGroup(clients, stacked, self.user_optimizer, self.param_names, kept)
+        resumed = pending is not None and tuple(pending["clients"]) == clients
+        if resumed:
+            self.group.load_state_dict(pending)
+        self._group_index = segment.group
+        trainable = set(self.trainable)
+        named = {**dict(self.module.named_buffers()), **dict(self.module.named_parameters())}
+        self._fixed = {n: t.detach() for n, t in named.items() if n not in trainable}
+        return resumed
+
+    def _enter_segment(self, segment: Segment) -> None:
+        split = self.federation.split
+        groups = PART_GROUPS[segment.part]
+        self._trained = {n for n in self.trainable if split.group(n) in groups}
+        self._lane_tensors = self.group.lanes(segment.lanes, self._trained)
+        self.segment = segment
+        self._features = self._labels = None
+        if segment.cached:
+            self._cache_features(segment)
+
+    @torch.no_grad()
+    def _cache_features(self, segment: Segment) -> None:
+        """Every group client's features (its frozen body on all its training samples) and labels."""
+        device = next(iter(self.group.stacked.values())).device
+        first, stop = segment.lanes
+        stacked = self.group.stacked
+
+        def client_tensors(k: int) -> dict[str, Tensor]:
+            return {**self._fixed, **{n: t[first + k] for n, t in stacked.items()}}
+
+        frozen = [t[first:stop] for n, t in stacked.items() if n not in self._trained]
+        if all(torch.equal(t, t[:1].expand_as(t)) for t in frozen):  # one body for all: one pass
+            batches = self._loader.clients_samples(segment.clients, FEATURE_CHUNK)
+            features, labels = self._features_of(client_tensors(0), batches, device)
+            sizes = [self._loader.client_size(c) for c in segment.clients]
+            features, labels = list(features.split(sizes)), list(labels.split(sizes))
+        else:
+            pairs = [
+                self._features_of(client_tensors(k), self._loader.client_samples(c, FEATURE_CHUNK), device)
+                for k, c in enumerate(segment.clients)
+            ]
+            features, labels = [f for f, _ in pairs], [y for _, y in pairs]
+        longest = max(len(f) for f in features)
+        self._features = features[0].new_zeros((len(features), longest, *features[0].shape[1:]))
+        self._labels = labels[0].new_zeros((len(labels), longest, *labels[0].shape[1:]))
+        for k, (f, y) in enumerate(zip(features, labels)):
+            self._features[k, : len(f)] = f
+            self._labels[k, : len(y)] = y
+
+    def _features_of(
+        self, tensors: dict[str, Tensor], batches: Any, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        features, labels = [], []
+        for batch in batches:
+            x, target = self._as_stepped(batch, device)
+            features.append(self.split.features(tensors, x))
+            labels.append(target)
+        return torch.cat(features), torch.cat(labels)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any] | None:
+        """The open group (its tensors, optimizer states, step counts), or ``None`` between groups."""
+        return None if self.group is None else self.group.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Resume inside a group: it is rebuilt from ``state`` at the next step (features recomputed)."""
+        self.group, self.segment, self._group_index = None, None, -1
+        self._pending = state
+
+
+def _first_problem(problem: str | None, gather: Callable[[Any], list[Any]] | None) -> str | None:
+    """This rank's ``problem``, or on several processes (``gather``) the first any rank found, by rank."""
+    if gather is None:
+        return problem
+    found = [v["probe_problem"] for v in gather({"probe_problem": problem}) if v["probe_problem"] is not None]
+    return found[0] if found else None

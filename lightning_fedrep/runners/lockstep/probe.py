@@ -1,0 +1,226 @@
+"""The probe: the module's own ``training_step`` against its declared loss, on real training batches.
+
+The engine never runs ``training_step``; it trains ``mean(fedrep_loss(module(x), y))``. Before it is
+trusted, :func:`probe_problem` runs both on a few real batches (as Lightning would hand them to the
+step: on the device, in the trainer's precision) and says why they differ, if they do:
+
+- the batch is not ``(inputs, targets)`` tensors (a dict batch), or ``forward`` returns no tensor;
+- the declared loss does not give one loss per sample of the batch (``fedrep_loss="mse"`` on integer
+  labels against a vector of logits: the shapes differ);
+- ``forward`` is random beyond the random layers already refused (two seeds, two outputs further apart
+  than float error: kernels that are not deterministic, GPU atomics, differ only in the last bits);
+- ``training_step``'s loss is not the declared loss's mean (an extra term, label smoothing, ...);
+- ``training_step`` logs something the engine would not (it logs only ``train/loss``, the clients'
+  mean loss), since those ``self.log`` calls would vanish on the engine.
+
+Both sides run in train mode under ``torch.no_grad`` with the same random seed (``fork_rng``: the run's
+own random streams are untouched), so a ``training_step`` that draws random numbers the model's forward
+does not (noise on the inputs) differs, while one whose forward draws them identically matches.
+``self.log`` is captured (nothing reaches Lightning) and torchmetrics states are restored afterwards;
+any other side effect of the user's step (a counter) happens once per probe batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fedrep.runners.lockstep.contract import LossFn, mse_per_sample
+from lightning_fedrep.untouched import untouched_modes
+
+ENGINE_LOG = "train/loss"
+"""The one metric the engine logs from its steps (the mean loss of the clients that stepped)."""
+
+PROBE_SEED = 20_231
+"""The seed both sides of the comparison run under (and, plus one, the second forward's)."""
+
+RTOL, ATOL = 1e-5, 1e-6
+"""How close ``training_step``'s loss and the declared loss's mean must be (float error only)."""
+
+
+def is_pair(batch: Any) -> bool:
+    """Whether ``batch`` is ``(inputs, targets)``: a list or tuple of two tensors."""
+    return isinstance(batch, list | tuple) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)
+
+
+def probe_problem(
+    module: nn.Module, loss_fn: LossFn, loss_name: str, batches: Sequence[tuple[Any, int, str]]
+) -> str | None:
+    """Why the engine would not train what ``module.training_step`` trains on ``batches`` (each
+    ``(batch, batch_idx, where)``, the batch as the step would get it), or ``None``."""
+    with untouched_modes(module):
+        module.train()
+        for batch, batch_idx, where in batches:
+            problem = _batch_problem(batch, where) or _step_problem(
+                module, loss_fn, loss_name, batch, batch_idx, where
+            )
+            if problem is not None:
+                return problem
+    return None
+
+
+def loss_label(loss: Any) -> str:
+    """How a message names the declared loss: ``fedrep_loss='cross_entropy'`` or the callable's name."""
+    return (
+        f"fedrep_loss={loss!r}" if isinstance(loss, str) else f"fedrep_loss={getattr(loss, '__name__', loss)}"
+    )
+
+
+def _batch_problem(batch: Any, where: str) -> str | None:
+    if is_pair(batch):
+        return None
+    kind = type(batch).__name__
+    if isinstance(batch, Mapping):
+        kind = f"a {kind} with keys {sorted(map(str, batch))}"
+    return f"the training batches are {kind}, not (inputs, targets) tensors ({where})"
+
+
+def _step_problem(
+    module: nn.Module, loss_fn: LossFn, loss_name: str, batch: Any, batch_idx: int, where: str
+) -> str | None:
+    x, y = batch
+    with torch.no_grad(), _restored_metrics(module):
+        output = _seeded(lambda: module(x), x.device)
+        if not isinstance(output, Tensor):
+            return (
+                f"the module's forward returns a {type(output).__name__}, not a tensor (the engine's loss "
+                "takes forward's output)"
+            )
+        per_sample = _declared_losses(loss_fn, loss_name, output, y, where)
+        if isinstance(per_sample, str):
+            return per_sample
+        again = _seeded(lambda: module(x), x.device, PROBE_SEED + 1)
+        if not _same_output(output, again):
+            return "the module's forward is random (it differs between two seeds: a random op inside forward)"
+        declared = per_sample.mean()
+        with _captured_logs(module) as logged:
+            try:
+                returned = _seeded(lambda: module.training_step(batch, batch_idx), x.device)
+            except Exception as error:  # noqa: BLE001 (outside Lightning's loop: the sequential path decides)
+                return f"training_step raised {type(error).__name__} on the probe ({where}): {error}"
+    loss = _step_loss(returned)
+    if isinstance(loss, str):
+        return f"training_step {loss} ({where})"
+    if not _close(loss, declared):
+        return (
+            f"training_step's loss {loss.item():.6g} differs from the declared {loss_name} "
+            f"{declared.item():.6g} ({where}): the engine would train the declared loss"
+        )
+    return _logs_problem(logged, loss)
+
+
+def _declared_losses(loss_fn: LossFn, loss_name: str, output: Tensor, y: Tensor, where: str) -> Tensor | str:
+    """The declared loss per sample, or why it is not one loss per sample; ``"mse"`` also needs targets
+    shaped like the outputs (else it broadcasts every output toward the target: logits toward a label)."""
+    batch = output.shape[0]
+    if loss_fn is mse_per_sample and output[0].numel() != y[0].numel():
+        return (
+            f"{loss_name} compares outputs of shape {tuple(output.shape)} with targets of shape "
+            f"{tuple(y.shape)} ({where}): give targets shaped like the outputs (one-hot or real values), or "
+            "declare the loss training_step computes"
+        )
+    try:
+        per_sample = loss_fn(output, y)
+    except Exception as error:  # noqa: BLE001 (the user's loss on the user's batch: any error is the reason)
+        return f"{loss_name} fails on the probe batch ({where}): {type(error).__name__}: {error}"
+    if not isinstance(per_sample, Tensor) or tuple(per_sample.shape) != (batch,):
+        got = tuple(per_sample.shape) if isinstance(per_sample, Tensor) else type(per_sample).__name__
+        return f"{loss_name} gives {got} on a batch of {batch} ({where}), not one loss per sample ({batch},)"
+    return per_sample
+
+
+def _step_loss(returned: Any) -> Tensor | str:
+    """The loss ``training_step`` returned (a tensor or a dict's ``"loss"``), or what is wrong with it."""
+    loss = returned.get("loss") if isinstance(returned, Mapping) else returned
+    if not isinstance(loss, Tensor):
+        return f"returns {type(returned).__name__}, not a loss tensor (None skips the step)"
+    if loss.numel() != 1:
+        return f"returns a loss of shape {tuple(loss.shape)}, not a scalar"
+    return loss.reshape(())
+
+
+def _logs_problem(logged: dict[str, Any], loss: Tensor) -> str | None:
+    """The engine logs only ``train/loss`` (the clients' mean loss): any other metric would vanish."""
+    others = sorted(name for name in logged if name != ENGINE_LOG)
+    if others:
+        return (
+            f"training_step logs {', '.join(map(repr, others))}, which the engine would not log (it runs no "
+            f"training_step; it logs only {ENGINE_LOG!r}, the clients' mean loss)"
+        )
+    value = logged.get(ENGINE_LOG)
+    if value is not None and not _close(torch.as_tensor(value, device=loss.device), loss):
+        return (
+            f"training_step logs {ENGINE_LOG!r} as something other than its loss (the engine logs its loss)"
+        )
+    return None
+
+
+def _same_output(a: Tensor, b: Tensor) -> bool:
+    """Two forwards of one input agree up to float error (NaN equal to NaN): kernels that are not
+    deterministic (GPU atomics) differ in the last bits between calls, a random op by far more. The
+    tolerance is :data:`RTOL`/:data:`ATOL`, at least a few units in the last place of a low precision."""
+    if not isinstance(b, Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    ulps = 8 * torch.finfo(a.dtype).eps
+    return torch.allclose(a, b, rtol=max(RTOL, ulps), atol=max(ATOL, ulps), equal_nan=True)
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    a, b = a.detach().double().reshape(()), b.detach().double().reshape(())
+    return bool(torch.isclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True))
+
+
+def _seeded(call: Callable[[], Any], device: torch.device, seed: int = PROBE_SEED) -> Any:
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return call()
+
+
+@contextmanager
+def _captured_logs(module: nn.Module) -> Iterator[dict[str, Any]]:
+    """``module.log`` (and so ``log_dict``) records into a dict instead of reaching Lightning."""
+    logged: dict[str, Any] = {}
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        logged[name] = value
+
+    module.log = log
+    try:
+        yield logged
+    finally:
+        del module.log
+
+
+@contextmanager
+def _restored_metrics(module: nn.Module) -> Iterator[None]:
+    """Every torchmetrics ``Metric`` in the module keeps the state it had (the probe updates none)."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover (torchmetrics comes with lightning)
+        yield
+        return
+    saved = [(m, _metric_state(m)) for m in module.modules() if isinstance(m, Metric)]
+    try:
+        yield
+    finally:
+        for metric, state in saved:
+            for name, value in state.items():
+                setattr(metric, name, value)
+
+
+def _metric_state(metric: nn.Module) -> dict[str, Any]:
+    names = [*metric._defaults, "_update_count", "_computed", "_forward_cache"]
+    state = {}
+    for name in names:
+        value = getattr(metric, name, None)
+        state[name] = (
+            value.clone() if isinstance(value, Tensor) else list(value) if isinstance(value, list) else value
+        )
+    return state

@@ -1,0 +1,184 @@
+"""The lockstep schedule of a round: which clients train together in each Lightning step.
+
+A round's clients are cut into groups of at most ``width``; each group runs the round's phases one
+after another, and a phase is a *segment* of ``max(steps)`` Lightning steps in which every client of
+the segment's lanes takes its own next local step (a client with fewer steps in the phase is masked
+out once it is done). A phase that does not run on cached features may use narrower lanes than the
+group (``uncached_width``: where one wide step costs more than several narrow ones, e.g. convolutions
+on a CPU); its lanes then run one after another. Every client sees exactly its sequential batches, in
+the same order: its data position is its local step count, continued across phases.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_fedrep.algorithms import Part
+from lightning_fedrep.plan import RoundPlan, steps_per_epoch
+
+if TYPE_CHECKING:
+    from lightning_fedrep.data.loaders import RoundLoader
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Lightning steps ``start .. start + length - 1`` in which a group runs one phase in lockstep."""
+
+    group: int
+    group_clients: tuple[int, ...]
+    """Every client of the group (the tensors stacked together while the group trains)."""
+    lanes: tuple[int, int]
+    """The group positions ``[start, stop)`` that train in this segment."""
+    phase_index: int
+    part: Part
+    steps: tuple[int, ...]
+    """Each client's local steps in this phase (0: it only waits)."""
+    offsets: tuple[int, ...]
+    """Each client's local steps before this phase in the round (the position of its next batch)."""
+    start: int
+    cached: bool
+    """Whether the phase trains the head on features cached from the frozen body."""
+    last_of_group: bool
+
+    @property
+    def clients(self) -> tuple[int, ...]:
+        """The clients that train in this segment (the group's lanes)."""
+        return self.group_clients[self.lanes[0] : self.lanes[1]]
+
+    @property
+    def length(self) -> int:
+        return max(self.steps)
+
+    def active(self, step: int) -> list[bool]:
+        """Which clients take a local step at the segment's ``step``-th Lightning step."""
+        return [step < n for n in self.steps]
+
+
+@dataclass(frozen=True)
+class LockstepPlan:
+    """A round plan as lockstep segments; the training ``RoundLoader`` iterates its batches."""
+
+    plan: RoundPlan
+    segments: tuple[Segment, ...]
+    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_starts", tuple(s.start for s in self.segments))
+
+    @property
+    def round(self) -> int:
+        return self.plan.round
+
+    @property
+    def length(self) -> int:
+        """Lightning steps in the round."""
+        return self.segments[-1].start + self.segments[-1].length if self.segments else 0
+
+    def locate(self, step: int) -> tuple[Segment, int]:
+        """The segment of the round's ``step``-th Lightning step and the step's index inside it."""
+        if not 0 <= step < self.length:
+            raise IndexError(f"step {step} is outside round {self.round} of {self.length} lockstep steps.")
+        segment = self.segments[bisect.bisect_right(self._starts, step) - 1]
+        return segment, step - segment.start
+
+    def batches(self, loader: RoundLoader, start: int = 0) -> Iterator[dict[str, Any]]:
+        """The Lightning batches from step ``start``: per step every group client's next batch, stacked."""
+        for segment in self.segments:
+            if segment.start + segment.length <= start:
+                continue
+            first = max(0, start - segment.start)
+            yield from _segment_batches(loader, self.round, segment, first)
+
+
+def lockstep_plan(
+    plan: RoundPlan, width: int, cache_head: bool, uncached_width: int | None = None
+) -> LockstepPlan:
+    """Cut ``plan``'s clients into groups of at most ``width`` and each group's work into phase segments;
+    phases not on cached features run in lanes of at most ``uncached_width`` clients (default ``width``)."""
+    if width < 1 or (uncached_width is not None and uncached_width < 1):
+        raise ValueError(f"The engine's widths must be >= 1, got {width} and {uncached_width}.")
+    work = [w.client for w in plan.work]
+    segments: list[Segment] = []
+    start = 0
+    groups = [tuple(work[i : i + width]) for i in range(0, len(work), width)]
+    for g, clients in enumerate(groups):
+        per_epoch = [steps_per_epoch(plan.client_sizes[c], plan.batch_size) for c in clients]
+        offsets = [0] * len(clients)
+        group_segments = []
+        for p, phase in enumerate(plan.phases):
+            steps = [phase.num_steps(n) for n in per_epoch]
+            if max(steps) == 0:
+                continue
+            cached = cache_head and phase.train == "head"
+            lane = len(clients) if cached or uncached_width is None else uncached_width
+            for a in range(0, len(clients), lane):
+                b = min(a + lane, len(clients))
+                if max(steps[a:b]) > 0:
+                    lanes_steps, lanes_offsets = tuple(steps[a:b]), tuple(offsets[a:b])
+                    group_segments.append((p, phase.train, (a, b), lanes_steps, lanes_offsets, cached))
+            offsets = [o + s for o, s in zip(offsets, steps)]
+        for i, (p, part, lanes, steps, offs, cached) in enumerate(group_segments):
+            last = i == len(group_segments) - 1
+            segments.append(Segment(g, clients, lanes, p, part, steps, offs, start, cached, last))
+            start += max(steps)
+    return LockstepPlan(plan, tuple(segments))
+
+
+def _segment_batches(
+    loader: RoundLoader, round_index: int, segment: Segment, first: int
+) -> Iterator[dict[str, Any]]:
+    k = len(segment.clients)
+    batch_size = loader.batch_size
+    remaining = [max(0, n - first) for n in segment.steps]
+    if segment.cached:
+        positions = [
+            loader.client_positions(c, round_index, o + first, r) if r else []
+            for c, o, r in zip(segment.clients, segment.offsets, remaining)
+        ]
+    else:
+        sources = [
+            iter(loader.client_batches(c, round_index, o + first, r)) if r else iter(())
+            for c, o, r in zip(segment.clients, segment.offsets, remaining)
+        ]
+    for step in range(first, segment.length):
+        active = [step < n for n in segment.steps]
+        mask = torch.zeros(k, batch_size)
+        if segment.cached:
+            rows = torch.zeros(k, batch_size, dtype=torch.long)
+            for i in range(k):
+                if active[i]:
+                    taken = positions[i][step - first]
+                    rows[i, : len(taken)] = taken
+                    mask[i, : len(taken)] = 1.0
+            yield {"positions": rows, "mask": mask, "active": torch.tensor(active)}
+            continue
+        pairs = [next(sources[i]) if active[i] else None for i in range(k)]
+        yield {**_stack_pairs(pairs, batch_size, mask), "mask": mask, "active": torch.tensor(active)}
+
+
+def _stack_pairs(pairs: list[Any], batch_size: int, mask: Tensor) -> dict[str, Tensor]:
+    """Stack per-client ``(x, y)`` batches into ``[K, batch_size, ...]``, zero-padded; fills ``mask``."""
+    template = next(p for p in pairs if p is not None)
+    if not (
+        isinstance(template, list | tuple)
+        and len(template) == 2
+        and all(isinstance(t, Tensor) for t in template)
+    ):
+        raise TypeError(
+            "The vectorized engine needs training batches of (inputs, targets) tensors; "
+            f"got {type(template).__name__}. Pass engine='sequential' to the strategy."
+        )
+    x = template[0].new_zeros((len(pairs), batch_size, *template[0].shape[1:]))
+    y = template[1].new_zeros((len(pairs), batch_size, *template[1].shape[1:]))
+    for i, pair in enumerate(pairs):
+        if pair is not None:
+            n = pair[0].shape[0]
+            x[i, :n], y[i, :n] = pair
+            mask[i, :n] = 1.0
+    return {"x": x, "y": y}

@@ -1,0 +1,101 @@
+"""How wide the vectorized engine runs: the memory bound on a lockstep group, and a short timing of
+one wide lockstep step against the same clients one after another.
+
+A group of K clients holds K copies of every trainable tensor, their gradients and optimizer state,
+K clients' activations of one step, and (head phases) K clients' cached features. :func:`group_width`
+fits that into a memory budget. Whether a phase that cannot use cached features is faster in lockstep
+depends on the device and the model (a batch-10 convolution is compute-bound on a CPU, so K clients
+at once cost as much as K one after another, plus the batching; on a GPU one wide step costs about
+as much as one narrow step): :func:`faster_lane_width` measures it instead of guessing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+
+OPTIMIZER_SLOTS = 2
+"""Optimizer state tensors per parameter assumed when sizing a group (Adam's two moments; SGD's
+momentum needs one)."""
+
+
+def default_memory_budget(device: torch.device) -> int:
+    """Bytes a lockstep group may use: half the free memory of a GPU, a quarter of a host's RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.5)
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.25)
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: assume 16 GiB
+        return 4 << 30
+
+
+def tensor_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the tensors' elements."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def activation_bytes(step: Callable[[], Tensor]) -> int:
+    """Bytes autograd keeps for the backward of ``step()`` (one client's forward and loss)."""
+    saved = 0
+
+    def pack(t: Tensor) -> Tensor:
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return saved
+
+
+def client_bytes(trainable: Iterable[Tensor], activations: int, cached_features: int) -> int:
+    """Bytes one client of a lockstep group takes: its tensors, gradients, optimizer state, one step's
+    activations and its cached features."""
+    return tensor_bytes(trainable) * (2 + OPTIMIZER_SLOTS) + activations + cached_features
+
+
+def group_width(budget: int, per_client: int) -> int:
+    """How many clients fit in ``budget`` bytes (at least one)."""
+    return max(1, budget // max(1, per_client))
+
+
+def faster_lane_width(
+    wide: Callable[[], None],
+    narrow: list[Callable[[], None]],
+    device: torch.device,
+    repeats: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[bool, float, float]:
+    """Time one lockstep step of K clients (``wide``) against the same K clients' steps one after
+    another (``narrow``), each after a warm-up, best of ``repeats``. Returns whether the wide step is
+    at most as slow, and both times in seconds of ``clock`` (wall-clock seconds by default; tests pass
+    a fake clock that the work advances)."""
+
+    def timed(work: Callable[[], None]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = clock()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return clock() - start
+
+    def all_narrow() -> None:
+        for work in narrow:
+            work()
+
+    wide()
+    all_narrow()
+    wide_s = min(timed(wide) for _ in range(repeats))
+    narrow_s = min(timed(all_narrow) for _ in range(repeats))
+    return wide_s <= narrow_s, wide_s, narrow_s
+
+
+def module_tensors(module: nn.Module) -> dict[str, Tensor]:
+    """The module's buffers and parameters by name."""
+    return {**dict(module.named_buffers()), **dict(module.named_parameters())}

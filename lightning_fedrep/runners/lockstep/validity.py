@@ -1,0 +1,108 @@
+"""When the vectorized engine computes exactly what the sequential path computes, and when not.
+
+:func:`sequential_reasons` lists every reason found (checked at ``setup``, before any step). With
+``engine="auto"`` any reason sends the run to the sequential path with a one-line message; with
+``engine="vectorized"`` it is an error naming them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lightning_fedrep.algorithms import Algorithm
+from lightning_fedrep.loss_terms import adds_loss_term
+from lightning_fedrep.runners.lockstep.contract import declared_loss
+from lightning_fedrep.split import TensorLayout
+
+if TYPE_CHECKING:
+    from lightning_fedrep.runners.constraints import Constraints
+
+PER_PARAMETER_OPTIMIZERS = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adadelta,
+)
+"""Optimizers whose update of a parameter reads only that parameter's gradient and state, so one
+optimizer over K per-client copies is exactly K optimizers."""
+
+_RANDOM_MODULES = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+    nn.RReLU,
+)
+
+
+def module_reasons(module: nn.Module, layout: TensorLayout, constraints: Constraints) -> list[str]:
+    """What in the module (and its Lightning facts, ``constraints``) keeps the engine from being exact."""
+    reasons = []
+    if declared_loss(module) is None:
+        reasons.append(
+            "the module declares no pure loss (set `fedrep_loss` to what training_step computes, e.g. "
+            "fedrep_loss = 'cross_entropy')"
+        )
+    if not constraints.automatic_optimization:
+        reasons.append("manual optimization")
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+            reasons.append(f"batch norm in train mode ({name!r} uses batch statistics)")
+        elif isinstance(sub, _RANDOM_MODULES) and getattr(sub, "p", 1.0) != 0:
+            reasons.append(f"random layer {name!r} ({type(sub).__name__}) in train mode")
+    overridden = constraints.overridden_hooks
+    if overridden:
+        reasons.append(
+            f"the module overrides {', '.join(overridden)} (the engine steps its own per-client copies)"
+        )
+    buffers = {n for n, _ in module.named_buffers()}
+    if buffers & set(layout.local):
+        reasons.append("buffers kept per client (buffers='local')")
+    return reasons
+
+
+def trainer_reasons(constraints: Constraints) -> list[str]:
+    """What in the Trainer's settings or the optimizers (``constraints``) keeps the engine from being exact."""
+    reasons = []
+    optimizers = constraints.optimizers
+    if str(constraints.precision) not in ("32-true", "32", "64-true", "64"):
+        reasons.append(f"precision {constraints.precision!r} (the engine runs full precision)")
+    if constraints.gradient_clip_val:
+        reasons.append("gradient clipping (gradient_clip_val)")
+    if len(optimizers) != 1:
+        reasons.append(f"{len(optimizers)} optimizers (the engine steps one)")
+    elif type(optimizers[0]) not in PER_PARAMETER_OPTIMIZERS:
+        reasons.append(
+            f"{type(optimizers[0]).__name__} is not an optimizer the engine knows to be per-parameter "
+            f"({', '.join(o.__name__ for o in PER_PARAMETER_OPTIMIZERS)})"
+        )
+    if constraints.step_schedulers:
+        reasons.append("a step-interval LR scheduler (it would tick per lockstep, not per client step)")
+    return reasons
+
+
+def federation_reasons(
+    algorithm: Algorithm, callbacks: Sequence[object], vectorized: Collection[int] = ()
+) -> list[str]:
+    """What the algorithm or the federated callbacks add that the engine cannot vectorize; ``vectorized``
+    holds the ``id`` of each callback whose ``vectorized_loss_term`` gave its loss term's pure form."""
+    reasons = []
+    if type(algorithm).loss_term is not Algorithm.loss_term:
+        reasons.append(f"the algorithm {algorithm.name!r} adds a loss term")
+    for callback in callbacks:
+        if adds_loss_term(callback) and id(callback) not in vectorized:
+            reasons.append(f"{type(callback).__name__} adds a loss term without a vectorized form")
+        if getattr(callback, "needs_client_timing", False):
+            reasons.append(f"{type(callback).__name__} measures each client's step time")
+    return reasons

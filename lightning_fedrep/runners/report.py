@@ -1,0 +1,68 @@
+"""Which runner ran a fit's training steps, and why: the public ``strategy.runner_report`` (alias
+``strategy.engine_report``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+Engine = Literal["vectorized", "sequential"]
+DecidedAt = Literal["setup", "first loader", "checkpoint"]
+
+PHASE_PARTS = ("head", "body", "all")
+SEQUENTIAL = "sequential: one client step per Lightning step, the module's own training_step"
+LOCKSTEP = "vectorized: clients in lockstep under torch.func"
+
+
+@dataclass(frozen=True)
+class RunnerReport:
+    """The runner decision of a fit (read-only; ``FederatedStrategy.runner_report``, alias ``engine_report``).
+
+    Attributes:
+        engine: ``"vectorized"`` or ``"sequential"``: what runs the training steps.
+        reason: why, the text of the one log line (``lightning_fedrep: <engine> engine (<reason>).``).
+        decided_at: ``"setup"`` (the settings, module, Trainer, algorithm and callbacks), ``"first loader"``
+            (probe batches, feature cache, widths, measured gain) or ``"checkpoint"`` (a resumed run keeps
+            the engine of the run that saved it). A ``"setup"`` report that says ``"vectorized"`` is
+            provisional: the first training loader may still send the fit to the sequential path.
+        phases: how each kind of phase (``"head"``, ``"body"``, ``"all"``) runs, where it differs: under the
+            vectorized engine head phases may run on cached body features.
+    """
+
+    engine: Engine
+    reason: str
+    decided_at: DecidedAt
+    phases: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phases", MappingProxyType(dict(self.phases)))
+
+    @classmethod
+    def sequential(cls, reason: str, decided_at: DecidedAt) -> RunnerReport:
+        """The sequential path for every phase."""
+        return cls("sequential", reason, decided_at, dict.fromkeys(PHASE_PARTS, SEQUENTIAL))
+
+    @classmethod
+    def vectorized(
+        cls, reason: str, decided_at: DecidedAt, cached: Iterable[str] = (), how: str = ""
+    ) -> RunnerReport:
+        """The vectorized engine; the phase kinds in ``cached`` train on cached features (``how``: the split)."""
+        cached = set(cached)
+        phases = {
+            p: f"{LOCKSTEP}, on cached features ({how})" if p in cached else LOCKSTEP for p in PHASE_PARTS
+        }
+        return cls("vectorized", reason, decided_at, phases)
+
+    @property
+    def runner(self) -> str:
+        """The runner's name: ``"lockstep"`` (the vectorized engine) or ``"sequential"``."""
+        return "lockstep" if self.engine == "vectorized" else "sequential"
+
+    def __str__(self) -> str:
+        return f"{self.engine} engine ({self.reason}), decided at {self.decided_at}"
+
+
+EngineReport = RunnerReport
+"""The name of :class:`RunnerReport` before the runners (kept for existing code)."""

@@ -1,0 +1,251 @@
+"""Which runner runs a fit: the strategy's ``engine=`` setting against what is exact and what is faster.
+
+:meth:`RunnerSelection.setup` runs at ``setup`` (before any step): the reasons the lockstep runner would not
+compute what the sequential runner computes send ``engine="auto"`` to the sequential runner with one line,
+and make ``engine="vectorized"`` an error naming them. :meth:`RunnerSelection.first_loader` runs when the
+first training loader is bound: it decides the feature cache and the widths, and under ``"auto"`` keeps
+the sequential runner where the engine would gain nothing. Lightning-free: the face hands in the Trainer's
+facts as :class:`~lightning_fedrep.runners.constraints.Constraints` and prints the returned line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_fedrep.algorithms import Algorithm
+from lightning_fedrep.collective import Collective
+from lightning_fedrep.federation import Federation
+from lightning_fedrep.federation.run import FederatedRun, loss_terms
+from lightning_fedrep.loss_terms import VectorizedLossTerm
+from lightning_fedrep.plan import RoundPlan
+from lightning_fedrep.runners.constraints import Constraints
+from lightning_fedrep.runners.lockstep.contract import declared_loss
+from lightning_fedrep.runners.lockstep.engine import LockstepEngine
+from lightning_fedrep.runners.lockstep.runner import LockstepRunner
+from lightning_fedrep.runners.lockstep.validity import federation_reasons, module_reasons, trainer_reasons
+from lightning_fedrep.runners.report import RunnerReport
+from lightning_fedrep.runners.sequential import SequentialRunner
+from lightning_fedrep.runners.sharded import Sharded
+
+EngineMode = Literal["auto", "vectorized", "sequential"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A runner decision: the lockstep engine (``None``: the sequential runner), the report (``None``:
+    unchanged) and the line to log (``None``: none)."""
+
+    engine: LockstepEngine | None
+    report: RunnerReport | None = None
+    line: str | None = None
+
+
+def build_engine(
+    mode: EngineMode,
+    constraints: Constraints,
+    module: nn.Module,
+    federation: Federation,
+    algorithm: Algorithm,
+    callbacks: Sequence[Any],
+    width: int | None,
+) -> Decision:
+    """The lockstep engine for this fit, or the sequential runner (``mode="auto"`` where the engine would
+    not be exact); raises for ``mode="vectorized"`` where it would not be exact."""
+    if mode == "sequential":
+        return Decision(None, RunnerReport.sequential("engine='sequential'", "setup"))
+    terms = {id(c): _loss_term(c, answer) for c, answer in constraints.vectorized_terms()}
+    reasons = (
+        module_reasons(module, federation.layout, constraints)
+        + trainer_reasons(constraints)
+        + federation_reasons(algorithm, callbacks, {i for i, term in terms.items() if term is not None})
+    )
+    if federation.config.on_client_error == "skip":
+        reasons.append(
+            "on_client_error='skip' leaves out the one client whose step raised, which needs its own steps"
+        )
+    if reasons:
+        if mode == "vectorized":
+            raise ValueError(
+                "engine='vectorized' would not compute what the sequential path computes: "
+                f"{'; '.join(reasons)}. Remove what is listed, or pass engine='auto' (falls back to the "
+                "sequential path) or engine='sequential'."
+            )
+        report = RunnerReport.sequential("; ".join(reasons), "setup")
+        return Decision(None, report, f"lightning_fedrep: sequential engine ({'; '.join(reasons)}).")
+    report = RunnerReport.vectorized(
+        "nothing at setup keeps it sequential; the first loader decides", "setup"
+    )
+    engine = LockstepEngine(
+        federation,
+        module,
+        constraints.optimizers[0],
+        declared_loss(module),
+        width,
+        loss_terms=list(terms.values()),
+        convert_input=constraints.convert_input,
+        to_device=constraints.to_device,
+    )
+    return Decision(engine, report)
+
+
+def _loss_term(callback: Any, term: Any) -> VectorizedLossTerm | None:
+    """A callback's ``vectorized_loss_term`` answer as a :class:`VectorizedLossTerm` (a plain callable
+    gets the defaults), or ``None``."""
+    if term is None or isinstance(term, VectorizedLossTerm):
+        return term
+    if not callable(term):
+        raise TypeError(
+            f"{type(callback).__name__}.vectorized_loss_term must return a VectorizedLossTerm, a callable or "
+            f"None, got {term!r}."
+        )
+    return VectorizedLossTerm(term)
+
+
+def start_engine(
+    engine: LockstepEngine,
+    mode: EngineMode,
+    loader: Any,
+    plan: RoundPlan,
+    device: torch.device,
+    memory: int | None,
+    smoke: bool,
+    collective: Collective | None = None,
+) -> Decision:
+    """On the fit's first training loader: check on probe batches that the engine trains what
+    ``training_step`` trains, decide the feature cache and the widths and say so in one line; the
+    sequential runner where ``mode="auto"`` keeps it (``mode="vectorized"`` raises where the engine
+    would not train what the step trains). Later loaders change nothing.
+    On several processes every rank takes the first probe problem any rank found (so all fall back
+    together), caches features only where every rank can, takes rank 0's lane choice (its timing decides
+    for all) and the smallest group width any rank's memory allows."""
+    distributed = collective is not None and collective.distributed
+    cache = engine.bind_loader(loader, device, collective.all_gather_object if distributed else None)
+    if cache is None:
+        return Decision(engine)
+    if engine.probe_problem is not None or engine.loss_terms_problem is not None:
+        reason = engine.probe_problem or engine.loss_terms_problem
+        fix = (
+            "The engine runs no training_step: it trains mean(fedrep_loss(module(x), y)) on (inputs, targets) "
+            "batches and logs only 'train/loss'; make the module match that"
+            if engine.probe_problem is not None
+            else "Declare forward_features/forward_head on the module (its features being what the loss terms "
+            "take)"
+        )
+        if mode == "vectorized":
+            raise ValueError(
+                f"engine='vectorized' cannot run here: {reason}. {fix}, or pass engine='auto' (falls back to "
+                "the sequential path) or engine='sequential'."
+            )
+        report = RunnerReport.sequential(reason, "first loader")
+        return Decision(None, report, f"lightning_fedrep: sequential engine ({reason}).")
+    if engine.caching and not any(phase.train == "head" for phase in plan.phases):
+        cache = f"no head phase in the first round; any later one on cached features ({engine.split.how})"
+    widths = engine.prepare(plan, device, measure=mode == "auto" and not smoke, memory=memory, smoke=smoke)
+    if distributed:  # rank 0's timing, the smallest memory bound
+        every = collective.all_gather_object(engine.settings())
+        bounded = [s["group_width"] for s in every if s["group_width"]]
+        engine.use_widths(
+            {"group_width": min(bounded) if bounded else 0, "lane_width": every[0]["lane_width"]}
+        )
+    if mode == "auto" and not engine.gains(plan):
+        no_gain = f"no cached features and no gain in lockstep: {widths}"
+        report = RunnerReport.sequential(no_gain, "first loader")
+        return Decision(None, report, f"lightning_fedrep: sequential engine ({no_gain}).")
+    cached = ("head",) if engine.caching else ()
+    how = engine.split.how if cached else ""
+    report = RunnerReport.vectorized(f"{cache}; {widths}", "first loader", cached, how)
+    return Decision(engine, report, f"lightning_fedrep: vectorized engine ({cache}; {widths}).")
+
+
+class RunnerSelection:
+    """The runner of a fit, decided at ``setup``, on the first training loader and on a resumed checkpoint;
+    every decision installs the runner (always wrapped in :class:`Sharded`) on the :class:`FederatedRun`.
+
+    Args:
+        mode: the strategy's ``engine=`` setting.
+        width: ``engine_width`` (clients per lockstep group at most).
+        memory: ``engine_memory`` (bytes a lockstep group may take).
+    """
+
+    def __init__(self, mode: EngineMode, width: int | None, memory: int | None):
+        self.mode = mode
+        self.width = width
+        self.memory = memory
+        self.report: RunnerReport | None = None
+        """Which runner runs this fit's training steps and why (``None`` before the first fit's ``setup``)."""
+        self.engine: LockstepEngine | None = None
+
+    def install(self, run: FederatedRun, algorithm: Algorithm, collective: Collective) -> None:
+        """Give ``run`` the runner decided so far (sequential until :meth:`setup` decides)."""
+        notify = run.bus.notify
+        inner = (
+            LockstepRunner(self.engine, notify)
+            if self.engine is not None
+            else SequentialRunner(run.federation, notify, loss_terms(algorithm, run.federation, run.bus))
+        )
+        run.runner = Sharded(inner, collective)
+
+    def _take(self, decision: Decision) -> str | None:
+        self.engine = decision.engine
+        if decision.report is not None:
+            self.report = decision.report
+        return decision.line
+
+    def setup(
+        self,
+        run: FederatedRun,
+        constraints: Constraints,
+        module: nn.Module,
+        algorithm: Algorithm,
+        collective: Collective,
+        fit: bool,
+    ) -> str | None:
+        """At ``setup``: the runner for a fit (the sequential one for other stages); returns the line to log."""
+        self.engine = None
+        line = None
+        if fit:
+            callbacks = run.bus.callbacks
+            decision = build_engine(
+                self.mode, constraints, module, run.federation, algorithm, callbacks, self.width
+            )
+            line = self._take(decision)
+        self.install(run, algorithm, collective)
+        return line
+
+    def first_loader(
+        self,
+        run: FederatedRun,
+        loader: Any,
+        plan: RoundPlan,
+        device: torch.device,
+        smoke: bool,
+        algorithm: Algorithm,
+        collective: Collective,
+    ) -> str | None:
+        """When a training loader is bound (only the first one decides); returns the line to log."""
+        if self.engine is None:
+            return None
+        decision = start_engine(
+            self.engine, self.mode, loader, plan, device, self.memory, smoke=smoke, collective=collective
+        )
+        line = self._take(decision)
+        self.install(run, algorithm, collective)
+        return line
+
+    def checkpoint(
+        self, run: FederatedRun, state: dict[str, Any], algorithm: Algorithm, collective: Collective
+    ) -> None:
+        """A resumed ``engine="auto"`` run keeps the runner of the run that saved the checkpoint."""
+        if self.engine is not None and self.mode == "auto" and "engine" not in state:
+            self._take(
+                Decision(
+                    None,
+                    RunnerReport.sequential("the checkpoint was written by a sequential run", "checkpoint"),
+                )
+            )
+            self.install(run, algorithm, collective)
