@@ -29,7 +29,6 @@ from lightning_fedrep.data.partition import (
     Partitioner,
     ShardPartitioner,
 )
-from lightning_fedrep.distributed import FederatedDDPStrategy
 from lightning_fedrep.export import personalized_state_dict
 from lightning_fedrep.federation import (
     ClientFault,
@@ -39,7 +38,12 @@ from lightning_fedrep.federation import (
     Federation,
     RoundResult,
 )
-from lightning_fedrep.hooks import FederatedCallback, LiveStep, VectorizedLossTerm
+from lightning_fedrep.federation.algorithms.fedprox import FedProx
+from lightning_fedrep.federation.algorithms.scaffold import Scaffold
+from lightning_fedrep.federation.objective import GradTransform, LossTerm, Objective, ParamTransform, StepView
+from lightning_fedrep.lightning.callback import FederatedCallback, LiveStep, VectorizedLossTerm
+from lightning_fedrep.lightning.ddp import FederatedDDPStrategy
+from lightning_fedrep.lightning.strategy import CHECKPOINT_KEY, FederatedStrategy, FedRepStrategy
 from lightning_fedrep.participation import (
     DynamicExponential,
     FixedExponential,
@@ -49,7 +53,6 @@ from lightning_fedrep.participation import (
 from lightning_fedrep.plan import ClientWork, RoundPlan, RoundSpec, StepLocation
 from lightning_fedrep.runners.report import EngineReport, RunnerReport
 from lightning_fedrep.split import ParameterSplit, SplitError, resolve_split
-from lightning_fedrep.strategy import CHECKPOINT_KEY, FederatedStrategy, FedRepStrategy
 
 __all__ = [
     "ALGORITHMS",
@@ -65,6 +68,8 @@ __all__ = [
     "DirichletPartitioner",
     "DynamicExponential",
     "EngineReport",
+    "FedProx",
+    "Scaffold",
     "FedRep",
     "FedRepStrategy",
     "FederatedCallback",
@@ -78,13 +83,18 @@ __all__ = [
     "HeadFineTuning",
     "IIDPartitioner",
     "LatencyModel",
+    "GradTransform",
     "LiveStep",
+    "LossTerm",
+    "Objective",
+    "ParamTransform",
     "NaturalPartitioner",
     "NeuralCollapse",
     "OrthonormalBody",
     "ParameterSplit",
     "Partitioner",
     "Phase",
+    "StepView",
     "RoundPlan",
     "RoundResult",
     "RoundSpec",

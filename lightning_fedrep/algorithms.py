@@ -9,8 +9,8 @@ The strategy never checks an algorithm's name. It asks the algorithm object:
 * :meth:`Algorithm.aggregator` — what reduces the round's per-client updates (a streaming
   ``WeightedMean`` by default; ``Stacked`` keeps every client's update, for median or trimmed mean);
 * :meth:`Algorithm.aggregate` — the new global shared state from the round's aggregator;
-* :meth:`Algorithm.loss_term` — an extra term added to every local training loss (e.g. FedProx's
-  proximal term);
+* :meth:`Algorithm.objective` — the local objective of a phase: loss terms added to every local
+  training loss (e.g. FedProx's proximal term) and step transforms (``federation.objective``);
 * :meth:`Algorithm.state_dict` — server state the algorithm keeps across rounds (saved in checkpoints).
 
 A new algorithm is a subclass (or an instance) passed as ``FederatedStrategy(algorithm=...)``, or
@@ -27,6 +27,8 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from lightning_fedrep.federation.aggregation import Aggregator, WeightedAverage
+    from lightning_fedrep.federation.algorithm import ClientEnd, ClientOutcome, ClientTensors, ServerTensors
+    from lightning_fedrep.federation.objective import Objective
 
 Part = Literal["head", "body", "all"]
 """What trains in a local phase: the head, the body, or both."""
@@ -143,13 +145,43 @@ class Algorithm:
         """
         return average.mean(global_state)
 
+    def objective(self, phase: str) -> Objective:
+        """The local objective of a phase training ``phase`` (``"head"``, ``"body"``, ``"all"``): loss terms
+        and step transforms (:mod:`lightning_fedrep.federation.objective`), run by both runners where they
+        are vmappable. Called once per fit and phase part, at ``setup``. The default adds nothing."""
+        from lightning_fedrep.federation.objective import Objective
+
+        return Objective()
+
     def loss_term(self, module: nn.Module, global_state: Mapping[str, Tensor]) -> Tensor | None:
-        """An extra term for the live client's training loss, or ``None`` (called every local step).
+        """Deprecated (write :meth:`objective`, which also runs on the lockstep runner): an extra term for
+        the live client's training loss, or ``None`` (called every local step; sequential runner only).
 
         ``global_state`` maps shared tensor names to the round's starting global values (read-only).
         Automatic optimization only.
         """
         return None
+
+    client_tensors: tuple[ClientTensors, ...] = ()
+    """Extra per-client tensors the algorithm keeps (e.g. SCAFFOLD's control variates): stored, checkpointed,
+    rolled back and moved between processes with the client; :meth:`finish_client` updates them."""
+
+    server_tensors: tuple[ServerTensors, ...] = ()
+    """Extra server tensors (e.g. server momentum); the v2 :meth:`aggregate` reads and replaces them."""
+
+    def finish_client(self, end: ClientEnd) -> ClientOutcome:
+        """After a client's last local step of a round: what it uploads to the aggregator, its new declared
+        client tensors, its metrics (called once per client that trained with finite values). The default
+        uploads the shared tensors' end values and leaves the client tensors as they are.
+
+        A v2 :meth:`aggregate` has the signature ``aggregate(self, server: ServerState, results: RoundResults,
+        failures: Sequence[ClientFault]) -> tuple[ServerState, dict[str, float]]`` (told apart from the v1 one
+        by its parameter names): it receives the server state (global shared tensors, server tensors), the
+        round's reduction and the clients left out, and returns the new server state and history metrics.
+        """
+        from lightning_fedrep.federation.algorithm import ClientOutcome
+
+        return ClientOutcome(upload=end.shared())
 
     def state_dict(self) -> dict[str, Any]:
         """Server state kept across rounds (e.g. server momentum); saved with the federation."""

@@ -19,9 +19,10 @@ from torch import Tensor
 
 from lightning_fedrep.federation import STATE_VERSION
 
-LOADABLE_VERSIONS = (1, STATE_VERSION)
+LOADABLE_VERSIONS = (1, 2, STATE_VERSION)
 """The versions of the federated state (``checkpoint["lightning_fedrep"]["version"]``) this package loads
-(version 1 kept its history as a list of rows and had no fingerprint, fine-tuned tensors or faults)."""
+(version 1 kept its history as a list of rows and had no fingerprint, fine-tuned tensors or faults; version 2
+had no declared server tensors ``"server"`` nor client tensors ``clients["tensors"]``: it loads as holding none)."""
 
 
 class CheckpointError(ValueError):
@@ -60,7 +61,7 @@ def check_version(state: Any, path: Any) -> None:
         )
     version = state.get("version")
     if version not in LOADABLE_VERSIONS:
-        loadable = " and ".join(str(v) for v in LOADABLE_VERSIONS)
+        loadable = ", ".join(str(v) for v in LOADABLE_VERSIONS[:-1]) + f" and {LOADABLE_VERSIONS[-1]}"
         found = "has no version field" if version is None else f"is version {version!r}"
         raise CheckpointError(
             f"The checkpoint {path}'s federated state {found}; this lightning_fedrep loads versions {loadable} "

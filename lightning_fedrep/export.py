@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fedrep.checkpoint_payload import CHECKPOINT_KEY
 from lightning_fedrep.checkpoints import check_version, read_checkpoint
 from lightning_fedrep.federation.store import ClientStore
-from lightning_fedrep.strategy import CHECKPOINT_KEY
 
 
 def personalized_state_dict(checkpoint: str | Path | dict[str, Any], client: int) -> dict[str, Tensor]:

@@ -1,8 +1,8 @@
-"""The loss-term types of the algorithm API, shared by algorithms, callbacks and the engine.
+"""The deprecated callback loss-term types (superseded by :mod:`lightning_fedrep.federation.objective`).
 
-:class:`LiveStep` is what a sequential loss term is asked for; :class:`VectorizedLossTerm` is a loss term's
-pure per-client form, applied by the vectorized engine. They live here, beside the algorithm API and free
-of Lightning, so that the engine and callbacks can both use them without importing each other
+:class:`LiveStep` is what a callback's deprecated ``loss_term`` is asked for; :class:`VectorizedLossTerm` is
+its pure per-client form (``vectorized_loss_term``). ``FederatedCallback.objective`` adapts both into one
+:class:`~lightning_fedrep.federation.objective.LossTerm`. Free of Lightning, in the core
 (``lightning_fedrep.hooks`` re-exports them).
 """
 

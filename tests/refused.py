@@ -15,6 +15,7 @@ checkpoint of such a fit on ``datamodule``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import tempfile
 from dataclasses import dataclass
@@ -32,12 +33,14 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     DynamicExponential,
     FederatedDataModule,
     FederatedDDPStrategy,
+    FedProx,
     FedRepStrategy,
     FineTunedEvaluation,
     FixedExponential,
     HeadFineTuning,
     IIDPartitioner,
     NeuralCollapse,
+    Objective,
     OrthonormalBody,
     RunSummary,
     ShardPartitioner,
@@ -127,9 +130,26 @@ def resume(name: str) -> None:
         fit(ckpt_path=name)
 
 
+def resume_stored(name: str, algorithm: str) -> None:
+    """``fit`` with ``algorithm`` resumed from the stored checkpoint ``tests/data/<name>``, copied into a
+    temporary working folder (so the message names it the same way in every run)."""
+    stored = Path(__file__).resolve().parent / "data" / name
+    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
+        Path(name).write_bytes(stored.read_bytes())
+        fit(strategy=FedRepStrategy(algorithm=algorithm), ckpt_path=name)
+
+
 def predict(strategy: Any, dataloaders: Any) -> None:
     """``trainer.predict`` of the tiny model on ``dataloaders``."""
     quiet_trainer(strategy=strategy).predict(TinyNet(), dataloaders=dataloaders)
+
+
+class UnbatchedProx(FedProx):
+    """FedProx whose proximal term says it cannot run inside the lockstep runner's ``vmap``."""
+
+    def objective(self, phase: str) -> Objective:
+        (term,) = super().objective(phase).terms
+        return Objective(terms=(dataclasses.replace(term, vmappable=False),))
 
 
 class SmoothingNet(TinyNet):
@@ -146,6 +166,21 @@ class SmoothingNet(TinyNet):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(self(x), y, label_smoothing=0.2)
+
+
+class LSTMNet(TinyNet):
+    """Declares cross-entropy; its body is an ``nn.LSTM`` (6 inputs read as 3 steps of 2), which
+    ``torch.func.vmap`` cannot batch."""
+
+    fedrep_loss = "cross_entropy"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.LSTM(2, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.body(x.reshape(len(x), 3, 2))
+        return self.classifier(out[:, -1])
 
 
 class AdamNet(TinyNet):
@@ -227,7 +262,8 @@ CASES = [
     # the strategy
     Refused("FedRepStrategy(head=3)", TypeError, "head"),
     Refused("FedRepStrategy(head=[])", TypeError, "head"),
-    Refused('FedRepStrategy(algorithm="fedprox")', ValueError, "algorithm"),
+    Refused('FedRepStrategy(algorithm="fedrepp")', ValueError, "algorithm"),
+    Refused("FedProx(mu=-0.1)", ValueError, "mu"),
     Refused('FedRepStrategy(clients_per_round="0.5")', TypeError, "clients_per_round"),
     Refused("FedRepStrategy(clients_per_round=nan)", ValueError, "clients_per_round"),
     Refused("FedRepStrategy(clients_per_round=inf)", ValueError, "clients_per_round"),
@@ -280,11 +316,24 @@ CASES = [
         "set-up",
     ),
     Refused(S + 'engine="vectorized"), model=SmoothingNet())', ValueError, "engine", "set-up"),
+    Refused(S + 'engine="vectorized"), model=LSTMNet())', ValueError, "engine", "set-up"),
+    Refused(
+        S + 'engine="vectorized", algorithm=UnbatchedProx()), model=SmoothingNet())',
+        ValueError,
+        "engine",
+        "set-up",
+    ),
     # checkpoints
     Refused('resume("truncated.ckpt")', CheckpointError, "truncated.ckpt", "set-up"),
     Refused('resume("version_99.ckpt")', CheckpointError, "version_99.ckpt", "set-up"),
     Refused('resume("damaged.ckpt")', CheckpointError, "damaged.ckpt", "set-up"),
     Refused('resume("plain.ckpt")', CheckpointError, "plain.ckpt", "set-up"),
+    Refused(
+        'resume_stored("fedrep_v2_round_end.ckpt", "scaffold")',
+        ValueError,
+        "fedrep_v2_round_end.ckpt",
+        "set-up",
+    ),
     # data
     Refused(
         "FederatedDataModule(train, test, ShardPartitioner(4, 2), batch_size=0)", ValueError, "batch_size"

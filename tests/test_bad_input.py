@@ -269,7 +269,9 @@ def test_a_federated_state_of_another_version_is_refused_saying_which_load(check
         lambda fed: fed.__setitem__("version", version) if version is not None else fed.pop("version"),
     )
     found = "has no version field" if version is None else f"is version {version}"
-    with pytest.raises(CheckpointError, match=f"{found}; this lightning_fedrep loads versions 1 and 2 only"):
+    with pytest.raises(
+        CheckpointError, match=f"{found}; this lightning_fedrep loads versions 1, 2 and 3 only"
+    ):
         resume(path)
 
 

@@ -172,7 +172,7 @@ def test_clients_per_round_in_yaml_an_integer_is_a_count_a_float_a_fraction(
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("--trainer.strategy.init_args.algorithm=fedprox", "Unknown algorithm 'fedprox'; choose one of"),
+        ("--trainer.strategy.init_args.algorithm=fedrepp", "Unknown algorithm 'fedrepp'; choose one of"),
         ("--trainer.strategy.init_args.clients_per_round=5.0", "clients_per_round=5.0 is a float above 1"),
         ("--data.init_args.batch_size=0", "DigitsDataModule(batch_size=...) must be an integer >= 1"),
         (

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, TensorDataset
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
 from lightning_fedrep.collective import Collective
 from lightning_fedrep.engine import declared_loss, find_feature_split
-from lightning_fedrep.engine.probe import loss_label, probe_problem
+from lightning_fedrep.engine.probe import loss_label, probe_problem, vectorize_problem
 from lightning_fedrep.engine.selection import start_engine
 from tests.fixtures import quiet_trainer, reference_generator
 
@@ -282,6 +282,73 @@ def test_dict_batches_fall_back(caplog):
     assert "the training batches are a dict with keys ['x', 'y'], not (inputs, targets) tensors" in line
     with pytest.raises(ValueError, match="not \\(inputs, targets\\) tensors"):
         fit("vectorized", model=DictBatchNet, rounds=1, data=data(), headline_metrics=False)
+
+
+class LSTMNet(Net):
+    """An ``nn.LSTM`` of size 2 as the body (each sample's 6 numbers read as 3 steps of 2), for which
+    ``torch.func.vmap`` has no batching rule (``aten::lstm``); declares cross-entropy, which its step trains."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.LSTM(2, 2, batch_first=True)
+        self.classifier = nn.Linear(2, 4)
+
+    def forward(self, x):
+        out, _ = self.body(x.reshape(len(x), 3, 2))
+        return self.classifier(out[:, -1])
+
+
+def plain_vmap_error() -> str:
+    """The first line of torch's own error for a ``vmap`` over an ``nn.LSTM`` (the reference for the reason)."""
+    lstm = nn.LSTM(2, 2, batch_first=True)
+    with pytest.raises(RuntimeError) as error:
+        torch.func.vmap(lambda x: lstm(x)[0])(torch.zeros(2, 4, 3, 2))
+    return str(error.value).splitlines()[0]
+
+
+def test_an_operation_vmap_cannot_batch_falls_back_or_is_refused(caplog):
+    """Catches ``engine="auto"`` choosing lockstep for a module ``torch.func.vmap`` cannot batch (an
+    ``nn.LSTM``: fails when ``start_engine`` skips ``_vectorize_problem``, the first round then dies with
+    ``Batching rule not implemented for aten::lstm.input``). The fallback trains exactly what
+    ``engine="sequential"`` trains (the probe left nothing half-trained), the reason is torch's own error
+    naming the submodule, and ``engine="vectorized"`` is refused before any step, naming the same."""
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        auto, trainer = fit("auto", model=LSTMNet, rounds=1)
+    report = auto.runner_report
+    assert report.runner == "sequential" and report.decided_at == "first loader"
+    expected = f"cannot vectorize: {plain_vmap_error()} (torch.func.vmap of LSTMNet's loss, in 'body' (LSTM),"
+    assert report.reason.startswith(expected), report.reason
+    assert report.reason.endswith(", body phase)")  # FedRep's head phase runs on cached features
+    assert engine_lines(caplog) == [f"lightning_fedrep: sequential engine ({report.reason})."]
+    assert trainer.global_step == auto.round_plan(0).length  # one client step per Lightning step
+    sequential, _ = fit("sequential", model=LSTMNet, rounds=1)
+    assert_same(sequential, auto, exact=True)
+    with pytest.raises(ValueError) as refused:
+        fit("vectorized", model=LSTMNet, rounds=1)
+    message = str(refused.value)
+    assert message.startswith(f"engine='vectorized' cannot run here: {expected}")
+    assert "pass engine='sequential' (or engine='auto'" in message
+
+
+@pytest.mark.parametrize("model", [LSTMNet, Net], ids=["lstm", "vmappable"])
+def test_the_vmap_probe_leaves_no_trace(model):
+    """Catches the vmap probe changing the module it probes (fails when ``vectorize_problem`` leaves
+    ``untouched_modes``: the module, in eval mode before, is left in train mode; or when it vmaps views
+    of the module's own parameters instead of copies and calls ``backward()``: they then hold gradients).
+    Reference: the module's state, modes and torch's generator read before the probe; the verdict is
+    torch's (an LSTM fails, Net not)."""
+    torch.manual_seed(0)
+    module, (x, y) = model(), first_batch(0)
+    module.eval()
+    before = {n: t.clone() for n, t in module.state_dict().items()}
+    rng = torch.get_rng_state()
+    names = [n for n, _ in module.named_parameters()]
+    problem = vectorize_problem(module, declared_loss(module), (x, y), {"all": names}, names)
+    assert (problem is None) == (model is Net), problem
+    assert not any(m.training for m in module.modules())
+    assert all(p.grad is None for p in module.parameters())
+    assert all(torch.equal(module.state_dict()[n], t) for n, t in before.items())
+    assert torch.equal(torch.get_rng_state(), rng)
 
 
 class HeadlineNet(Net):

@@ -117,7 +117,7 @@ def test_parameters_missing_from_the_optimizer():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"algorithm": "fedprox"}, r"Unknown algorithm 'fedprox'; choose one of"),
+        ({"algorithm": "fedrepp"}, r"Unknown algorithm 'fedrepp'; choose one of"),
         ({"weighting": "size"}, "weighting must be"),
         ({"client_optimizer_state": "persist"}, "client_optimizer_state must be"),
         ({"buffers": "mine"}, "buffers must be"),

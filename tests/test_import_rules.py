@@ -246,15 +246,29 @@ def test_pending_violations_still_exist() -> None:
 
 
 def test_loss_term_type_lives_with_the_algorithm_api() -> None:
-    """Catches ``VectorizedLossTerm`` defined in the callback module (``hooks.py``) again."""
-    owners = [
-        module
+    """Catches the loss-term type (``LossTerm``, ``Objective``, ``StepView``, or the deprecated
+    ``VectorizedLossTerm``/``LiveStep``) defined in the callback module (``hooks.py``,
+    ``lightning/callback.py``) again, or ``LossTerm`` moved out of ``federation/objective.py``."""
+    names = (
+        "LossTerm",
+        "Objective",
+        "StepView",
+        "GradTransform",
+        "ParamTransform",
+        "VectorizedLossTerm",
+        "LiveStep",
+    )
+    owners = {
+        (module, node.name)
         for module, path in modules().items()
         for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.ClassDef) and node.name in ("VectorizedLossTerm", "LiveStep")
-    ]
-    assert owners and all(group_of(m) == "core" for m in owners), owners
-    assert lightning_fedrep.hooks.VectorizedLossTerm is lightning_fedrep.VectorizedLossTerm  # old path works
+        if isinstance(node, ast.ClassDef) and node.name in names
+    }
+    assert owners and all(group_of(m) == "core" for m, _ in owners), owners
+    assert ("federation.objective", "LossTerm") in owners, owners
+    from lightning_fedrep.hooks import VectorizedLossTerm
+
+    assert VectorizedLossTerm is lightning_fedrep.VectorizedLossTerm  # the old import path works
 
 
 def _is_main_guard(node: ast.AST) -> bool:

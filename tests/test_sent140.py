@@ -270,12 +270,6 @@ def test_sent140_recipes_are_the_official_scripts_settings():
     assert lg["head"] == ["rnn.weight_ih_l0", "decoder"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="engine gap: auto picks lockstep for an nn.LSTM body, which torch.func.vmap cannot batch "
-    "(aten::lstm has no batching rule); the engine should fall back to the sequential path and say why",
-)
 def test_auto_engine_trains_an_lstm_without_dropout_as_the_sequential_path(files):
     """Catches: ``engine="auto"`` choosing lockstep for a module it cannot vmap (an ``nn.LSTM`` body with
     no dropout to force the fallback): the run must end with the sequential path's weights."""

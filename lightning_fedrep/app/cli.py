@@ -39,7 +39,6 @@ import lightning_fedrep.data  # noqa: F401  (short class names: --data DigitsDat
 import lightning_fedrep.data.digits  # noqa: F401
 import lightning_fedrep.data.low_rank  # noqa: F401
 import lightning_fedrep.models  # noqa: F401  (short class names: --model MLPClassifier, --model.help ...)
-from lightning_fedrep import lightning_internals as internals
 from lightning_fedrep.app import seeds as seed_sweep
 from lightning_fedrep.app.quiet import quiet_unactionable_messages
 from lightning_fedrep.app.runfolder import (
@@ -57,7 +56,8 @@ from lightning_fedrep.callbacks.summary import RunSummary
 from lightning_fedrep.checkpoints import CheckpointError, read_checkpoint
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.federation import FederationMismatch
-from lightning_fedrep.strategy import FederatedStrategyMixin
+from lightning_fedrep.lightning import internals
+from lightning_fedrep.lightning.strategy import FederatedStrategyMixin
 
 
 def wandb_credentials_present() -> bool:

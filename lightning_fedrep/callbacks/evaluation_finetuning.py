@@ -19,8 +19,8 @@ from torch.optim import Optimizer
 from lightning_fedrep.arguments import check_bool, check_choice, check_int, check_real
 from lightning_fedrep.data.loaders import datasets_are_deterministic
 from lightning_fedrep.federation import RoundResult
-from lightning_fedrep.hooks import FederatedCallback
-from lightning_fedrep.lightning_internals import configured_learning_rate, configured_optimizers
+from lightning_fedrep.lightning.callback import FederatedCallback
+from lightning_fedrep.lightning.internals import configured_learning_rate, configured_optimizers
 from lightning_fedrep.losses import NAMED_LOSSES, declared_loss
 from lightning_fedrep.models.optim import weight_decay_groups
 from lightning_fedrep.untouched import untouched_random_state

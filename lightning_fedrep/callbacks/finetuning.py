@@ -8,8 +8,8 @@ import lightning as L
 
 from lightning_fedrep.algorithms import Phase
 from lightning_fedrep.arguments import check_choice, check_int
-from lightning_fedrep.hooks import FederatedCallback
-from lightning_fedrep.lightning_internals import set_max_rounds
+from lightning_fedrep.lightning.callback import FederatedCallback
+from lightning_fedrep.lightning.internals import set_max_rounds
 from lightning_fedrep.plan import RoundPlan
 
 

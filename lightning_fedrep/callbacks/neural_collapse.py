@@ -42,7 +42,8 @@ from lightning_fedrep.callbacks.neural_collapse_metrics import (
 )
 from lightning_fedrep.data.module import dataset_labels
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.hooks import FederatedCallback, LiveStep, VectorizedLossTerm
+from lightning_fedrep.federation.objective import LossTerm, Objective, StepView
+from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.plan import round_generator
 
 __all__ = ["NeuralCollapse"]
@@ -51,7 +52,7 @@ __all__ = ["NeuralCollapse"]
 class NeuralCollapse(FederatedCallback):
     """FLUTE's neural-collapse regularisation and metrics for any module whose head is a linear classifier.
 
-    **Penalties** (added to every client's training loss, :meth:`loss_term`)::
+    **Penalties** (added to every client's training loss, :meth:`objective`)::
 
         λ R(W_i) + μ ||W_i||_F^2            every local step (head-only and joint epochs)
         + ν ||φ(X)||_F^2                    only while the body trains (phases "body" and "all")
@@ -60,8 +61,8 @@ class NeuralCollapse(FederatedCallback):
     (:func:`~lightning_fedrep.callbacks.neural_collapse_metrics.nc_regularizer`; the masked global
     K-simplex target, not squared),
     ``e_i`` the classes present in the client's *training data* (read from the data module when fit
-    starts), and ``φ(X)`` the classifier's input on the current batch, summed over the batch (captured
-    by a forward pre-hook on ``features_module``). The official code's defaults: ``λ = 0.25``,
+    starts), and ``φ(X)`` the classifier's input on the current batch, summed over the batch (the input of
+    ``features_module``, which both runners hand to the loss term). The official code's defaults: ``λ = 0.25``,
     ``μ = 0.0025``, ``ν = 0.0005``.
 
     **Server step** (``server_step=True``; the official code's ``--server_update 1``, off by default there
@@ -178,7 +179,6 @@ class NeuralCollapse(FederatedCallback):
         self.server_round = -1
         """The last round whose server step was applied."""
         self._hook: Any = None
-        self._captured: Tensor | None = None
         self._collected: list[Tensor] | None = None
         self._device_masks: Tensor | None = None
         self._metric_samples: dict[int, Tensor] = {}
@@ -234,7 +234,6 @@ class NeuralCollapse(FederatedCallback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._remove_hook()
-            self._captured = None
 
     def _remove_hook(self) -> None:
         if self._hook is not None:
@@ -249,8 +248,6 @@ class NeuralCollapse(FederatedCallback):
                 return
             if callback._collected is not None:
                 callback._collected.append(args[0].detach())
-            elif torch.is_grad_enabled():
-                callback._captured = args[0]
 
         return capture_input
 
@@ -282,73 +279,55 @@ class NeuralCollapse(FederatedCallback):
             self._device_masks = self.masks.to(device)
         return self._device_masks
 
-    def loss_term(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step: LiveStep
-    ) -> Tensor | None:
-        """``λ R(W_i) + μ ||W_i||_F^2 (+ ν ||φ(X)||_F^2 when the body trains)`` for the live client."""
-        captured, self._captured = self._captured, None
-        module, client, phase = pl_module, step.client, step.phase
-        if client is None or self.masks is None:
-            return None
-        extra: Tensor | None = None
-        if self.lam or self.mu:
-            weight = module.get_parameter(self.weight_name)
-            if self.lam:
-                extra = self.lam * nc_regularizer(
-                    weight, self._client_mask(client, weight.device, weight.dtype)
-                )
-            if self.mu:
-                term = self.mu * weight.square().sum()
-                extra = term if extra is None else extra + term
-        if self.nu and phase in ("body", "all"):
-            if captured is None:
-                raise RuntimeError(
-                    "NeuralCollapse(nu>0) saw no input to the features module in this training step: the "
-                    "training_step must run the model's forward through it."
-                )
-            term = self.nu * captured.square().sum()
-            extra = term if extra is None else extra + term
-        return extra
+    def objective(self, trainer: L.Trainer, pl_module: L.LightningModule, phase: str) -> Objective:
+        """The penalties as one vmappable :class:`LossTerm` (both runners), for every phase:
+        ``λ R(W_i) + μ ||W_i||_F^2 (+ ν ||φ(X)||_F^2 when the body trains)``.
 
-    def vectorized_loss_term(self, trainer: L.Trainer, pl_module: L.LightningModule) -> VectorizedLossTerm:
-        """:meth:`loss_term` for the vectorized engine: the same terms, per client inside its ``vmap``.
-
-        ``W_i`` is the client's classifier weight in its tensors, ``e_i`` the row ``client`` of the
-        ``(N, K)`` class-mask table, and ``φ(X)`` the features the engine hands over, summed over the
-        batch's real rows only (padding masked). The features are asked for only when ``nu > 0``, and are
-        declared to be the features module's input: the engine runs sequentially (``engine="auto"``)
-        where its feature split's features are not exactly that input.
-        """
+        ``W_i`` is the client's classifier weight in the view's tensors, ``e_i`` the row ``client`` of the
+        ``(N, K)`` class-mask table (read from the data at fit start), and ``φ(X)`` the view's features: the
+        input of ``features_module`` (the classifier by default), summed over the batch's real rows only
+        (padding masked on the lockstep runner). The features are asked for only when ``nu > 0``: the
+        lockstep runner then needs a feature split whose features are exactly that input, and otherwise
+        runs sequentially (``engine="auto"``)."""
         name = self._classifier_name(pl_module, self.federation(trainer))
         weight_name = f"{name}.weight" if name else "weight"
+        feature_term = bool(self.nu) and phase in ("body", "all")
         callback = self  # a closure over the callback: its masks are read from the data at fit start
 
-        def term(
-            tensors: dict[str, Tensor], features: Tensor | None, mask: Tensor, client: Tensor, phase: str
-        ) -> Tensor | None:
-            callback._captured = None  # the forward pre-hook's capture inside the vmap is not used here
+        def penalties(view: StepView) -> Tensor | None:
             if callback.masks is None:
                 return None
             extra: Tensor | None = None
             if callback.lam or callback.mu:
-                weight = tensors[weight_name]
+                weight = view.tensors[weight_name]
                 if callback.lam:
                     table = callback._masks_on(weight.device)
-                    client_mask = torch.index_select(table, 0, client.reshape(1)).squeeze(0).to(weight.dtype)
+                    client_mask = (
+                        torch.index_select(table, 0, view.client.reshape(1)).squeeze(0).to(weight.dtype)
+                    )
                     extra = callback.lam * nc_regularizer(weight, client_mask)
                 if callback.mu:
                     value = callback.mu * weight.square().sum()
                     extra = value if extra is None else extra + value
-            if callback.nu and phase in ("body", "all"):
-                if features is None:
-                    raise RuntimeError("NeuralCollapse(nu>0) got no features from the vectorized engine.")
-                rows = mask.to(features.dtype).reshape(-1, *([1] * (features.dim() - 1)))
-                value = callback.nu * (features.square() * rows).sum()
+            if feature_term:
+                features = view.features
+                squares = features.square()
+                if view.mask is not None:  # padding rows of a lockstep batch do not count
+                    squares = squares * view.mask.to(features.dtype).reshape(
+                        -1, *([1] * (features.dim() - 1))
+                    )
+                value = callback.nu * squares.sum()
                 extra = value if extra is None else extra + value
             return extra
 
         features_of = self.features_module if self.features_module is not None else name
-        return VectorizedLossTerm(term, needs_features=self.nu > 0, features_of=features_of)
+        term = LossTerm(
+            penalties,
+            "NeuralCollapse penalties",
+            needs_features=self.nu > 0,
+            features_of=features_of,
+        )
+        return Objective(terms=(term,))
 
     # ------------------------------------------------------------------ server step
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 
 from lightning_fedrep.federation import RoundResult
-from lightning_fedrep.hooks import FederatedCallback
+from lightning_fedrep.lightning.callback import FederatedCallback
 
 
 class OrthonormalBody(FederatedCallback):

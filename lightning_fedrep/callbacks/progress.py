@@ -7,7 +7,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from lightning_fedrep.hooks import FederatedCallback
+from lightning_fedrep.lightning.callback import FederatedCallback
 
 
 class FederatedProgressBar(TQDMProgressBar, FederatedCallback):

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from lightning_fedrep.app.report import FIGURES, run_figures, save
 from lightning_fedrep.arguments import check_bool
 from lightning_fedrep.callbacks.run_files import HISTORY, write_run_files, write_stage_files
-from lightning_fedrep.hooks import FederatedCallback
+from lightning_fedrep.lightning.callback import FederatedCallback
 
 
 def run_folder(trainer: L.Trainer) -> Path:

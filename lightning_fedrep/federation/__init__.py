@@ -95,6 +95,8 @@ class Federation(FederationState, RoundTransaction, LiveModule, RankTransfer):
         self.layout = layout
         self.config = config
         self.global_state: list[Tensor] | None = None
+        self.server_tensors: dict[str, Tensor] = {}
+        """The algorithm's declared server tensors by name (``Algorithm.server_tensors``)."""
         self.store: ClientStore | None = None
         self.history = History()
         self.faults: list[ClientFault] = []

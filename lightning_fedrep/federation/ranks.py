@@ -45,7 +45,7 @@ class RankTransfer:
         if gathered is None:
             return None
         merged = ClientStore([])
-        merged.load_state_dict({**state, "local": {}, "optimizer_states": {}, "finetuned": {}})
+        merged.load_state_dict({**state, "local": {}, "optimizer_states": {}, "finetuned": {}, "tensors": {}})
         for records in gathered:
             for client, record in records:
                 merged.load_record(client, record)
@@ -71,7 +71,7 @@ class RankTransfer:
 
     def _owned(self) -> list[int]:
         store = self.store
-        clients = set(store.local) | set(store.optimizer_states) | set(store.finetuned)
+        clients = set(store.local) | set(store.optimizer_states) | set(store.finetuned) | set(store.tensors)
         return sorted(c for c in clients if store.owner(c) in (None, self.collective.rank))
 
     def _gather_round(self) -> None:
@@ -107,7 +107,7 @@ class RankTransfer:
         lent = [
             (c, to_cpu(store.record(c)))
             for c, r in trainer.items()
-            if r != me and store.owner(c) == me and c in store.local
+            if r != me and store.owner(c) == me and (c in store.local or c in store.tensors)
         ]
         for records in self.collective.all_gather_object(lent):
             for client, record in records:

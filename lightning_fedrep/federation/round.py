@@ -18,6 +18,13 @@ from torch import Tensor
 
 from lightning_fedrep.algorithms import PART_GROUPS
 from lightning_fedrep.federation.aggregation import Aggregator, ClientFault, ClientUpdate, WeightedAverage
+from lightning_fedrep.federation.algorithm import (
+    ClientEnd,
+    ClientOutcome,
+    RoundResults,
+    ServerState,
+    uses_results,
+)
 from lightning_fedrep.federation.store import OptimizerState
 from lightning_fedrep.plan import RoundPlan, StepLocation, plan_round, sample_clients
 
@@ -39,6 +46,8 @@ class ClientResult:
     seconds: float
     fault: str = ""
     """Why the client was left out of the round (non-finite values, an error); ``""`` if it was not."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What ``Algorithm.finish_client`` reported for the client (``ClientOutcome.metrics``)."""
 
 
 class ClientFaultError(RuntimeError):
@@ -192,14 +201,16 @@ class RoundTransaction:
         """A client finished its round's work with ``tensors`` (by name): keep its local part (and, in a
         round that does not aggregate, what it trained of the shared part), its optimizer state if kept,
         and add its shared part to the round's average. A client whose tensors are not all finite is
-        left out of the round (``on_nonfinite="skip"``) or stops the run (``"raise"``)."""
-        floats = {n: t for n, t in tensors.items() if t.is_floating_point()}
-        finite = [torch.isfinite(t).all() for t in floats.values()]
-        bad = (
-            []
-            if not finite or bool(torch.stack(finite).all())
-            else [n for n, f in zip(floats, finite) if not f]
-        )
+        left out of the round (``on_nonfinite="skip"``) or stops the run (``"raise"``).
+
+        In a round that aggregates, ``Algorithm.finish_client`` decides the upload and the client's new
+        declared tensors (their values must be finite too)."""
+        plan = self.plan(self.round_index)
+        bad = _nonfinite(tensors)
+        outcome = None
+        if not bad and plan.aggregate:
+            outcome = self._finish_outcome(client, tensors, steps)
+            bad = _nonfinite({**outcome.upload, **outcome.client_state})
         if bad:
             reason = f"non-finite values in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}"
             if self.config.on_nonfinite == "raise":
@@ -208,8 +219,9 @@ class RoundTransaction:
                     "(on_nonfinite='raise'; 'skip' leaves such a client out of the round)."
                 )
             return self._leave_out(client, steps, reason)
+        metrics = {k: float(v) for k, v in outcome.metrics.items()} if outcome is not None else {}
         if self._average is not None:
-            self._average.add(self._update(client, tensors, steps))
+            self._average.add(self._update(client, outcome.upload, steps, metrics))
         if self._local_average is not None:
             self._local_average.add([tensors[n] for n in self.local_names], self.weight_of(client))
         if self._before_round is not None and client not in self._before_round.clients:
@@ -218,8 +230,10 @@ class RoundTransaction:
                 "local": None if record["local"] is None else [t.detach().clone() for t in record["local"]],
                 "optimizer": record["optimizer"],  # replaced, never modified in place
                 "finetuned": record["finetuned"],
+                "tensors": record["tensors"],  # copies already
             }
-        plan = self.plan(self.round_index)
+        if outcome is not None and outcome.client_state:
+            self.store.put_state(client, outcome.client_state)
         if not plan.aggregate:
             trained = {g for phase in plan.phases for g in PART_GROUPS[phase.train]}
             names = [n for n in self.shared_names if self.split.group(n) in trained]
@@ -227,15 +241,44 @@ class RoundTransaction:
         self.store.put(client, [tensors[n] for n in self.local_names])
         if optimizer_state is not None and self.config.client_optimizer_state == "keep":
             self.store.optimizer_states[client] = optimizer_state
-        result = ClientResult(self.round_index, client, steps, timed_steps, seconds)
+        result = ClientResult(self.round_index, client, steps, timed_steps, seconds, metrics=metrics)
         self._finished.append(result)
         return result
 
-    def _update(self, client: int, tensors: Mapping[str, Tensor], steps: int) -> ClientUpdate:
-        """What ``client`` hands the server: its shared tensors (views), weight, samples and steps."""
-        upload = {n: tensors[n] for n in self.shared_names}
+    @torch.no_grad()
+    def _finish_outcome(self, client: int, tensors: Mapping[str, Tensor], steps: int) -> ClientOutcome:
+        """``Algorithm.finish_client`` on the client's start and end tensors (before the store changes)."""
+        end = ClientEnd(
+            client=client,
+            round=self.round_index,
+            num_samples=int(self._require_data()[client]),
+            steps=steps,
+            lr=self._client_lr(),
+            start=self.start_tensors(client),
+            end=tensors,
+            client_state=self.store.client_state(client),
+            server=self.server_tensors,
+            shared_names=self.shared_names,
+        )
+        outcome = self.algorithm.finish_client(end)
+        if not isinstance(outcome, ClientOutcome):
+            raise TypeError(
+                f"{type(self.algorithm).__name__}.finish_client() must return a ClientOutcome "
+                f"(lightning_fedrep.federation.algorithm), got {type(outcome).__name__}."
+            )
+        return outcome
+
+    def _client_lr(self) -> float | None:
+        """The clients' learning rate: the first optimizer's first param group's (``None`` without one)."""
+        optimizers = getattr(self, "_optimizers", None)
+        return float(optimizers[0].param_groups[0]["lr"]) if optimizers else None
+
+    def _update(
+        self, client: int, upload: Mapping[str, Tensor], steps: int, metrics: Mapping[str, float]
+    ) -> ClientUpdate:
+        """What ``client`` hands the server: its upload (views), weight, samples, steps and metrics."""
         samples = int(self._require_data()[client])
-        return ClientUpdate(client, self.round_index, self.weight_of(client), samples, steps, upload)
+        return ClientUpdate(client, self.round_index, self.weight_of(client), samples, steps, upload, metrics)
 
     def weight_of(self, client: int) -> float:
         """A client's aggregation weight: its training samples, or 1 under uniform weighting."""
@@ -280,7 +323,10 @@ class RoundTransaction:
                 self._average.failed(fault)
         if self._average is not None and not self._average.empty:
             weight = self._average.weight
-            self.global_state = self.algorithm.aggregate(self.global_state, self._average)
+            if uses_results(self.algorithm):
+                self._server_step(faults)
+            else:
+                self.global_state = self.algorithm.aggregate(self.global_state, self._average)
             aggregated = True
         elif self._average is not None and faults:
             warnings.warn(
@@ -295,6 +341,7 @@ class RoundTransaction:
         if faults:
             self.faults.extend(faults)
             self.history.record(self.round_index, {"faults": float(len(faults))})
+        self._record_client_metrics()
         plan = self.plan(self.round_index)
         if plan.aggregate:  # a federated round (fine-tuning rounds train every client apart)
             self.history.count_participants(plan.clients)
@@ -308,6 +355,49 @@ class RoundTransaction:
         )
         self._finished = []
         return result
+
+    def _server_step(self, faults: tuple[ClientFault, ...]) -> None:
+        """The v2 ``Algorithm.aggregate(server, results, failures)``: new global shared and server tensors,
+        and metrics for the round's history row."""
+        average = self._average
+        server = ServerState(self.global_view(), dict(self.server_tensors), len(self._require_data()))
+        clients = tuple(r.client for r in self._finished if not r.fault)
+        plan = self.plan(self.round_index)
+        results = RoundResults(average.result(), average, clients, average.weight, plan)
+        answer = self.algorithm.aggregate(server, results, faults)
+        name = type(self.algorithm).__name__
+        if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], ServerState)):
+            raise TypeError(
+                f"{name}.aggregate(server, results, failures) must return (ServerState, metrics dict)."
+            )
+        new, metrics = answer
+        for label, names, given in (
+            ("shared", list(self.shared_names), list(new.shared)),
+            ("server", list(self.server_tensors), list(new.tensors)),
+        ):
+            if sorted(given) != sorted(names):
+                raise KeyError(
+                    f"{name}.aggregate returned {label} tensors {sorted(given)}, expected {sorted(names)}."
+                )
+        self.global_state = [
+            new.shared[n].detach().to(ref.device, ref.dtype).clone()
+            for n, ref in zip(self.shared_names, self.global_state)
+        ]
+        self.server_tensors = {
+            n: new.tensors[n].detach().to(ref.device, ref.dtype).clone()
+            for n, ref in self.server_tensors.items()
+        }
+        if metrics:
+            self.history.record(self.round_index, {k: float(v) for k, v in metrics.items()})
+
+    def _record_client_metrics(self) -> None:
+        """The mean over the round's clients of each metric their ``finish_client`` reported."""
+        values: dict[str, list[float]] = {}
+        for result in self._finished:
+            for key, value in result.metrics.items():
+                values.setdefault(key, []).append(value)
+        if values:
+            self.history.record(self.round_index, {k: sum(v) / len(v) for k, v in values.items()})
 
     def rollback_round(self) -> bool:
         """Undo the open round (the run stopped inside it): every client stored in it gets back what it
@@ -384,3 +474,12 @@ class RoundTransaction:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         return self.clock()
+
+
+def _nonfinite(tensors: Mapping[str, Tensor]) -> list[str]:
+    """The names of the floating-point tensors among ``tensors`` that hold a NaN or an infinity."""
+    floats = {n: t for n, t in tensors.items() if t.is_floating_point()}
+    finite = [torch.isfinite(t).all() for t in floats.values()]
+    if not finite or bool(torch.stack(finite).all()):
+        return []
+    return [n for n, f in zip(floats, finite) if not f]

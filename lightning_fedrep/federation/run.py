@@ -10,8 +10,11 @@ into one call here, handing in what it reads from the Trainer as plain values an
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+import torch
 
 from lightning_fedrep.algorithms import Algorithm
 from lightning_fedrep.checkpoint_payload import (
@@ -23,7 +26,7 @@ from lightning_fedrep.checkpoint_payload import (
 )
 from lightning_fedrep.collective import Collective
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.loss_terms import LiveStep
+from lightning_fedrep.federation.objective import LossTerm, Objective, StepView
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.sharding import StepSchedule
 
@@ -70,8 +73,10 @@ class Runner(Protocol):
     def logged_loss(self) -> Callable[[], Any] | None:
         """What computes the step's loss to log as ``train/loss`` (``None``: the user's step logs its own)."""
 
-    def step(self, optimizer_step: Callable[[], Any], closure: Callable[[], Any]) -> Any:
-        """The optimizer step (``optimizer_step`` runs the user's; ``closure`` only the loss and backward)."""
+    def step(self, optimizer_step: Callable[..., Any], closure: Callable[[], Any]) -> Any:
+        """The optimizer step (``optimizer_step()`` runs the user's with ``closure``, ``optimizer_step(c)``
+        with the closure ``c`` instead, e.g. one that transforms the gradients after the backward;
+        ``closure`` only the loss and backward)."""
 
     def end_step(self) -> None:
         """After the optimizer step: hand over the clients whose round work is done."""
@@ -101,7 +106,8 @@ class Runner(Protocol):
 
 class CallbackBus:
     """The federated callbacks, as the run sees them. The face binds ``trainer`` and ``module`` (opaque
-    here: each hook receives them first, as Lightning callbacks do)."""
+    here: each hook receives them first, as Lightning callbacks do). ``loss_callbacks`` is kept for old
+    callers; the loss terms come from every callback's ``objective`` (:func:`local_objective`)."""
 
     def __init__(
         self,
@@ -133,26 +139,78 @@ class CallbackBus:
         return plan
 
 
+PHASE_PARTS = ("head", "body", "all")
+"""The phase parts an objective is resolved for (a callback's ``configure_round`` may add any)."""
+
+
+def local_objective(algorithm: Algorithm, bus: CallbackBus, phase: str) -> Objective:
+    """The local objective of a phase training ``phase``: the algorithm's, then each callback's (resolved
+    once per fit and phase, at its first use)."""
+    cache = bus.__dict__.setdefault("_objectives", {})
+    if phase not in cache:
+        objective = _algorithm_objective(algorithm, bus, phase)
+        for callback in bus.callbacks:
+            found = callback.objective(bus.trainer, bus.module, phase)
+            if not isinstance(found, Objective):
+                raise TypeError(
+                    f"{type(callback).__name__}.objective must return an Objective (Objective() for none), "
+                    f"got {found!r}."
+                )
+            objective = objective + found
+        cache[phase] = objective.for_phase(phase)
+    return cache[phase]
+
+
+def _algorithm_objective(algorithm: Algorithm, bus: CallbackBus, phase: str) -> Objective:
+    """``algorithm.objective(phase)``; a v1 algorithm's ``loss_term`` through its adapter (sequential only)."""
+    if (
+        type(algorithm).loss_term is Algorithm.loss_term
+        or type(algorithm).objective is not Algorithm.objective
+    ):
+        return algorithm.objective(phase)
+    warnings.warn(
+        f"{type(algorithm).__name__}.loss_term(module, global_state) is deprecated: return "
+        "Objective(terms=(LossTerm(fn, name),)) from Algorithm.objective(phase) instead (a vmappable term "
+        "also runs on the lockstep runner).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+
+    def legacy(view: StepView) -> Any:
+        return algorithm.loss_term(bus.module, view.server)
+
+    return Objective(
+        terms=(LossTerm(legacy, f"{type(algorithm).__name__}.loss_term (deprecated API)", False),)
+    )
+
+
 def has_loss_terms(algorithm: Algorithm, bus: CallbackBus) -> bool:
-    """Whether the algorithm or a callback adds a loss term to the user's step."""
-    return type(algorithm).loss_term is not Algorithm.loss_term or bool(bus.loss_callbacks)
+    """Whether the algorithm or a callback adds a loss term or a step transform in any phase."""
+    return any(not local_objective(algorithm, bus, phase).empty for phase in PHASE_PARTS)
 
 
-def loss_terms(
-    algorithm: Algorithm, federation: Federation, bus: CallbackBus
-) -> Callable[[Any, int], list[Any]] | None:
-    """The sequential step's loss terms (the algorithm's, then each callback's), or ``None`` for none."""
-    if not has_loss_terms(algorithm, bus):
-        return None
-
-    def terms(batch: Any, batch_idx: int) -> list[Any]:
-        module = bus.module
-        found = [algorithm.loss_term(module, federation.global_view())]
-        step = LiveStep(federation.round_index, federation.live_client, federation.live_phase, batch_idx)
-        found += [callback.loss_term(bus.trainer, module, batch, step) for callback in bus.loss_callbacks]
-        return found
-
-    return terms
+def live_view(
+    federation: Federation, module: Any, batch: Any, batch_idx: int, step: int, lr: float | None
+) -> StepView:
+    """The sequential runner's :class:`StepView` of the live client (the live module's tensors)."""
+    phase = federation.live_phase
+    named = dict(module.named_parameters())
+    tensors = {**dict(module.named_buffers()), **named}
+    trained = {n: p for n, p in named.items() if p.requires_grad}
+    device = next(iter(named.values())).device if named else None
+    return StepView(
+        tensors=tensors,
+        trained=trained,
+        server={**federation.global_view(), **federation.server_tensors},
+        client=torch.tensor(federation.live_client, device=device),
+        client_state=federation.store.client_state(federation.live_client),
+        phase=phase,
+        round=federation.round_index,
+        step=step,
+        lr=lr,
+        batch=batch,
+        batch_idx=batch_idx,
+    )
 
 
 class FederatedRun:

@@ -17,11 +17,14 @@ from torch import Tensor
 
 from lightning_fedrep.algorithms import Phase
 from lightning_fedrep.federation.aggregation import ClientFault
+from lightning_fedrep.federation.algorithm import declared_names as declared_templates_names
+from lightning_fedrep.federation.algorithm import declared_templates
 from lightning_fedrep.federation.store import ClientStore
 from lightning_fedrep.history import History
 from lightning_fedrep.split import ParameterSplit
 
-STATE_VERSION = 2
+STATE_VERSION = 3
+"""Version 3 added the declared server tensors (``"server"``) and client tensors (``clients["tensors"]``)."""
 
 
 @dataclass(frozen=True)
@@ -202,9 +205,61 @@ class FederationState:
         if self.store is None:
             self.global_state = [t.detach().clone() for t in self._tensors(self.shared_names)]
             self.store = ClientStore(self._tensors(self.local_names))
+            groups = self._declared_groups({n: t for n, t in self._named.items()})
+            self.store.declare(declared_templates(self.algorithm.client_tensors, groups))
+            self.server_tensors = declared_templates(self.algorithm.server_tensors, groups)
         else:
             self.global_state = [t.to(device) for t in self.global_state]
             self.store.to(device)
+            self.server_tensors = {n: t.to(device) for n, t in self.server_tensors.items()}
+
+    def _declared_groups(self, named: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """The groups a declared tensor can be shaped ``like``: shared, local, body, head (name -> value)."""
+        groups: dict[str, dict[str, Any]] = {
+            "shared": {n: named[n] for n in self.shared_names},
+            "local": {n: named[n] for n in self.local_names},
+            "body": {},
+            "head": {},
+        }
+        for name in self.shared_names + self.local_names:
+            group = self.split.group(name)
+            if group in ("body", "head"):
+                groups[group][name] = named[name]
+        return groups
+
+    def declared_names(self) -> tuple[list[str], list[str]]:
+        """The names of the algorithm's declared client and server tensors in this layout."""
+        names = dict.fromkeys(self.shared_names + self.local_names)
+        groups = self._declared_groups(names)
+        return (
+            list(declared_templates_names(self.algorithm.client_tensors, groups)),
+            list(declared_templates_names(self.algorithm.server_tensors, groups)),
+        )
+
+    def check_declared(self, state: Mapping[str, Any], path: Any) -> None:
+        """Refuse a checkpoint that lacks declared tensors this run's algorithm needs (e.g. a version-2 file,
+        which holds none), naming them and what to do."""
+        client, server = self.declared_names()
+        saved_client = list(state.get("clients", {}).get("tensor_names", []))
+        saved_server = list(state.get("server", {}))
+        missing = {
+            "client": [n for n in client if n not in saved_client],
+            "server": [n for n in server if n not in saved_server],
+        }
+        parts = []
+        for kind, names in missing.items():
+            counts: dict[str, int] = {}
+            for name in names:
+                counts[name.split(".")[0]] = counts.get(name.split(".")[0], 0) + 1
+            parts += [f"{kind} tensors {prefix}.* ({count})" for prefix, count in counts.items()]
+        if not parts:
+            return
+        raise ValueError(
+            f"{path} was written by lightning_fedrep's version-{state.get('version')} federated state, which "
+            f"holds no {', '.join(parts)} that algorithm {self.algorithm.name!r} needs (its client_tensors/"
+            f"server_tensors); resume with the algorithm it was written with ({state.get('algorithm')!r}) or "
+            "start a new fit."
+        )
 
     def bind_data(self, client_sizes: Sequence[int], batch_size: int, partition: int = 0) -> None:
         """The clients' training-set sizes (aggregation weights, epoch budgets), the batch size, and a
@@ -219,6 +274,7 @@ class FederationState:
         self.store.local.clear()
         self.store.optimizer_states.clear()
         self.store.finetuned.clear()
+        self.store.tensors.clear()
         self.saved_federation = None
 
     def fingerprint(self) -> dict[str, Any]:
@@ -244,6 +300,7 @@ class FederationState:
             "shared_names": list(self.shared_names),
             "local_names": list(self.local_names),
             "global": [t.detach().clone() for t in self.global_state],
+            "server": {n: t.detach().clone() for n, t in self.server_tensors.items()},
             "clients": self.store.state_dict(),
             "history": self.history.state_dict(),
             "faults": [asdict(f) for f in self.faults],
@@ -277,9 +334,13 @@ class FederationState:
                 }
         return state
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device | None = None, path: Any = "The checkpoint"
+    ) -> None:
         """Restore the global state, every client and the history (any stage). The open round is
-        restored separately by :meth:`restore_round`, once the optimizers exist."""
+        restored separately by :meth:`restore_round`, once the optimizers exist. A state that lacks
+        tensors the algorithm declares (a version-2 file) is refused (:meth:`check_declared`)."""
+        self.check_declared(state, path)
         if list(state["shared_names"]) != list(self.shared_names) or list(state["local_names"]) != list(
             self.local_names
         ):
@@ -292,6 +353,9 @@ class FederationState:
         self.global_state = [t.to(device) if device is not None else t for t in state["global"]]
         self.store = ClientStore([])
         self.store.load_state_dict(state["clients"], device)
+        self.server_tensors = {
+            n: t.to(device) if device is not None else t for n, t in state.get("server", {}).items()
+        }
         self.history = History()
         self.history.load_state_dict(state.get("history", []))
         self.faults = [ClientFault(**f) for f in state.get("faults", [])]

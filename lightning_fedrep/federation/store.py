@@ -11,7 +11,7 @@ is tensors, ints and dicts, so they load with ``weights_only=True``.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -146,6 +146,11 @@ class ClientStore:
         self.rank = 0
         self.borrowed: set[int] = set()
         """Clients held here for the open round only (their owner is another rank)."""
+        self.tensor_names: tuple[str, ...] = ()
+        """The algorithm's declared client tensors (``Algorithm.client_tensors``), stored like the local part."""
+        self.tensor_template: list[Tensor] = []
+        self.tensors = StackedRows()
+        """Client -> its declared tensors (in ``tensor_names`` order); absent: it reads ``tensor_template``."""
 
     @property
     def sharded(self) -> bool:
@@ -173,7 +178,7 @@ class ClientStore:
         """Hold only the clients of ``rank`` out of ``world_size`` (``c % world_size == rank``) and the
         borrowed ones; drop the others."""
         self.world_size, self.rank = world_size, rank
-        for mapping in (self.local, self.optimizer_states, self.finetuned):
+        for mapping in (self.local, self.optimizer_states, self.finetuned, self.tensors):
             for client in [c for c in mapping if not self.holds(c)]:
                 del mapping[client]
 
@@ -183,7 +188,7 @@ class ClientStore:
 
     def drop(self, client: int) -> None:
         """Forget ``client`` (its owner holds it)."""
-        for mapping in (self.local, self.optimizer_states, self.finetuned):
+        for mapping in (self.local, self.optimizer_states, self.finetuned, self.tensors):
             mapping.pop(client, None)
         self.borrowed.discard(client)
 
@@ -198,14 +203,39 @@ class ClientStore:
         """Store a copy of the client's local tensors."""
         self.local[client] = tensors
 
+    def declare(self, template: Mapping[str, Tensor]) -> None:
+        """Hold the declared client tensors ``template`` (name -> initial value) for every client."""
+        self.tensor_names = tuple(template)
+        self.tensor_template = [t.detach().clone() for t in template.values()]
+
+    def client_state(self, client: int) -> dict[str, Tensor]:
+        """The client's declared tensors by name (the template if it has none yet). Views: do not modify."""
+        self.get(client)  # refuses a client this process does not hold
+        return dict(zip(self.tensor_names, self.tensors.get(client, self.tensor_template)))
+
+    def put_state(self, client: int, tensors: Mapping[str, Tensor]) -> None:
+        """Store a copy of new values of some of the client's declared tensors (the others are kept)."""
+        unknown = set(tensors) - set(self.tensor_names)
+        if unknown:
+            raise KeyError(
+                f"{sorted(unknown)} are not declared client tensors; the algorithm declares {list(self.tensor_names)}."
+            )
+        held = self.client_state(client)
+        self.tensors[client] = [
+            tensors[n].detach().to(held[n].device, held[n].dtype) if n in tensors else held[n].clone()
+            for n in self.tensor_names
+        ]
+
     def record(self, client: int) -> dict[str, Any]:
         """Everything stored for ``client``: what another process needs to hold it too. The local
         tensors are copies (views would carry their whole chunk); the rest is not."""
         local = self.local.get(client)
+        declared = self.tensors.get(client)
         return {
             "local": None if local is None else [t.clone() for t in local],
             "optimizer": self.optimizer_states.get(client),
             "finetuned": self.finetuned.get(client),
+            "tensors": None if declared is None else [t.clone() for t in declared],
         }
 
     def load_record(self, client: int, record: dict[str, Any], device: torch.device | None = None) -> None:
@@ -224,6 +254,10 @@ class ClientStore:
             self.local.pop(client, None)
         else:
             self.local[client] = [t if device is None else t.to(device) for t in record["local"]]
+        if record.get("tensors") is None:
+            self.tensors.pop(client, None)
+        else:
+            self.tensors[client] = [t if device is None else t.to(device) for t in record["tensors"]]
         for mapping, received in (
             (self.optimizer_states, single.optimizer_states),
             (self.finetuned, single.finetuned),
@@ -239,6 +273,9 @@ class ClientStore:
             "local": dict(self.local),
             "optimizer_states": dict(self.optimizer_states),
             "finetuned": dict(self.finetuned),
+            "tensor_names": list(self.tensor_names),
+            "tensor_template": self.tensor_template,
+            "tensors": dict(self.tensors),
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
@@ -259,6 +296,11 @@ class ClientStore:
         self.finetuned = {
             int(c): {n: move(t) for n, t in ts.items()} for c, ts in state.get("finetuned", {}).items()
         }
+        self.tensor_names = tuple(state.get("tensor_names", ()))
+        self.tensor_template = [move(t) for t in state.get("tensor_template", [])]
+        self.tensors = StackedRows()
+        for c, ts in state.get("tensors", {}).items():
+            self.tensors[int(c)] = [move(t) for t in ts]
 
     def to(self, device: torch.device) -> None:
         """Move every stored tensor to ``device`` (called when the strategy moves the module)."""

@@ -10,15 +10,12 @@ hook                                                  when
                                                       first batch); return ``plan`` or a changed plan
                                                       (``plan.replace(...)``). Each callback receives
                                                       the previous one's plan, so they compose.
-``loss_term(trainer, pl_module, batch, step)``        every local training step, right after the
-                                                      user's ``training_step``; a tensor is added to the
-                                                      loss, ``None`` adds nothing (automatic
-                                                      optimization only)
-``vectorized_loss_term(trainer, pl_module)``          once, when the vectorized engine is built (at
-                                                      ``setup``): ``loss_term``'s pure form, a
-                                                      :class:`VectorizedLossTerm` the engine applies
-                                                      per client inside its ``vmap``; ``None`` (the
-                                                      default) keeps a run with ``loss_term`` sequential
+``objective(trainer, pl_module, phase) -> Objective``  once per fit and phase part, at ``setup``: the
+                                                      :class:`~lightning_fedrep.federation.objective.Objective`
+                                                      (loss terms, step transforms) the callback adds to
+                                                      every local step of that phase, on both runners
+                                                      (automatic optimization only)
+``loss_term`` / ``vectorized_loss_term``              deprecated: the default ``objective`` adapts them
 ``on_round_start(trainer, pl_module, plan)``          before the round's first step
 ``on_client_start(trainer, pl_module, client)``       after a client was loaded, before its first step
 ``on_client_end(trainer, pl_module, result)``         after a client's last step of the round and its
@@ -36,6 +33,7 @@ From any hook, :meth:`FederatedCallback.federation` gives the run's :class:`Fede
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
@@ -45,7 +43,8 @@ from torch import Tensor
 from lightning_fedrep.algorithms import Algorithm
 from lightning_fedrep.evaluation import ClientMetrics
 from lightning_fedrep.federation import ClientResult, Federation, RoundResult
-from lightning_fedrep.loss_terms import LiveStep, VectorizedLossTerm, no_loss_term
+from lightning_fedrep.federation.objective import LossTerm, Objective, StepView
+from lightning_fedrep.loss_terms import LiveStep, VectorizedLossTerm, adds_loss_term, no_loss_term
 from lightning_fedrep.plan import RoundPlan
 
 __all__ = [
@@ -112,17 +111,55 @@ class FederatedCallback(Callback):
         """Return the round's plan, changed or not (once per round, before it starts)."""
         return plan
 
+    def objective(self, trainer: L.Trainer, pl_module: L.LightningModule, phase: str) -> Objective:
+        """What the callback adds to every local step of a phase training ``phase`` (``"head"``, ``"body"``,
+        ``"all"``): :class:`LossTerm` s added to the loss, gradient and parameter transforms around the
+        optimizer step. Called once per fit and phase part, at ``setup`` (read state that is set later,
+        e.g. per-client tables, when the term runs). A term with ``vmappable=False`` keeps ``engine="auto"``
+        sequential (naming it) and is refused by ``engine="vectorized"``.
+
+        The default adapts the deprecated :meth:`loss_term` (the sequential runner's form) and
+        :meth:`vectorized_loss_term` (the lockstep runner's form; without one the term is not vmappable)."""
+        if not adds_loss_term(self):
+            return Objective()
+        warnings.warn(
+            f"{type(self).__name__}.loss_term/vectorized_loss_term are deprecated: return "
+            "Objective(terms=(LossTerm(fn, name),)) from FederatedCallback.objective(trainer, pl_module, phase).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+
+        def live(view: StepView) -> Tensor | None:
+            step = LiveStep(view.round, int(view.client), view.phase, view.batch_idx or 0)
+            return self.loss_term(trainer, pl_module, view.batch, step)
+
+        vectorized = _vectorized(self, self.vectorized_loss_term(trainer, pl_module))
+        if vectorized is None:
+            return Objective(
+                terms=(LossTerm(live, f"{type(self).__name__}.loss_term without a vectorized form", False),)
+            )
+
+        def pure(view: StepView) -> Tensor | None:
+            features = view.features if vectorized.needs_features else None
+            return vectorized(dict(view.tensors), features, view.mask, view.client, view.phase)
+
+        name = f"{type(self).__name__}.vectorized_loss_term"
+        term = LossTerm(pure, name, True, vectorized.needs_features, vectorized.features_of, live=live)
+        return Objective(terms=(term,))
+
     @no_loss_term
     def loss_term(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step: LiveStep
     ) -> Tensor | None:
-        """A term to add to the live client's training loss, or ``None`` (every local step)."""
+        """Deprecated (write :meth:`objective`): a term to add to the live client's training loss, or
+        ``None`` (every local step)."""
         return None
 
     def vectorized_loss_term(
         self, trainer: L.Trainer, pl_module: L.LightningModule
     ) -> VectorizedLossTerm | None:
-        """Optional: :meth:`loss_term` as a pure per-client function for the vectorized engine, or ``None``.
+        """Deprecated (write :meth:`objective`). Optional: :meth:`loss_term` as a pure per-client function
+        for the vectorized engine, or ``None``.
 
         Called once when the engine is built (at ``setup``, before ``on_fit_start``: read state that is
         set later, e.g. per-client tables, when the term runs). The engine applies the returned
@@ -165,3 +202,16 @@ class FederatedCallback(Callback):
     def record(self, trainer: L.Trainer, **values: float) -> None:
         """Add ``values`` as columns of the current round's history row (``strategy.history``, summaries)."""
         self.federation(trainer).record(**values)
+
+
+def _vectorized(callback: FederatedCallback, term: Any) -> VectorizedLossTerm | None:
+    """A callback's ``vectorized_loss_term`` answer as a :class:`VectorizedLossTerm` (a plain callable gets
+    the defaults), or ``None``."""
+    if term is None or isinstance(term, VectorizedLossTerm):
+        return term
+    if not callable(term):
+        raise TypeError(
+            f"{type(callback).__name__}.vectorized_loss_term must return a VectorizedLossTerm, a callable or "
+            f"None, got {term!r}."
+        )
+    return VectorizedLossTerm(term)

@@ -302,7 +302,9 @@ class FederatedStrategyMixin(StrategyAPI):
         the closure, then every client's optimizer; on an idle step the closure alone). Under automatic
         optimization the round closes after its last step."""
         module = self.lightning_module
-        step = lambda: super(FederatedStrategyMixin, self).optimizer_step(optimizer, closure, model, **kwargs)  # noqa: E731
+        step = lambda run=closure: super(FederatedStrategyMixin, self).optimizer_step(  # noqa: E731
+            optimizer, run, model, **kwargs
+        )
         round_ends = lambda: internals.round_ends_now(module.trainer)  # noqa: E731
         return self._run.optimizer_step(step, closure, module.automatic_optimization, round_ends)
 
@@ -436,7 +438,7 @@ class FederatedStrategyMixin(StrategyAPI):
             check_federated_state(
                 self._pending, named, federation.shared_names, federation.local_names, self._checkpoint_path
             )
-            federation.load_state_dict(self._pending, module.device)
+            federation.load_state_dict(self._pending, module.device, self._checkpoint_path)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:

@@ -40,7 +40,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_fedrep.arguments import check_bool, check_int, check_optional_int, check_real
-from lightning_fedrep.hooks import FederatedCallback, RoundResult
+from lightning_fedrep.lightning.callback import FederatedCallback, RoundResult
 from lightning_fedrep.participation.latency import LatencyModel
 from lightning_fedrep.plan import RoundPlan, sample_clients
 

@@ -10,27 +10,28 @@ facts as :class:`~lightning_fedrep.runners.constraints.Constraints` and prints t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from lightning_fedrep.algorithms import Algorithm
+from lightning_fedrep.algorithms import PART_GROUPS, Algorithm
 from lightning_fedrep.collective import Collective
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.federation.run import FederatedRun, loss_terms
-from lightning_fedrep.loss_terms import VectorizedLossTerm
+from lightning_fedrep.federation.run import PHASE_PARTS, FederatedRun, local_objective
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import Constraints
 from lightning_fedrep.runners.lockstep.contract import declared_loss
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
+from lightning_fedrep.runners.lockstep.probe import vectorize_problem
 from lightning_fedrep.runners.lockstep.runner import LockstepRunner
 from lightning_fedrep.runners.lockstep.validity import federation_reasons, module_reasons, trainer_reasons
 from lightning_fedrep.runners.report import RunnerReport
 from lightning_fedrep.runners.sequential import SequentialRunner
 from lightning_fedrep.runners.sharded import Sharded
+from lightning_fedrep.untouched import untouched_random_state
 
 EngineMode = Literal["auto", "vectorized", "sequential"]
 
@@ -53,16 +54,17 @@ def build_engine(
     algorithm: Algorithm,
     callbacks: Sequence[Any],
     width: int | None,
+    objectives: dict[str, Any] | None = None,
 ) -> Decision:
     """The lockstep engine for this fit, or the sequential runner (``mode="auto"`` where the engine would
     not be exact); raises for ``mode="vectorized"`` where it would not be exact."""
     if mode == "sequential":
         return Decision(None, RunnerReport.sequential("engine='sequential'", "setup"))
-    terms = {id(c): _loss_term(c, answer) for c, answer in constraints.vectorized_terms()}
+    objectives = objectives or {}
     reasons = (
         module_reasons(module, federation.layout, constraints)
         + trainer_reasons(constraints)
-        + federation_reasons(algorithm, callbacks, {i for i, term in terms.items() if term is not None})
+        + federation_reasons(objectives, callbacks)
     )
     if federation.config.on_client_error == "skip":
         reasons.append(
@@ -86,24 +88,11 @@ def build_engine(
         constraints.optimizers[0],
         declared_loss(module),
         width,
-        loss_terms=list(terms.values()),
+        objectives=objectives,
         convert_input=constraints.convert_input,
         to_device=constraints.to_device,
     )
     return Decision(engine, report)
-
-
-def _loss_term(callback: Any, term: Any) -> VectorizedLossTerm | None:
-    """A callback's ``vectorized_loss_term`` answer as a :class:`VectorizedLossTerm` (a plain callable
-    gets the defaults), or ``None``."""
-    if term is None or isinstance(term, VectorizedLossTerm):
-        return term
-    if not callable(term):
-        raise TypeError(
-            f"{type(callback).__name__}.vectorized_loss_term must return a VectorizedLossTerm, a callable or "
-            f"None, got {term!r}."
-        )
-    return VectorizedLossTerm(term)
 
 
 def start_engine(
@@ -143,6 +132,17 @@ def start_engine(
             )
         report = RunnerReport.sequential(reason, "first loader")
         return Decision(None, report, f"lightning_fedrep: sequential engine ({reason}).")
+    gather = collective.all_gather_object if distributed else None
+    unbatched = _vectorize_problem(engine, loader, plan, device, gather)
+    if unbatched is not None:
+        if mode == "vectorized":
+            raise ValueError(
+                f"engine='vectorized' cannot run here: {unbatched}. torch.func.vmap cannot batch an operation "
+                "of this module's loss or gradient; pass engine='sequential' (or engine='auto', which falls "
+                "back to it)."
+            )
+        report = RunnerReport.sequential(unbatched, "first loader")
+        return Decision(None, report, f"lightning_fedrep: sequential engine ({unbatched}).")
     if engine.caching and not any(phase.train == "head" for phase in plan.phases):
         cache = f"no head phase in the first round; any later one on cached features ({engine.split.how})"
     widths = engine.prepare(plan, device, measure=mode == "auto" and not smoke, memory=memory, smoke=smoke)
@@ -162,6 +162,41 @@ def start_engine(
     return Decision(engine, report, f"lightning_fedrep: vectorized engine ({cache}; {widths}).")
 
 
+def _vectorize_problem(
+    engine: LockstepEngine,
+    loader: Any,
+    plan: RoundPlan,
+    device: torch.device,
+    gather: Callable[[Any], list[Any]] | None,
+) -> str | None:
+    """Why ``torch.func.vmap`` cannot run the engine's loss and gradient (:func:`vectorize_problem`) on
+    the first client's first batch, for each phase kind ``plan`` trains (its head phases on cached
+    features where the engine caches them); on several processes (``gather``) the first any rank found."""
+    split = engine.federation.split
+    parts = {
+        phase.train: [n for n in engine.trainable if split.group(n) in PART_GROUPS[phase.train]]
+        for phase in plan.phases
+        if phase.epochs or phase.steps
+    }
+    forward = None
+    if engine.needs_features and engine.split is not None:  # the loss terms' run: head(features(x))
+        features, head = engine.split.features, engine.split.head
+
+        def forward(tensors: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return head(tensors, features(tensors, x))
+
+    with untouched_random_state():
+        batch = next(iter(loader.client_batches(plan.work[0].client, plan.round, 0, 1)))
+    batch = engine.to_device(engine.convert_input(batch), device)
+    cached = engine.split if engine.caching else None
+    module, loss_fn = engine.module, engine.loss_fn
+    problem = vectorize_problem(module, loss_fn, batch, parts, engine.trainable, forward, cached)
+    if gather is None:
+        return problem
+    found = [v["vectorize_problem"] for v in gather({"vectorize_problem": problem}) if v["vectorize_problem"]]
+    return found[0] if found else None
+
+
 class RunnerSelection:
     """The runner of a fit, decided at ``setup``, on the first training loader and on a resumed checkpoint;
     every decision installs the runner (always wrapped in :class:`Sharded`) on the :class:`FederatedRun`.
@@ -179,6 +214,12 @@ class RunnerSelection:
         self.report: RunnerReport | None = None
         """Which runner runs this fit's training steps and why (``None`` before the first fit's ``setup``)."""
         self.engine: LockstepEngine | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        """The user's optimizer (what ``StepView.lr`` reads on the sequential runner)."""
+
+    def _lr(self) -> float | None:
+        groups = self.optimizer.param_groups if self.optimizer is not None else ()
+        return groups[0].get("lr") if groups else None
 
     def install(self, run: FederatedRun, algorithm: Algorithm, collective: Collective) -> None:
         """Give ``run`` the runner decided so far (sequential until :meth:`setup` decides)."""
@@ -186,7 +227,13 @@ class RunnerSelection:
         inner = (
             LockstepRunner(self.engine, notify)
             if self.engine is not None
-            else SequentialRunner(run.federation, notify, loss_terms(algorithm, run.federation, run.bus))
+            else SequentialRunner(
+                run.federation,
+                notify,
+                lambda phase: local_objective(algorithm, run.bus, phase),
+                run.bus.module,
+                self._lr,
+            )
         )
         run.runner = Sharded(inner, collective)
 
@@ -207,11 +254,13 @@ class RunnerSelection:
     ) -> str | None:
         """At ``setup``: the runner for a fit (the sequential one for other stages); returns the line to log."""
         self.engine = None
+        self.optimizer = constraints.optimizers[0] if constraints.optimizers else None
         line = None
         if fit:
             callbacks = run.bus.callbacks
+            objectives = {phase: local_objective(algorithm, run.bus, phase) for phase in PHASE_PARTS}
             decision = build_engine(
-                self.mode, constraints, module, run.federation, algorithm, callbacks, self.width
+                self.mode, constraints, module, run.federation, algorithm, callbacks, self.width, objectives
             )
             line = self._take(decision)
         self.install(run, algorithm, collective)

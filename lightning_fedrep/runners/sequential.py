@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.federation.run import NOTHING_RAN, Notify
+from lightning_fedrep.federation.objective import Objective, StepView
+from lightning_fedrep.federation.run import NOTHING_RAN, Notify, live_view
 from lightning_fedrep.plan import RoundPlan
 
 
 class SequentialRunner:
     """Trains a round's clients one after another: at each step it loads the step's client (handing the
-    previous one to the federation), sets its phase, runs the user's step and adds the loss terms.
+    previous one to the federation), sets its phase, runs the user's step and applies the local objective
+    (its loss terms added to the step's loss, its transforms around the optimizer step).
 
     Args:
         federation: the federated state the clients are loaded from and stored into.
         notify: tells the federated callbacks (``on_client_start``, ``on_client_end``).
-        terms: the step's loss terms (``terms(batch, batch_idx)``), or ``None`` for none.
+        objective: the local objective of a phase part (``None``: nothing added).
+        module: the live module (what the objective's :class:`StepView` reads).
+        lr: the live client's learning rate (what ``StepView.lr`` holds), or ``None``.
     """
 
     vectorized = False
@@ -26,11 +34,15 @@ class SequentialRunner:
         self,
         federation: Federation,
         notify: Notify,
-        terms: Callable[[Any, int], list[Any]] | None = None,
+        objective: Callable[[str], Objective] | None = None,
+        module: Any = None,
+        lr: Callable[[], float | None] | None = None,
     ):
         self.federation = federation
         self.notify = notify
-        self.terms = terms
+        self.objective = objective
+        self.module = module
+        self.lr = lr or (lambda: None)
         self._idle = False
         self._client_step = 0
 
@@ -55,25 +67,85 @@ class SequentialRunner:
     def loss(self, batch: Any, batch_idx: int, user_step: Callable[[], Any]) -> Any:
         if self._idle:
             return NOTHING_RAN
+        objective = self._objective()
+        captured: dict[str, Tensor] = {}
         try:
-            output = user_step()
+            with _captured_features(self.module, objective, captured):
+                output = user_step()
         except Exception as error:
             if self.federation.config.on_client_error != "skip":
                 raise
             self.federation.fail_live_client(self._client_step, error)
             return NOTHING_RAN
-        if self.terms is None:
+        if objective is None or not objective.terms:
             return output
-        return _with_terms(output, lambda: self.terms(batch, batch_idx))
+        return _with_terms(output, lambda: self._terms(objective, batch, batch_idx, captured))
+
+    def _objective(self) -> Objective | None:
+        if self.objective is None or self.federation.live_phase is None:
+            return None
+        return self.objective(self.federation.live_phase)
+
+    def _view(self, batch: Any = None, batch_idx: int | None = None) -> StepView:
+        return live_view(self.federation, self.module, batch, batch_idx, self._client_step, self.lr())
+
+    def _terms(
+        self, objective: Objective, batch: Any, batch_idx: int, captured: dict[str, Tensor]
+    ) -> list[Any]:
+        view = self._view(batch, batch_idx)
+        found = []
+        for term in objective.terms:
+            if term.live is not None:
+                found.append(term.live(view))
+                continue
+            features = None
+            if term.needs_features:
+                features = captured.get(term.features_of)
+                if features is None:
+                    raise RuntimeError(
+                        f"LossTerm {term.name!r} needs the input of {term.features_of!r}, which training_step "
+                        "never called: the step must run the model's forward through it."
+                    )
+            found.append(term.fn(replace(view, features=features)))
+        return found
 
     def logged_loss(self) -> None:
         return None  # the user's step logs its own
 
-    def step(self, optimizer_step: Callable[[], Any], closure: Callable[[], Any]) -> Any:
+    def step(self, optimizer_step: Callable[..., Any], closure: Callable[[], Any]) -> Any:
+        """The user's optimizer step; the objective's gradient transforms run after the closure's backward
+        (``optimizer_step`` takes the closure to run), its parameter transforms after the step."""
         if self._idle:
             closure()  # it trains nothing
             return None
-        return optimizer_step()
+        objective = self._objective()
+        if objective is None or not (objective.grad_transforms or objective.param_transforms):
+            return optimizer_step()
+
+        def transformed() -> Any:
+            loss = closure()
+            self._transform_grads(objective)
+            return loss
+
+        output = optimizer_step(transformed) if objective.grad_transforms else optimizer_step()
+        self._transform_params(objective)
+        return output
+
+    def _transform_grads(self, objective: Objective) -> None:
+        view = self._view()
+        trained = view.trained
+        for transform in objective.grad_transforms:
+            grads = {n: p.grad for n, p in trained.items() if p.grad is not None}
+            for name, grad in transform.fn(grads, view).items():
+                trained[name].grad = grad
+
+    @torch.no_grad()
+    def _transform_params(self, objective: Objective) -> None:
+        view = self._view()
+        for transform in objective.param_transforms:
+            current = {n: p.detach() for n, p in view.trained.items()}
+            for name, value in transform.fn(current, view).items():
+                view.trained[name].copy_(value)
 
     def end_step(self) -> None:
         self.federation.end_step()
@@ -117,3 +189,27 @@ def _with_terms(output: Any, terms: Callable[[], list[Any]]) -> Any:
         if extra is not None:
             loss = loss + extra
     return {**output, "loss": loss} if isinstance(output, dict) else loss
+
+
+class _captured_features:
+    """While the user's step runs, keep the input of each submodule a loss term takes ``features`` from."""
+
+    def __init__(self, module: Any, objective: Objective | None, captured: dict[str, Tensor]):
+        names = []
+        if objective is not None and module is not None:
+            names = list(
+                dict.fromkeys(t.features_of for t in objective.terms if t.needs_features and t.live is None)
+            )
+        self.hooks = [
+            module.get_submodule(name).register_forward_pre_hook(
+                lambda _m, args, name=name: captured.__setitem__(name, args[0]) if args else None
+            )
+            for name in names
+        ]
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self.hooks:
+            hook.remove()

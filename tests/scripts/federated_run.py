@@ -222,6 +222,8 @@ def main() -> None:
         "world_size": trainer.world_size,
         "global": strategy.global_tensors(),
         "clients": {c: strategy.client_tensors(c) for c in range(federation.num_clients)},
+        "declared": {c: dict(store.client_state(c)) for c in range(federation.num_clients)},
+        "server": dict(federation.server_tensors),
         "history": strategy.history,
         "val_acc": strategy.client_metrics["val"].per_client("val/acc"),
         "global_step": trainer.global_step,

@@ -10,7 +10,7 @@ sequential path hands them over.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_fedrep.algorithms import PART_GROUPS
 from lightning_fedrep.federation import ClientResult, Federation
-from lightning_fedrep.loss_terms import VectorizedLossTerm
+from lightning_fedrep.federation.objective import LossTerm, Objective, StepView
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import move_to_device
 from lightning_fedrep.runners.lockstep import sizing
@@ -57,7 +57,8 @@ class LockstepEngine:
         loss: the module's declared per-sample loss.
         width: at most this many clients train together (memory); ``None``: a round's clients.
         split: how to run the head on cached features (``None``: no caching).
-        loss_terms: the callbacks' vectorized loss terms, applied per client inside the ``vmap``.
+        objectives: the local objective of each phase part (the algorithm's and the callbacks'): its loss
+            terms are applied per client inside the ``vmap``, its transforms per client around the step.
         convert_input: what Lightning does to a training batch before the step (the trainer's precision,
             e.g. float tensors to float64 under ``precision="64-true"``), applied to the batches the
             engine draws itself (probe, cached features, timing).
@@ -72,7 +73,7 @@ class LockstepEngine:
         loss: LossFn,
         width: int | None = None,
         split: FeatureSplit | None = None,
-        loss_terms: Sequence[VectorizedLossTerm] = (),
+        objectives: Mapping[str, Objective] | None = None,
         convert_input: Callable[[Any], Any] | None = None,
         to_device: Callable[[Any, torch.device], Any] | None = None,
     ):
@@ -85,8 +86,11 @@ class LockstepEngine:
         self.probe_problem: str | None = None
         """Why the engine would not train what ``training_step`` trains (decided in :meth:`bind_loader`:
         :func:`~lightning_fedrep.runners.lockstep.probe.probe_problem`), or ``None``."""
-        self.loss_terms = list(loss_terms)
-        """Callbacks' vectorized loss terms (those with ``needs_features`` need a feature split)."""
+        self.objectives: dict[str, Objective] = dict(objectives or {})
+        self.loss_terms: list[LossTerm] = list(
+            {id(t): t for o in self.objectives.values() for t in o.terms}.values()
+        )
+        """Every phase's loss terms (those with ``needs_features`` need a feature split)."""
         self.needs_features = any(term.needs_features for term in self.loss_terms)
         """Whether uncached steps run the module as ``head(features(x))`` (for the loss terms)."""
         self.loss_terms_problem: str | None = None
@@ -109,6 +113,7 @@ class LockstepEngine:
         self.group: ClientGroup | None = None
         self.segment: Segment | None = None
         self._group_index = -1
+        self._step = 0
         self._active: list[bool] = []
         self._features: Tensor | None = None
         self._labels: Tensor | None = None
@@ -391,7 +396,11 @@ class LockstepEngine:
         trained, frozen = self._lane_tensors
         fixed = self._fixed
         loss_fn, split = self.loss_fn, self.split
-        terms, phase = self.loss_terms, self.segment.part
+        phase = self.segment.part
+        objective = self.objectives.get(phase, Objective())
+        terms = objective.terms
+        server = self.federation.global_view() if terms else {}
+        lr, round_index, local_step = self._lr(), self.federation.round_index, self._step
 
         if self.segment.cached:
             k = torch.arange(mask.shape[0], device=mask.device)[:, None]
@@ -422,7 +431,19 @@ class LockstepEngine:
             per_sample = loss_fn(output, y)
             loss = (per_sample * m).sum() / m.sum().clamp_min(1.0)
             for term in terms:
-                extra = term(tensors, features if term.needs_features else None, m, client, phase)
+                view = StepView(
+                    tensors=tensors,
+                    trained=own,
+                    server=server,
+                    client=client,
+                    phase=phase,
+                    round=round_index,
+                    step=local_step,
+                    lr=lr,
+                    features=features if term.needs_features else None,
+                    mask=m,
+                )
+                extra = term.fn(view)
                 if extra is not None:
                     loss = loss + extra
             return loss
@@ -438,13 +459,59 @@ class LockstepEngine:
         """After Lightning's backward: step every active client; returns clients whose round is done."""
         group = self.group
         group.sync_hyperparameters(self.user_optimizer)
+        objective = self.objectives.get(self.segment.part, Objective())
+        if objective.grad_transforms:
+            self._transform(objective.grad_transforms, grads=True)
         group.step(self._active)
+        if objective.param_transforms:
+            with torch.no_grad():
+                self._transform(objective.param_transforms, grads=False)
         # the user's optimizer.step() never runs here: mark it as stepped (what torch's LR scheduler wrapper
         # of .step() does), else every epoch scheduler warns that it stepped before the optimizer
         self.user_optimizer._opt_called = True
         if self._step == self.segment.length - 1 and self.segment.last_of_group:
             return self.finish_group()
         return []
+
+    def _lr(self) -> float | None:
+        groups = self.user_optimizer.param_groups
+        return groups[0].get("lr") if groups else None
+
+    def _transform(self, transforms: tuple[Any, ...], grads: bool) -> None:
+        """Apply gradient (``grads``) or parameter transforms to each active lane, in one ``vmap``."""
+        leaves, rest = self._lane_tensors
+        fixed, phase, server = self._fixed, self.segment.part, self.federation.global_view()
+        lr, round_index, local_step = self._lr(), self.federation.round_index, self._step
+        device = next(iter(leaves.values())).device
+        clients = torch.tensor(self.segment.clients, device=device)
+        own = {n: t.detach() for n, t in leaves.items()}
+        values = {n: t.grad for n, t in leaves.items() if t.grad is not None} if grads else own
+
+        def apply(
+            value: dict[str, Tensor], mine: dict[str, Tensor], others: dict[str, Tensor], client: Tensor
+        ):
+            view = StepView(
+                tensors={**fixed, **others, **mine},
+                trained=mine,
+                server=server,
+                client=client,
+                phase=phase,
+                round=round_index,
+                step=local_step,
+                lr=lr,
+            )
+            for transform in transforms:
+                value = {**value, **transform.fn(value, view)}
+            return value
+
+        new = torch.func.vmap(apply)(values, own, rest, clients)
+        active = torch.tensor(self._active, device=device)
+        for name, value in new.items():
+            keep = active.reshape(-1, *([1] * (value.dim() - 1)))
+            if grads:
+                leaves[name].grad = torch.where(keep, value, values[name])
+            else:
+                leaves[name].copy_(torch.where(keep, value, leaves[name]))
 
     def finish_group(self) -> list[ClientResult]:
         """Hand every client of the open group to the federation (also for a round cut short)."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedrep.clients import OptimizerState
+from lightning_fedrep.federation.store import OptimizerState
 from lightning_fedrep.runners.lockstep.optimizers import client_optimizers
 
 

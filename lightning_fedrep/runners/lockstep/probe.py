@@ -13,6 +13,11 @@ step: on the device, in the trainer's precision) and says why they differ, if th
 - ``training_step`` logs something the engine would not (it logs only ``train/loss``, the clients'
   mean loss), since those ``self.log`` calls would vanish on the engine.
 
+:func:`vectorize_problem` then runs what the engine runs instead of the step, once per phase kind of the
+round: ``torch.func.vmap`` of the declared loss over two clients' copies of the module's tensors and its
+gradient, on one probe batch; an operation ``vmap`` cannot batch (``nn.LSTM``: ``aten::lstm`` has no
+batching rule) is a reason, not a crash in the first round.
+
 Both sides run in train mode under ``torch.no_grad`` with the same random seed (``fork_rng``: the run's
 own random streams are untouched), so a ``training_step`` that draws random numbers the model's forward
 does not (noise on the inputs) differs, while one whose forward draws them identically matches.
@@ -22,15 +27,15 @@ any other side effect of the user's step (a counter) happens once per probe batc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.runners.lockstep.contract import LossFn, mse_per_sample
-from lightning_fedrep.untouched import untouched_modes
+from lightning_fedrep.runners.lockstep.contract import FeatureSplit, LossFn, mse_per_sample
+from lightning_fedrep.untouched import untouched_modes, untouched_random_state
 
 ENGINE_LOG = "train/loss"
 """The one metric the engine logs from its steps (the mean loss of the clients that stepped)."""
@@ -60,6 +65,110 @@ def probe_problem(
             )
             if problem is not None:
                 return problem
+    return None
+
+
+PROBE_CLIENTS = 2
+"""Clients the vmap probe stacks (copies of the module's tensors): enough to batch every operation."""
+
+CANNOT_VECTORIZE = "cannot vectorize"
+"""How a reason from :func:`vectorize_problem` starts."""
+
+Forward = Callable[[dict[str, Tensor], Tensor], Tensor]
+"""The module as a pure function of its tensors (``{full name: tensor}``) and an input batch."""
+
+
+def vectorize_problem(
+    module: nn.Module,
+    loss_fn: LossFn,
+    batch: tuple[Tensor, Tensor],
+    parts: Mapping[str, Collection[str]],
+    stacked: Collection[str],
+    forward: Forward | None = None,
+    cached: FeatureSplit | None = None,
+) -> str | None:
+    """Why ``torch.func.vmap`` cannot run the engine's step on ``module``, or ``None``.
+
+    For each phase kind in ``parts`` (``"head"``, ``"body"``, ``"all"``: the names it trains), the mean
+    of ``loss_fn`` on ``batch`` is vmapped over :data:`PROBE_CLIENTS` copies of the ``stacked`` tensors
+    (each client's own, as in a lockstep group; the other tensors are shared) and differentiated with
+    respect to the trained ones, as a lockstep step does. ``forward`` runs the module (default:
+    ``functional_call``); where ``cached`` is given the head phase runs ``cached.head`` on
+    ``cached.features`` computed outside the vmap, as on cached features. The exception's first line is
+    the reason (``cannot vectorize: Batching rule not implemented for aten::lstm.input ...``), with the
+    submodule it came from. Leaves no trace: the module's tensors are copied, every submodule keeps its
+    mode, and the random generators are restored.
+    """
+    x, y = batch
+    forward = forward or (lambda tensors, inputs: torch.func.functional_call(module, tensors, (inputs,)))
+    devices = [x.device] if x.device.type == "cuda" else []
+    named = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+    with untouched_modes(module), untouched_random_state(), torch.random.fork_rng(devices=devices):
+        module.train()
+        for part, trained in parts.items():
+            on_features = cached is not None and part == "head"
+            problem = _vmap_problem(
+                module,
+                (cached.head if on_features else forward),
+                loss_fn,
+                _features(cached, named, x) if on_features else x,
+                y,
+                named,
+                stacked,
+                trained,
+            )
+            if problem is not None:
+                return f"{problem}, {part} phase{' on cached features' if on_features else ''})"
+    return None
+
+
+def _copies(t: Tensor, k: int, trained: bool) -> Tensor:
+    """``k`` stacked copies of ``t``, a leaf that requires grad where ``trained``."""
+    copies = t.detach().unsqueeze(0).expand(k, *t.shape).clone()
+    return copies.requires_grad_(trained and t.is_floating_point())
+
+
+def _features(split: FeatureSplit, named: dict[str, Tensor], x: Tensor) -> Tensor:
+    with torch.no_grad():
+        return split.features({n: t.detach() for n, t in named.items()}, x)
+
+
+def _vmap_problem(
+    module: nn.Module,
+    forward: Forward,
+    loss_fn: LossFn,
+    x: Tensor,
+    y: Tensor,
+    named: dict[str, Tensor],
+    stacked: Collection[str],
+    trained: Collection[str],
+) -> str | None:
+    """One vmapped loss and its gradient; the reason without its closing parenthesis, or ``None``."""
+    k = PROBE_CLIENTS
+    own = {n: _copies(t, k, n in trained) for n, t in named.items() if n in stacked}
+    shared = {n: t.detach().clone() for n, t in named.items() if n not in stacked}
+
+    def client_loss(tensors: dict[str, Tensor], inputs: Tensor, targets: Tensor) -> Tensor:
+        return loss_fn(forward({**shared, **tensors}, inputs), targets).mean()
+
+    def stack(t: Tensor) -> Tensor:
+        return t.unsqueeze(0).expand(k, *t.shape)
+
+    stage = "loss"
+    with _open_submodules(module) as entered, torch.enable_grad():
+        try:
+            losses = torch.func.vmap(client_loss)(own, stack(x), stack(y))
+            stage = "gradient"
+            leaves = [t for t in own.values() if t.requires_grad]
+            if leaves and losses.requires_grad:
+                torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
+        except Exception as error:  # noqa: BLE001 (any error under vmap is why the engine cannot run)
+            first = next(iter(str(error).strip().splitlines()), "") or type(error).__name__
+            where = f"{type(module).__name__}'s {stage}"
+            if entered:
+                sub = module.get_submodule(entered[-1])
+                where = f"{where}, in {entered[-1]!r} ({type(sub).__name__})"
+            return f"{CANNOT_VECTORIZE}: {first} (torch.func.vmap of {where}"
     return None
 
 
@@ -181,6 +290,27 @@ def _seeded(call: Callable[[], Any], device: torch.device, seed: int = PROBE_SEE
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         return call()
+
+
+@contextmanager
+def _open_submodules(module: nn.Module) -> Iterator[list[str]]:
+    """The names of the submodules whose forward has started and not returned, innermost last (after an
+    exception: where it was raised)."""
+    entered: list[str] = []
+
+    def leave(_module: nn.Module, _args: Any, _output: Any) -> None:  # returns None: the output stays
+        entered.pop()
+
+    handles = []
+    for name, sub in module.named_modules():
+        if name:
+            handles.append(sub.register_forward_pre_hook(lambda _m, _a, name=name: entered.append(name)))
+            handles.append(sub.register_forward_hook(leave))
+    try:
+        yield entered
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextmanager

@@ -7,14 +7,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from lightning_fedrep.algorithms import Algorithm
-from lightning_fedrep.loss_terms import adds_loss_term
+from lightning_fedrep.federation.objective import Objective
 from lightning_fedrep.runners.lockstep.contract import declared_loss
 from lightning_fedrep.split import TensorLayout
 
@@ -92,17 +91,12 @@ def trainer_reasons(constraints: Constraints) -> list[str]:
     return reasons
 
 
-def federation_reasons(
-    algorithm: Algorithm, callbacks: Sequence[object], vectorized: Collection[int] = ()
-) -> list[str]:
-    """What the algorithm or the federated callbacks add that the engine cannot vectorize; ``vectorized``
-    holds the ``id`` of each callback whose ``vectorized_loss_term`` gave its loss term's pure form."""
-    reasons = []
-    if type(algorithm).loss_term is not Algorithm.loss_term:
-        reasons.append(f"the algorithm {algorithm.name!r} adds a loss term")
+def federation_reasons(objectives: Mapping[str, Objective], callbacks: Sequence[object]) -> list[str]:
+    """What the local objectives (each phase part's: the algorithm's and the callbacks' terms and
+    transforms) or the federated callbacks add that the engine cannot vectorize."""
+    names = dict.fromkeys(name for objective in objectives.values() for name in objective.not_vmappable())
+    reasons = [f"{name} cannot run in lockstep (vmappable=False)" for name in names]
     for callback in callbacks:
-        if adds_loss_term(callback) and id(callback) not in vectorized:
-            reasons.append(f"{type(callback).__name__} adds a loss term without a vectorized form")
         if getattr(callback, "needs_client_timing", False):
             reasons.append(f"{type(callback).__name__} measures each client's step time")
     return reasons

@@ -1,0 +1,194 @@
+"""The server side of the Algorithm API v2: declared tensors, what a client hands back, the server state.
+
+An algorithm declares extra per-client tensors (:class:`ClientTensors`, e.g. SCAFFOLD's control variate
+``c_i``) and server tensors (:class:`ServerTensors`, e.g. SCAFFOLD's ``c`` or a server momentum) as the
+class attributes ``Algorithm.client_tensors`` / ``Algorithm.server_tensors``. The federation keeps the
+client tensors in the client store (stacked like the local part, a template for clients that never
+trained) and the server tensors in its state; both are checkpointed (version 3), rolled back with an
+interrupted round, and lent/gathered between processes with the client's record.
+
+After a client's last local step the federation calls ``Algorithm.finish_client(ClientEnd)``, which returns
+a :class:`ClientOutcome` (what the aggregator receives, the client's new declared tensors, per-client
+metrics). At the round's close a v2 ``Algorithm.aggregate(server, results, failures)`` receives the
+:class:`ServerState` and the :class:`RoundResults` and returns the new server state and metrics for the
+round's history row. No Lightning here (the core).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_fedrep.federation.aggregation import Aggregator, ClientUpdate
+
+__all__ = [
+    "ClientEnd",
+    "ClientOutcome",
+    "ClientTensors",
+    "RoundResults",
+    "ServerState",
+    "ServerTensors",
+    "declared_names",
+    "declared_templates",
+    "uses_results",
+]
+
+Init = Literal["zeros", "module"]
+"""``"zeros"``, or the module's values at fit start (only with ``like``)."""
+
+
+@dataclass(frozen=True)
+class ClientTensors:
+    """Extra per-client tensors, shaped like a group's tensors (``like``) or given explicitly (``shapes``).
+
+    ``like`` is ``"shared"`` (the tensors the server aggregates), ``"local"`` (those each client keeps),
+    ``"body"`` or ``"head"``: one tensor ``"<name>.<tensor name>"`` per tensor of it. ``shapes`` is a
+    tuple (one tensor named ``name``) or a mapping ``key -> shape`` (tensors ``"<name>.<key>"``).
+    """
+
+    name: str
+    like: str | None = None
+    shapes: Mapping[str, tuple[int, ...]] | tuple[int, ...] | None = None
+    init: Init = "zeros"
+    dtype: torch.dtype | None = None
+    """``None``: the dtype of the ``like`` tensors (float32 for ``shapes``)."""
+
+
+@dataclass(frozen=True)
+class ServerTensors(ClientTensors):
+    """Extra server tensors (SCAFFOLD's ``c``, server momentum), held identically on every process."""
+
+
+@dataclass(frozen=True)
+class ClientEnd:
+    """A client after its last local step of the round (views, not copies: valid during the call).
+
+    ``start``/``end`` map the module's shared and local tensor names to their values at the start of the
+    client's round and at the end of its work; ``client_state`` holds its declared client tensors as they
+    were before the round, ``server`` the declared server tensors; ``lr`` is the first optimizer's first
+    param group's learning rate (``None`` if unknown).
+    """
+
+    client: int
+    round: int
+    num_samples: int
+    steps: int
+    lr: float | None
+    start: Mapping[str, Tensor]
+    end: Mapping[str, Tensor]
+    client_state: Mapping[str, Tensor]
+    server: Mapping[str, Tensor]
+    shared_names: tuple[str, ...] = ()
+
+    def shared(self) -> dict[str, Tensor]:
+        """The end values of the shared tensors (what the default ``finish_client`` uploads)."""
+        return {n: self.end[n] for n in self.shared_names}
+
+    def tensors(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """The end values of ``names``."""
+        return {n: self.end[n] for n in names}
+
+
+@dataclass(frozen=True)
+class ClientOutcome:
+    """What ``finish_client`` returns: the upload the aggregator receives (``ClientUpdate.upload``; its
+    names must be those of ``Algorithm.aggregator``'s ``like``), new values of the client's declared tensors
+    (those left out keep their values) and per-client metrics (their mean over the round's clients joins
+    the round's history row under the same key)."""
+
+    upload: Mapping[str, Tensor]
+    client_state: Mapping[str, Tensor] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What the server holds between rounds: the global shared tensors and the declared server tensors,
+    by name; ``num_clients`` is the federation's size. ``aggregate`` returns a new one (``replace``)."""
+
+    shared: Mapping[str, Tensor]
+    tensors: Mapping[str, Tensor]
+    num_clients: int = 0
+
+    def replace(self, **changes: Any) -> ServerState:
+        """A copy with ``changes`` (``shared=``, ``tensors=``: the names given replace those values)."""
+        for key in ("shared", "tensors"):
+            if key in changes:
+                changes[key] = {**getattr(self, key), **changes[key]}
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RoundResults:
+    """The round as the server step sees it: the aggregator's reduction (``reduced``, its ``result()``),
+    the aggregator itself (``Stacked`` holds every update), the surviving clients' ids, the total
+    aggregation weight and the round's plan. Identical on every process."""
+
+    reduced: Mapping[str, Tensor]
+    aggregator: Aggregator
+    clients: tuple[int, ...]
+    weight: float
+    plan: Any
+    """The round's ``RoundPlan`` (typed loosely: the plan module imports the algorithms)."""
+
+    @property
+    def updates(self) -> list[ClientUpdate]:
+        """Every client's update (only with an aggregator that keeps them, e.g. ``Stacked``)."""
+        return list(getattr(self.aggregator, "updates", []))
+
+
+def _names(spec: ClientTensors, groups: Mapping[str, Mapping[str, Tensor]]) -> dict[str, Tensor | tuple]:
+    if (spec.like is None) == (spec.shapes is None):
+        raise ValueError(f"{type(spec).__name__} {spec.name!r}: give exactly one of like= or shapes=.")
+    if spec.like is not None:
+        if spec.like not in groups:
+            raise ValueError(
+                f"{type(spec).__name__} {spec.name!r}: like={spec.like!r} is not a group; choose one of "
+                f"{sorted(groups)}."
+            )
+        return {f"{spec.name}.{n}": t for n, t in groups[spec.like].items()}
+    if spec.init != "zeros":
+        raise ValueError(f"{type(spec).__name__} {spec.name!r}: init={spec.init!r} needs like=, not shapes=.")
+    if isinstance(spec.shapes, Mapping):
+        return {f"{spec.name}.{k}": tuple(s) for k, s in spec.shapes.items()}
+    return {spec.name: tuple(spec.shapes)}
+
+
+def declared_templates(
+    specs: Iterable[ClientTensors], groups: Mapping[str, Mapping[str, Tensor]]
+) -> dict[str, Tensor]:
+    """The initial values of declared tensors by name, from ``groups`` (group name -> the module's tensors
+    by name at fit start). A bad declaration is an error naming it."""
+    out: dict[str, Tensor] = {}
+    for spec in specs:
+        if spec.init not in ("zeros", "module"):
+            raise ValueError(
+                f"{type(spec).__name__} {spec.name!r}: init must be 'zeros' or 'module', got {spec.init!r}."
+            )
+        for name, like in _names(spec, groups).items():
+            if name in out:
+                raise ValueError(f"Two declared tensors are named {name!r}; give them different names.")
+            if isinstance(like, Tensor):
+                value = like.detach().clone() if spec.init == "module" else torch.zeros_like(like)
+                out[name] = value if spec.dtype is None else value.to(spec.dtype)
+            else:
+                out[name] = torch.zeros(like, dtype=spec.dtype or torch.float32)
+    return out
+
+
+def declared_names(specs: Iterable[ClientTensors], groups: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The names of declared tensors (``groups``: group name -> tensor names as keys)."""
+    return [name for spec in specs for name in _names(spec, groups)]
+
+
+def uses_results(algorithm: Any) -> bool:
+    """Whether ``algorithm.aggregate`` is the v2 server step ``(server, results, failures)`` rather than
+    the v1 ``(global_state, average)`` (told apart by its parameter names)."""
+    parameters = list(inspect.signature(algorithm.aggregate).parameters)
+    return parameters[:2] == ["server", "results"]

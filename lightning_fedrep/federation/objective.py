@@ -1,0 +1,169 @@
+"""The local objective: one type for the loss terms and step transforms of algorithms and callbacks.
+
+Both runners apply an :class:`Objective` at every local step, in this order::
+
+    loss (the user's step, or the declared loss in lockstep) + every LossTerm
+    -> backward -> every GradTransform -> the client's optimizer step -> every ParamTransform
+
+A term or transform is a function of a :class:`StepView`. On the sequential runner its tensors are the live
+module's; inside the lockstep runner's ``torch.func.vmap`` they are one client's slices, so one function
+written with tensor ops runs on both. ``vmappable=False`` says it cannot run inside the ``vmap``:
+``engine="auto"`` then runs sequentially (saying why, naming it) and ``engine="vectorized"`` is refused.
+No Lightning here (the core).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["GradTransform", "LossTerm", "Objective", "ParamTransform", "StepView"]
+
+_EMPTY: Mapping[str, Tensor] = {}
+
+
+@dataclass(frozen=True)
+class StepView:
+    """One client's local step, as loss terms and transforms see it (read-only).
+
+    Attributes:
+        tensors: the client's module tensors by full name (parameters and buffers); those the phase
+            trains carry gradients.
+        trained: the subset of ``tensors`` the phase trains.
+        server: the round-start global shared tensors by name (the server's declared tensors join them
+            when algorithms can declare some).
+        client: the client index as a 0-dim integer tensor (batched under ``vmap``): index per-client
+            tables with it (``table[client]``), never turn it into a Python number in a vmappable term.
+        phase: the part the phase trains (``"head"``, ``"body"``, ``"all"``): Python branches on it are fine.
+        round: the round index.
+        step: the client's local step in the round.
+        lr: the client's learning rate (the optimizer's first param group), or ``None`` if unknown.
+        features: the head's input on the batch when the term asks for it (``needs_features``), else ``None``.
+        mask: ``[batch]``, 1 for real rows and 0 for padding (lockstep runner); ``None`` on the
+            sequential runner, where every row is real.
+        client_state: the client's declared per-client tensors (empty until algorithms declare some).
+        batch: the raw batch on the sequential runner (``None`` in lockstep). Only the adapters of the
+            deprecated ``loss_term`` hooks read it; a term that does is ``vmappable=False``.
+        batch_idx: Lightning's batch index on the sequential runner (``None`` in lockstep); adapters only.
+    """
+
+    tensors: Mapping[str, Tensor]
+    trained: Mapping[str, Tensor]
+    server: Mapping[str, Tensor]
+    client: Tensor
+    phase: str
+    round: int
+    step: int
+    lr: float | None = None
+    features: Tensor | None = None
+    mask: Tensor | None = None
+    client_state: Mapping[str, Tensor] = field(default_factory=lambda: _EMPTY)
+    batch: Any = None
+    batch_idx: int | None = None
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """A scalar added to the client's loss at every step of the phases it applies to.
+
+    Args:
+        fn: ``fn(view) -> Tensor | None`` (``None`` adds nothing). If vmappable: tensor ops only, no
+            ``.item()`` or Python ``if`` on tensor values, no in-place updates of the view's tensors.
+        name: names the term in the runner report and in errors.
+        vmappable: ``False`` makes ``engine="auto"`` run sequentially (and ``"vectorized"`` refuse).
+        needs_features: the term reads ``view.features`` (the lockstep runner then runs the module as
+            ``head(features(x))``, and needs such a split; the sequential runner captures the input of
+            ``features_of``).
+        features_of: the submodule whose input ``features`` means (required with ``needs_features``).
+        phases: the phase parts it applies to (``None``: every phase).
+        live: the sequential runner's form where it differs from ``fn`` (only the adapter of the
+            deprecated callback ``loss_term``/``vectorized_loss_term`` pair needs it).
+    """
+
+    fn: Callable[[StepView], Tensor | None]
+    name: str
+    vmappable: bool = True
+    needs_features: bool = False
+    features_of: str | None = None
+    phases: frozenset[str] | None = None
+    live: Callable[[StepView], Tensor | None] | None = None
+
+    def applies(self, phase: str) -> bool:
+        """Whether the term is added in a phase training ``phase``."""
+        return self.phases is None or phase in self.phases
+
+
+@dataclass(frozen=True)
+class GradTransform:
+    """Maps the client's gradients (of its trained tensors, by name) before its optimizer step."""
+
+    fn: Callable[[Mapping[str, Tensor], StepView], Mapping[str, Tensor]]
+    name: str
+    vmappable: bool = True
+
+
+@dataclass(frozen=True)
+class ParamTransform:
+    """Maps the client's trained tensors (by name) after its optimizer step, without grad."""
+
+    fn: Callable[[Mapping[str, Tensor], StepView], Mapping[str, Tensor]]
+    name: str
+    vmappable: bool = True
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a client's local step adds to the plain loss-and-optimizer step (see the module docstring)."""
+
+    terms: tuple[LossTerm, ...] = ()
+    grad_transforms: tuple[GradTransform, ...] = ()
+    param_transforms: tuple[ParamTransform, ...] = ()
+
+    def __post_init__(self) -> None:
+        for kind, items, cls in (
+            ("terms", self.terms, LossTerm),
+            ("grad_transforms", self.grad_transforms, GradTransform),
+            ("param_transforms", self.param_transforms, ParamTransform),
+        ):
+            if not isinstance(items, tuple) or not all(isinstance(i, cls) for i in items):
+                raise TypeError(f"Objective.{kind} must be a tuple of {cls.__name__}, got {items!r}.")
+            for item in items:
+                if (
+                    isinstance(item, LossTerm)
+                    and item.needs_features
+                    and not item.features_of
+                    and item.live is None
+                ):
+                    raise ValueError(
+                        f"LossTerm {item.name!r} sets needs_features=True without features_of: name the "
+                        "submodule whose input the features are (e.g. features_of='classifier')."
+                    )
+
+    def __add__(self, other: Objective) -> Objective:
+        return Objective(
+            self.terms + other.terms,
+            self.grad_transforms + other.grad_transforms,
+            self.param_transforms + other.param_transforms,
+        )
+
+    def for_phase(self, phase: str) -> Objective:
+        """Only the terms that apply to ``phase``."""
+        return Objective(
+            tuple(t for t in self.terms if t.applies(phase)), self.grad_transforms, self.param_transforms
+        )
+
+    @property
+    def empty(self) -> bool:
+        return not (self.terms or self.grad_transforms or self.param_transforms)
+
+    @property
+    def needs_features(self) -> bool:
+        return any(t.needs_features for t in self.terms)
+
+    def not_vmappable(self) -> list[str]:
+        """The names of the terms and transforms that cannot run inside the lockstep runner's ``vmap``."""
+        items = (*self.terms, *self.grad_transforms, *self.param_transforms)
+        return [i.name for i in items if not i.vmappable]

@@ -1,0 +1,103 @@
+"""SCAFFOLD (``lightning_fedrep.federation.algorithms.scaffold``) against a plain PyTorch loop written from the
+official FedRep code's variant (design §6.1): the correction as the linear loss term <w, c - c_i>, the
+gradient-norm clip after it, c_i+ = c_i - c + (w_glob - w_i)/(K lr), w += lr_g/m sum(w_i - w), c += sum dc/n."""
+
+import copy
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from lightning_fedrep import FederatedStrategy, Scaffold
+from tests.fixtures import quiet_trainer, reference_clients, tiny_datamodule
+from tests.test_engine_equivalence import LossNet
+
+NUM_CLIENTS, PER_ROUND, SEED, ROUNDS, LOCAL_EPOCHS = 6, 4, 4, 3, 3
+LR_G, CLIP = 0.7, 0.05
+
+
+def full_batch_datamodule():
+    """Every client's training data is one batch, so batch order is irrelevant."""
+    return tiny_datamodule(num_clients=NUM_CLIENTS, batch_size=256, seed=3)
+
+
+def plain_scaffold(init, dm, clip=CLIP, lr_g=LR_G):
+    """SCAFFOLD written out: per sampled client, the module's own SGD on CE + sum <w, c - c_i>, the gradient
+    clipped with torch's clip_grad_norm_, LOCAL_EPOCHS full-batch steps; then the server step."""
+    w = {k: v.detach().clone() for k, v in init.named_parameters()}
+    c = {k: torch.zeros_like(v) for k, v in w.items()}
+    c_i = {i: {k: torch.zeros_like(v) for k, v in w.items()} for i in range(NUM_CLIENTS)}
+    for r in range(ROUNDS):
+        clients = reference_clients(NUM_CLIENTS, PER_ROUND, SEED, r)
+        dy = {k: torch.zeros_like(v) for k, v in w.items()}
+        dc = {k: torch.zeros_like(v) for k, v in w.items()}
+        for client in clients:
+            model = copy.deepcopy(init)
+            model.load_state_dict(w, strict=False)
+            optimizer = model.configure_optimizers()
+            lr = optimizer.param_groups[0]["lr"]
+            data = dm.client_data(client)
+            x, y = (t[data.indices] for t in data.dataset.tensors)
+            for _ in range(LOCAL_EPOCHS):
+                optimizer.zero_grad()
+                linear = sum((p * (c[n] - c_i[client][n])).sum() for n, p in model.named_parameters())
+                (F.cross_entropy(model(x), y) + linear).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+            end = {n: p.detach() for n, p in model.named_parameters()}
+            new = {n: c_i[client][n] - c[n] + (w[n] - end[n]) / (LOCAL_EPOCHS * lr) for n in w}
+            for n in w:
+                dy[n] += end[n] - w[n]
+                dc[n] += new[n] - c_i[client][n]
+            c_i[client] = new
+        w = {n: w[n] + lr_g / len(clients) * dy[n] for n in w}
+        c = {n: c[n] + dc[n] / NUM_CLIENTS for n in w}
+    return w, c, c_i
+
+
+def fit(algorithm, engine="sequential", strategy=None):
+    torch.manual_seed(0)
+    init = LossNet()
+    dm = full_batch_datamodule()
+    strategy = strategy or FederatedStrategy(
+        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, engine=engine
+    )
+    quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0).fit(
+        copy.deepcopy(init), datamodule=dm
+    )
+    dm.setup()
+    return strategy, init, dm
+
+
+def test_scaffold_equals_a_plain_loop_on_the_sequential_runner():
+    """Golden test. Fails if the clip comes before the correction, the correction's sign is flipped
+    (``c_i - c``), c_i+ drops ``- c``, or the server divides dc by m instead of n or ignores lr_g."""
+    strategy, init, dm = fit(Scaffold(lr_g=LR_G, clip=CLIP))
+    w, c, c_i = plain_scaffold(init, dm)
+    fed = strategy.federation
+    for name, value in w.items():
+        torch.testing.assert_close(strategy.global_tensors()[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(fed.server_tensors[f"c.{name}"], c[name], rtol=1e-4, atol=1e-5, msg=name)
+        for client in range(NUM_CLIENTS):
+            value = fed.store.client_state(client)[f"c_i.{name}"]
+            torch.testing.assert_close(value, c_i[client][name], rtol=1e-4, atol=1e-5, msg=(client, name))
+    unclipped, _, _ = plain_scaffold(init, dm, clip=1e9)  # the clip binds at this setting
+    assert any(not torch.allclose(w[k], unclipped[k], atol=1e-4) for k in w)
+
+
+def test_scaffold_by_name_and_auto_runs_it_sequentially_saying_why():
+    """``Trainer(strategy="scaffold")`` is Scaffold(lr_g=1, clip=10); under ``engine="auto"`` the transform
+    (not vmappable) picks the sequential runner and the report names it."""
+    torch.manual_seed(0)
+    trainer = quiet_trainer(strategy="scaffold", max_epochs=1, limit_val_batches=0)
+    trainer.fit(LossNet(), datamodule=full_batch_datamodule())
+    algorithm = trainer.strategy.algorithm
+    assert isinstance(algorithm, Scaffold) and (algorithm.lr_g, algorithm.clip) == (1.0, 10.0)
+    report = trainer.strategy.runner_report
+    assert report.engine == "sequential", report
+
+
+@pytest.mark.parametrize("kwargs", [{"lr_g": -1.0}, {"clip": float("nan")}])
+def test_bad_scaffold_settings_are_refused(kwargs):
+    with pytest.raises((ValueError, TypeError), match=next(iter(kwargs))):
+        Scaffold(**kwargs)
