@@ -38,6 +38,7 @@ from lightning_fedrep.federation import (
     Federation,
     RoundResult,
 )
+from lightning_fedrep.federation.algorithms.ditto import Ditto
 from lightning_fedrep.federation.algorithms.fedprox import FedProx
 from lightning_fedrep.federation.algorithms.scaffold import Scaffold
 from lightning_fedrep.federation.objective import GradTransform, LossTerm, Objective, ParamTransform, StepView
@@ -66,6 +67,7 @@ __all__ = [
     "ClientSplit",
     "ClientWork",
     "DirichletPartitioner",
+    "Ditto",
     "DynamicExponential",
     "EngineReport",
     "FedProx",

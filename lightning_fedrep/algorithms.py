@@ -45,21 +45,31 @@ class Phase:
     """One stage of a client's local work: which part trains, for how many epochs or steps.
 
     Exactly one of ``epochs`` (passes over the client's training data, turned into a step count
-    per client when the round is planned) or ``steps`` (optimizer steps) is given.
+    per client when the round is planned) or ``steps`` (optimizer steps) is given. ``slot`` names the
+    values the phase trains: ``"model"`` (the global shared part and the client's local part), or a
+    per-client copy of the whole model the algorithm declares as ``ClientTensors(slot, like="model",
+    init="module")`` (Ditto's ``"personal"``), made live for the phase and stored back at its end.
     """
 
     train: Part
     epochs: int | None = None
     steps: int | None = None
+    slot: str = "model"
 
     def __post_init__(self) -> None:
         if self.train not in PART_GROUPS:
             raise ValueError(f"Phase.train must be 'head', 'body' or 'all', got {self.train!r}.")
         if (self.epochs is None) == (self.steps is None):
             raise ValueError(f"Give a phase exactly one of epochs= or steps=, got {self!r}.")
+        if not isinstance(self.slot, str) or not self.slot:
+            raise ValueError(f"Phase.slot must be a slot name such as 'model', got {self.slot!r}.")
         budget = self.epochs if self.epochs is not None else self.steps
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"A phase's epochs/steps must be a non-negative integer, got {budget!r}.")
+
+    def __repr__(self) -> str:  # the slot only when it is not "model": checkpoints fingerprint this text
+        slot = "" if self.slot == "model" else f", slot={self.slot!r}"
+        return f"Phase(train={self.train!r}, epochs={self.epochs!r}, steps={self.steps!r}{slot})"
 
     def num_steps(self, steps_per_epoch: int) -> int:
         """Optimizer steps of this phase for a client with ``steps_per_epoch`` batches per epoch."""
@@ -168,6 +178,10 @@ class Algorithm:
 
     server_tensors: tuple[ServerTensors, ...] = ()
     """Extra server tensors (e.g. server momentum); the v2 :meth:`aggregate` reads and replaces them."""
+
+    evaluation_slot: str | None = None
+    """``None``: evaluation scores each client's model (global shared part + its local part); a slot name
+    (a ``ClientTensors(name, like="model")``, e.g. Ditto's ``"personal"``): it scores that slot."""
 
     def finish_client(self, end: ClientEnd) -> ClientOutcome:
         """After a client's last local step of a round: what it uploads to the aggregator, its new declared

@@ -278,3 +278,20 @@ def test_declared_tensors_on_two_processes_equal_the_same_run_on_one(tmp_path):
         for client, tensors in single["declared"].items():
             for name, value in tensors.items():
                 torch.testing.assert_close(held["declared"][client][name], value, rtol=0, atol=0)
+
+
+def test_a_declared_slot_on_two_processes_equals_the_same_run_on_one(tmp_path):
+    """Ditto (``--algorithm ditto``), 2 rounds: the global model, every client's personal slot and the
+    validation accuracy scored on the personal models on 2 processes equal the 1-process run. Fails when a
+    client's record travels between ranks without its declared tensors, the slot among them
+    (``ClientStore.record`` with ``"tensors": None``)."""
+    from tests.test_distributed import assert_same_federation, fit
+
+    args = ("--algorithm", "ditto", "--rounds", "2")
+    (single,) = fit(tmp_path / "one", "--devices", "1", *args)
+    assert len({float(t["personal.classifier.weight"].sum()) for t in single["declared"].values()}) > 1
+    for held in fit(tmp_path / "two", "--devices", "2", *args):
+        assert_same_federation(single, held)
+        for client, tensors in single["declared"].items():
+            for name, value in tensors.items():
+                torch.testing.assert_close(held["declared"][client][name], value, rtol=0, atol=0)

@@ -115,7 +115,7 @@ def assert_same_metrics(per_batch, batched):
         assert logged_b[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.parametrize("algorithm", ["fedrep", "lg_fedavg"])
+@pytest.mark.parametrize("algorithm", ["fedrep", "lg_fedavg", "ditto"])
 def test_batched_classification_metrics_equal_the_per_batch_path(tmp_path, algorithm):
     ckpt = trained_checkpoint(tmp_path, HeadlineNet, algorithm)
     per_batch = test_metrics(ckpt, HeadlineNet, "sequential", algorithm)

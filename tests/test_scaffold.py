@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from lightning_fedrep import FederatedStrategy, Scaffold
+from lightning_fedrep import FederatedStrategy, LossTerm, Objective, Scaffold
+from lightning_fedrep.runners.lockstep import sizing
 from tests.fixtures import quiet_trainer, reference_clients, tiny_datamodule
 from tests.test_engine_equivalence import LossNet
 
@@ -55,24 +56,28 @@ def plain_scaffold(init, dm, clip=CLIP, lr_g=LR_G):
     return w, c, c_i
 
 
-def fit(algorithm, engine="sequential", strategy=None):
+def fit(algorithm, engine="sequential", strategy=None, **trainer_kwargs):
     torch.manual_seed(0)
     init = LossNet()
     dm = full_batch_datamodule()
     strategy = strategy or FederatedStrategy(
         algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, engine=engine
     )
-    quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0).fit(
+    quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0, **trainer_kwargs).fit(
         copy.deepcopy(init), datamodule=dm
     )
     dm.setup()
     return strategy, init, dm
 
 
-def test_scaffold_equals_a_plain_loop_on_the_sequential_runner():
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_scaffold_equals_a_plain_loop_on_both_runners(engine):
     """Golden test. Fails if the clip comes before the correction, the correction's sign is flipped
-    (``c_i - c``), c_i+ drops ``- c``, or the server divides dc by m instead of n or ignores lr_g."""
-    strategy, init, dm = fit(Scaffold(lr_g=LR_G, clip=CLIP))
+    (``c_i - c``), c_i+ drops ``- c``, or the server divides dc by m instead of n or ignores lr_g; in lockstep
+    also if the clip is dropped or the group's gradients are clipped together (one norm over all clients'
+    stacked gradients, the transform run outside the ``vmap``), or a client reads another's ``c_i``."""
+    strategy, init, dm = fit(Scaffold(lr_g=LR_G, clip=CLIP), engine)
+    assert strategy.runner_report.engine == engine
     w, c, c_i = plain_scaffold(init, dm)
     fed = strategy.federation
     for name, value in w.items():
@@ -85,16 +90,51 @@ def test_scaffold_equals_a_plain_loop_on_the_sequential_runner():
     assert any(not torch.allclose(w[k], unclipped[k], atol=1e-4) for k in w)
 
 
-def test_scaffold_by_name_and_auto_runs_it_sequentially_saying_why():
-    """``Trainer(strategy="scaffold")`` is Scaffold(lr_g=1, clip=10); under ``engine="auto"`` the transform
-    (not vmappable) picks the sequential runner and the report names it."""
+def test_scaffold_by_name_has_the_official_defaults():
+    """``Trainer(strategy="scaffold")`` is Scaffold(lr_g=0.1, clip=10): the official FedRep code's
+    ``utils/options.py`` sets ``--lr_g`` default 0.1 and clips at 10. Fails with the old default lr_g=1."""
     torch.manual_seed(0)
     trainer = quiet_trainer(strategy="scaffold", max_epochs=1, limit_val_batches=0)
     trainer.fit(LossNet(), datamodule=full_batch_datamodule())
     algorithm = trainer.strategy.algorithm
-    assert isinstance(algorithm, Scaffold) and (algorithm.lr_g, algorithm.clip) == (1.0, 10.0)
-    report = trainer.strategy.runner_report
-    assert report.engine == "sequential", report
+    assert isinstance(algorithm, Scaffold) and (algorithm.lr_g, algorithm.clip) == (0.1, 10.0)
+
+
+def test_auto_runs_scaffold_on_the_lockstep_runner(monkeypatch):
+    """Fails if the correction-and-clip transform is marked ``vmappable=False`` again (``engine="auto"``
+    then runs SCAFFOLD sequentially). The timing is made to favour lockstep (timings are not for tests)."""
+    monkeypatch.setattr(sizing, "faster_lane_width", lambda wide, narrow, device: (True, 1e-3, 2e-3))
+    strategy, _, _ = fit(Scaffold(lr_g=LR_G, clip=CLIP), "auto", max_steps=-1)
+    assert strategy.runner_report.engine == "vectorized", strategy.runner_report
+
+
+class LinearTermScaffold(Scaffold):
+    """SCAFFOLD without the clip, its correction written as the loss term <w, c - c_i> (reads ``view.server``
+    and ``view.client_state`` inside the lockstep runner's loss ``vmap``)."""
+
+    def objective(self, phase):
+        def linear(view):
+            names = [n for n in view.trained if f"c.{n}" in view.server]
+            return sum(
+                (view.trained[n] * (view.server[f"c.{n}"] - view.client_state[f"c_i.{n}"])).sum()
+                for n in names
+            )
+
+        return Objective(terms=(LossTerm(linear, "SCAFFOLD linear term"),))
+
+
+def test_a_loss_term_reads_the_declared_tensors_in_lockstep_as_sequentially():
+    """The lockstep loss ``vmap`` hands each client its own ``c_i`` row and the server's ``c``: the unclipped
+    plain loop is matched. Fails if the loss path's StepView drops ``client_state`` (KeyError) or stacks the
+    rows in another order than the segment's clients (``rows[::-1]``)."""
+    strategy, init, dm = fit(LinearTermScaffold(lr_g=LR_G), "vectorized")
+    assert strategy.runner_report.engine == "vectorized"
+    w, _, c_i = plain_scaffold(init, dm, clip=1e9)
+    for name, value in w.items():
+        torch.testing.assert_close(strategy.global_tensors()[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        for client in range(NUM_CLIENTS):
+            value = strategy.federation.store.client_state(client)[f"c_i.{name}"]
+            torch.testing.assert_close(value, c_i[client][name], rtol=1e-4, atol=1e-5, msg=(client, name))
 
 
 @pytest.mark.parametrize("kwargs", [{"lr_g": -1.0}, {"clip": float("nan")}])

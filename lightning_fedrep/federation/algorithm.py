@@ -48,6 +48,7 @@ class ClientTensors:
     """Extra per-client tensors, shaped like a group's tensors (``like``) or given explicitly (``shapes``).
 
     ``like`` is ``"shared"`` (the tensors the server aggregates), ``"local"`` (those each client keeps),
+    ``"model"`` (both: a per-client slot a ``Phase(slot=name)`` can train, Ditto's ``"personal"``),
     ``"body"`` or ``"head"``: one tensor ``"<name>.<tensor name>"`` per tensor of it. ``shapes`` is a
     tuple (one tensor named ``name``) or a mapping ``key -> shape`` (tensors ``"<name>.<key>"``).
     """

@@ -103,8 +103,15 @@ class LiveModule:
 
     def evaluation_tensors(self, client: int) -> dict[str, Tensor]:
         """What makes ``client``'s model its own in the current evaluation (not copies: do not modify): its
-        stored personal tensors, with those set by :meth:`set_evaluation_tensors` in their place."""
-        return {**self.store.personal(client, self.local_names), **self._eval_tensors.get(client, {})}
+        stored personal tensors (or, if the algorithm scores a declared slot, that slot's values of every
+        tensor), with those set by :meth:`set_evaluation_tensors` in their place."""
+        slot = self.algorithm.evaluation_slot
+        if slot is not None:
+            state = self.store.client_state(client)
+            own = {n: state[f"{slot}.{n}"] for n in self.shared_names + self.local_names}
+        else:
+            own = self.store.personal(client, self.local_names)
+        return {**own, **self._eval_tensors.get(client, {})}
 
     def end_evaluation(self) -> None:
         """Put back what training had live before the evaluation."""

@@ -33,8 +33,8 @@ class StepView:
         tensors: the client's module tensors by full name (parameters and buffers); those the phase
             trains carry gradients.
         trained: the subset of ``tensors`` the phase trains.
-        server: the round-start global shared tensors by name (the server's declared tensors join them
-            when algorithms can declare some).
+        server: the round-start global shared tensors by name, with the algorithm's declared server tensors
+            (``Algorithm.server_tensors``), on both runners.
         client: the client index as a 0-dim integer tensor (batched under ``vmap``): index per-client
             tables with it (``table[client]``), never turn it into a Python number in a vmappable term.
         phase: the part the phase trains (``"head"``, ``"body"``, ``"all"``): Python branches on it are fine.
@@ -44,10 +44,15 @@ class StepView:
         features: the head's input on the batch when the term asks for it (``needs_features``), else ``None``.
         mask: ``[batch]``, 1 for real rows and 0 for padding (lockstep runner); ``None`` on the
             sequential runner, where every row is real.
-        client_state: the client's declared per-client tensors (empty until algorithms declare some).
+        client_state: the client's declared per-client tensors (``Algorithm.client_tensors``; in lockstep
+            its own row of the group's stack). ``finish_client`` updates them, never a term or transform.
         batch: the raw batch on the sequential runner (``None`` in lockstep). Only the adapters of the
             deprecated ``loss_term`` hooks read it; a term that does is ``vmappable=False``.
         batch_idx: Lightning's batch index on the sequential runner (``None`` in lockstep); adapters only.
+        slot: the slot the phase trains (``"model"``, or a per-client slot an algorithm declares, e.g.
+            Ditto's ``"personal"``).
+        before: for a :class:`ParamTransform` with ``needs_before``, the trained tensors' values before the
+            optimizer step (copies); empty otherwise.
     """
 
     tensors: Mapping[str, Tensor]
@@ -63,6 +68,8 @@ class StepView:
     client_state: Mapping[str, Tensor] = field(default_factory=lambda: _EMPTY)
     batch: Any = None
     batch_idx: int | None = None
+    slot: str = "model"
+    before: Mapping[str, Tensor] = field(default_factory=lambda: _EMPTY)
 
 
 @dataclass(frozen=True)
@@ -107,11 +114,16 @@ class GradTransform:
 
 @dataclass(frozen=True)
 class ParamTransform:
-    """Maps the client's trained tensors (by name) after its optimizer step, without grad."""
+    """Maps the client's trained tensors (by name) after its optimizer step, without grad.
+
+    ``needs_before=True``: ``view.before`` holds the trained tensors as they were before the step (Ditto's
+    pull reads them; the runner copies them only for such a transform).
+    """
 
     fn: Callable[[Mapping[str, Tensor], StepView], Mapping[str, Tensor]]
     name: str
     vmappable: bool = True
+    needs_before: bool = False
 
 
 @dataclass(frozen=True)

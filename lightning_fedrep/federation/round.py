@@ -93,6 +93,12 @@ class _LiveClient:
     fresh: bool = True
     step_started: float | None = field(default=None, repr=False)
     fault: str = ""
+    slot: str = "model"
+    """The slot live in the module: ``"model"``, or a declared per-client slot (Ditto's ``"personal"``)."""
+    model: list[Tensor] | None = field(default=None, repr=False)
+    """While a declared slot is live: the model slot's values, put back when the slot's phase ends."""
+    slot_values: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    """Declared slots trained this round (``"<slot>.<name>"``), stored when the client finishes."""
 
 
 class RoundTransaction:
@@ -147,12 +153,39 @@ class RoundTransaction:
     def begin_step(self, location: StepLocation) -> None:
         """Before the live client's step at ``location``: set the phase, start its timer if timed."""
         live = self._live
+        slot = self.plan(self.round_index).phases[location.phase_index].slot
+        if slot != live.slot:
+            self._make_live(slot)
         if location.part != self.live_phase:
             self.set_phase(location.part)
         live.steps += 1
         timed = self.timing and not live.fresh and not location.last_of_round
         live.fresh = False
         live.step_started = self._clock() if timed else None
+
+    @property
+    def live_slot(self) -> str:
+        """The slot the live client trains (``"model"`` between clients)."""
+        return "model" if self._live is None else self._live.slot
+
+    @torch.no_grad()
+    def _make_live(self, slot: str) -> None:
+        """Make the live client's ``slot`` live in the module's own parameters (the model slot is kept
+        aside meanwhile, a declared slot's values kept for the store); its optimizer state restarts."""
+        live, names = self._live, self.shared_names + self.local_names
+        if live.slot != "model":
+            live.slot_values.update(
+                {f"{live.slot}.{n}": t.detach().clone() for n, t in zip(names, self._tensors(names))}
+            )
+            self._write(names, live.model)
+            live.model = None
+        if slot != "model":
+            live.model = [t.detach().clone() for t in self._tensors(names)]
+            values = {**self.store.client_state(live.client), **live.slot_values}
+            self._write(names, [values[f"{slot}.{n}"] for n in names])
+        live.slot = slot
+        for optimizer in getattr(self, "_optimizers", ()):
+            optimizer.state.clear()
 
     def end_step(self) -> None:
         """After the live client's step (its optimizer step): stop its timer."""
@@ -169,6 +202,8 @@ class RoundTransaction:
             return None
         names = self.shared_names + self.local_names
         keep = self.config.client_optimizer_state == "keep"
+        if live.slot != "model":
+            self._make_live("model")
         if live.fault:
             result = self._leave_out(live.client, live.steps, live.fault)
         else:
@@ -179,6 +214,7 @@ class RoundTransaction:
                 live.steps,
                 live.timed_steps,
                 live.seconds,
+                live.slot_values,
             )
         self._live = None
         self.live_phase = None
@@ -197,6 +233,7 @@ class RoundTransaction:
         steps: int,
         timed_steps: int = 0,
         seconds: float = 0.0,
+        slots: Mapping[str, Tensor] | None = None,
     ) -> ClientResult:
         """A client finished its round's work with ``tensors`` (by name): keep its local part (and, in a
         round that does not aggregate, what it trained of the shared part), its optimizer state if kept,
@@ -204,9 +241,11 @@ class RoundTransaction:
         left out of the round (``on_nonfinite="skip"``) or stops the run (``"raise"``).
 
         In a round that aggregates, ``Algorithm.finish_client`` decides the upload and the client's new
-        declared tensors (their values must be finite too)."""
+        declared tensors (their values must be finite too). ``slots``: the declared slots it trained
+        (``"<slot>.<name>"``), stored with its declared tensors."""
         plan = self.plan(self.round_index)
-        bad = _nonfinite(tensors)
+        slots = dict(slots or {})
+        bad = _nonfinite({**tensors, **slots})
         outcome = None
         if not bad and plan.aggregate:
             outcome = self._finish_outcome(client, tensors, steps)
@@ -232,8 +271,8 @@ class RoundTransaction:
                 "finetuned": record["finetuned"],
                 "tensors": record["tensors"],  # copies already
             }
-        if outcome is not None and outcome.client_state:
-            self.store.put_state(client, outcome.client_state)
+        if (outcome is not None and outcome.client_state) or slots:
+            self.store.put_state(client, {**(outcome.client_state if outcome else {}), **slots})
         if not plan.aggregate:
             trained = {g for phase in plan.phases for g in PART_GROUPS[phase.train]}
             names = [n for n in self.shared_names if self.split.group(n) in trained]
@@ -444,6 +483,11 @@ class RoundTransaction:
         self._write(self.shared_names + self.local_names, round_state["live_tensors"])
         client = round_state["live_client"]
         self._live = None if client < 0 else _LiveClient(client)
+        if self._live is not None and round_state.get("live_slot", "model") != "model":
+            device = self._device
+            self._live.slot = round_state["live_slot"]
+            self._live.model = [t.to(device) for t in round_state["live_model"]]
+            self._live.slot_values = {n: t.to(device) for n, t in round_state["live_slot_values"].items()}
         counts = round_state.get("live_counts") or []
         if self._live is not None and counts:
             self._live.steps, self._live.timed_steps, self._live.seconds = (

@@ -210,6 +210,7 @@ def live_view(
         lr=lr,
         batch=batch,
         batch_idx=batch_idx,
+        slot=federation.live_slot,
     )
 
 

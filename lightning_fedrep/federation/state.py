@@ -163,8 +163,14 @@ class FederationState:
             )
 
     def personalized_state(self, base_state: Mapping[str, Tensor], client: int) -> dict[str, Tensor]:
-        """``base_state`` (a module ``state_dict`` holding the global shared part) made ``client``'s own."""
-        return {**{k: v.detach().clone() for k, v in base_state.items()}, **self.client_tensors(client)}
+        """``base_state`` (a module ``state_dict`` holding the global shared part) made ``client``'s own: the
+        model evaluation scores (the algorithm's ``evaluation_slot`` where it declares one)."""
+        own = self.client_tensors(client)
+        slot = self.algorithm.evaluation_slot
+        if slot is not None:
+            state = self.store.client_state(client)
+            own = {n: state[f"{slot}.{n}"].detach().clone() for n in self.shared_names + self.local_names}
+        return {**{k: v.detach().clone() for k, v in base_state.items()}, **own}
 
     def update_global(self, tensors: Mapping[str, Tensor]) -> None:
         """Overwrite some of the global shared tensors (e.g. a server step after aggregation)."""
@@ -208,16 +214,30 @@ class FederationState:
             groups = self._declared_groups({n: t for n, t in self._named.items()})
             self.store.declare(declared_templates(self.algorithm.client_tensors, groups))
             self.server_tensors = declared_templates(self.algorithm.server_tensors, groups)
+            self._check_slots()
         else:
             self.global_state = [t.to(device) for t in self.global_state]
             self.store.to(device)
             self.server_tensors = {n: t.to(device) for n, t in self.server_tensors.items()}
+
+    def _check_slots(self) -> None:
+        """Every slot a phase or the evaluation names is a declared ``ClientTensors(slot, like="model")``."""
+        declared = {t.name for t in self.algorithm.client_tensors if t.like == "model"}
+        named = [p.slot for p in self.config.phases] + [self.algorithm.evaluation_slot]
+        for slot in named:
+            if slot not in (None, "model") and slot not in declared:
+                raise ValueError(
+                    f"Slot {slot!r} (a phase's slot= or {type(self.algorithm).__name__}.evaluation_slot) is not "
+                    f"declared: add ClientTensors({slot!r}, like='model', init='module') to the algorithm's "
+                    f"client_tensors, or use slot='model'."
+                )
 
     def _declared_groups(self, named: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """The groups a declared tensor can be shaped ``like``: shared, local, body, head (name -> value)."""
         groups: dict[str, dict[str, Any]] = {
             "shared": {n: named[n] for n in self.shared_names},
             "local": {n: named[n] for n in self.local_names},
+            "model": {n: named[n] for n in self.shared_names + self.local_names},
             "body": {},
             "head": {},
         }
@@ -324,6 +344,12 @@ class FederationState:
                 live_counts=[live.steps, live.timed_steps, live.seconds] if live is not None else [],
                 live_fault=live.fault if live is not None else "",
             )
+            if live is not None and live.slot != "model":  # a declared slot is live: keep the model aside
+                state["round"].update(
+                    live_slot=live.slot,
+                    live_model=[t.detach().clone() for t in live.model],
+                    live_slot_values={n: t.detach().clone() for n, t in live.slot_values.items()},
+                )
             before = self._before_round
             if before is not None:  # a run resumed from here can still roll the whole round back
                 state["round"]["before"] = {

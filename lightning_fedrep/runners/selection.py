@@ -70,6 +70,11 @@ def build_engine(
         reasons.append(
             "on_client_error='skip' leaves out the one client whose step raised, which needs its own steps"
         )
+    slots = sorted({phase.slot for phase in federation.config.phases} - {"model"})
+    if slots:
+        reasons.append(
+            f"a phase trains the per-client slot {', '.join(map(repr, slots))}, which lockstep does not"
+        )
     if reasons:
         if mode == "vectorized":
             raise ValueError(

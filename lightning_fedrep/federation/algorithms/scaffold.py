@@ -42,17 +42,19 @@ class Scaffold(Algorithm):
     """SCAFFOLD with control variates ``c_i`` (per client) and ``c`` (server), both shaped like the shared model.
 
     Args:
-        lr_g: the server's learning rate (the official code's ``--lr_g``, default 1).
+        lr_g: the server's learning rate (the official code's ``--lr_g``, whose default is 0.1 in its
+            ``utils/options.py``).
         clip: the per-client gradient-norm bound applied after the correction (the official 10).
 
     The clients' learning rate ``lr`` is their optimizer's (first param group). The correction and clip are a
-    gradient transform of the sequential runner (``engine="auto"`` says so).
+    gradient transform that runs on both runners (in lockstep, per client inside the ``vmap``: each client's
+    gradient is clipped by its own norm).
     """
 
     client_tensors = (ClientTensors("c_i", like="shared"),)
     server_tensors = (ServerTensors("c", like="shared"),)
 
-    def __init__(self, lr_g: float = 1.0, clip: float = 10.0):
+    def __init__(self, lr_g: float = 0.1, clip: float = 10.0):
         super().__init__(
             "scaffold",
             {"body", "head"},
@@ -74,7 +76,7 @@ class Scaffold(Algorithm):
             scale = torch.clamp(clip / (norm + 1e-6), max=1.0)
             return {n: g * scale for n, g in out.items()}
 
-        return Objective(grad_transforms=(GradTransform(correct, "SCAFFOLD correction + clip", False),))
+        return Objective(grad_transforms=(GradTransform(correct, "SCAFFOLD correction + clip"),))
 
     def aggregator(self, like: Mapping[str, Tensor]) -> WeightedMean:
         """The unweighted mean of the uploaded models and of the control-variate changes ``dc.<name>``."""

@@ -120,6 +120,7 @@ class LockstepEngine:
         self._loader: Any = None
         self._schedules: dict[int, LockstepPlan] = {}
         self._pending: dict[str, Any] | None = None
+        self._declared_cache: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
         self._cache_decided = split is not None
         self.group_width: int | None = None
         """Clients per group after the memory bound (``None``: a round's clients)."""
@@ -399,7 +400,7 @@ class LockstepEngine:
         phase = self.segment.part
         objective = self.objectives.get(phase, Objective())
         terms = objective.terms
-        server = self.federation.global_view() if terms else {}
+        server, states = self._declared() if terms else ({}, {})
         lr, round_index, local_step = self._lr(), self.federation.round_index, self._step
 
         if self.segment.cached:
@@ -424,7 +425,13 @@ class LockstepEngine:
                 return torch.func.functional_call(self.module, tensors, (x,)), None
 
         def client_loss(
-            own: dict[str, Tensor], rest: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor, client: Tensor
+            own: dict[str, Tensor],
+            rest: dict[str, Tensor],
+            x: Tensor,
+            y: Tensor,
+            m: Tensor,
+            client: Tensor,
+            state: dict[str, Tensor],
         ) -> Tensor:
             tensors = {**fixed, **rest, **own}
             output, features = run(tensors, x)
@@ -442,6 +449,7 @@ class LockstepEngine:
                     lr=lr,
                     features=features if term.needs_features else None,
                     mask=m,
+                    client_state=state,
                 )
                 extra = term.fn(view)
                 if extra is not None:
@@ -449,7 +457,7 @@ class LockstepEngine:
             return loss
 
         clients = torch.tensor(self.segment.clients, device=mask.device)
-        losses = torch.func.vmap(client_loss)(trained, frozen, inputs, targets, mask, clients)
+        losses = torch.func.vmap(client_loss)(trained, frozen, inputs, targets, mask, clients, states)
         active = torch.tensor(self._active, dtype=losses.dtype, device=losses.device)
         losses = losses * active
         self.last_losses = losses.detach()
@@ -480,7 +488,8 @@ class LockstepEngine:
     def _transform(self, transforms: tuple[Any, ...], grads: bool) -> None:
         """Apply gradient (``grads``) or parameter transforms to each active lane, in one ``vmap``."""
         leaves, rest = self._lane_tensors
-        fixed, phase, server = self._fixed, self.segment.part, self.federation.global_view()
+        fixed, phase = self._fixed, self.segment.part
+        server, states = self._declared()
         lr, round_index, local_step = self._lr(), self.federation.round_index, self._step
         device = next(iter(leaves.values())).device
         clients = torch.tensor(self.segment.clients, device=device)
@@ -488,7 +497,11 @@ class LockstepEngine:
         values = {n: t.grad for n, t in leaves.items() if t.grad is not None} if grads else own
 
         def apply(
-            value: dict[str, Tensor], mine: dict[str, Tensor], others: dict[str, Tensor], client: Tensor
+            value: dict[str, Tensor],
+            mine: dict[str, Tensor],
+            others: dict[str, Tensor],
+            client: Tensor,
+            state: dict[str, Tensor],
         ):
             view = StepView(
                 tensors={**fixed, **others, **mine},
@@ -499,12 +512,13 @@ class LockstepEngine:
                 round=round_index,
                 step=local_step,
                 lr=lr,
+                client_state=state,
             )
             for transform in transforms:
                 value = {**value, **transform.fn(value, view)}
             return value
 
-        new = torch.func.vmap(apply)(values, own, rest, clients)
+        new = torch.func.vmap(apply)(values, own, rest, clients, states)
         active = torch.tensor(self._active, device=device)
         for name, value in new.items():
             keep = active.reshape(-1, *([1] * (value.dim() - 1)))
@@ -512,6 +526,21 @@ class LockstepEngine:
                 leaves[name].grad = torch.where(keep, value, values[name])
             else:
                 leaves[name].copy_(torch.where(keep, value, leaves[name]))
+
+    def _declared(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """What a :class:`StepView` reads besides the module, as on the sequential runner: the round-start
+        global shared tensors with the server's declared tensors (shared by the segment), and the segment
+        clients' declared tensors stacked ``[lanes, ...]`` (``vmap`` hands each client its own row)."""
+        if self._declared_cache is None:
+            federation = self.federation
+            device = next(iter(self.group.stacked.values())).device
+            server = {**federation.global_view(), **federation.server_tensors}
+            server = {n: t.detach().to(device) for n, t in server.items()}
+            rows = [federation.store.client_state(c) for c in self.segment.clients]
+            names = federation.store.tensor_names if rows else []
+            states = {n: torch.stack([r[n].detach() for r in rows]).to(device) for n in names}
+            self._declared_cache = (server, states)
+        return self._declared_cache
 
     def finish_group(self) -> list[ClientResult]:
         """Hand every client of the open group to the federation (also for a round cut short)."""
@@ -561,6 +590,7 @@ class LockstepEngine:
         self._trained = {n for n in self.trainable if split.group(n) in groups}
         self._lane_tensors = self.group.lanes(segment.lanes, self._trained)
         self.segment = segment
+        self._declared_cache = None
         self._features = self._labels = None
         if segment.cached:
             self._cache_features(segment)
