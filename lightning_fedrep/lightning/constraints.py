@@ -28,10 +28,8 @@ def constraints_of(
     module: L.LightningModule,
     optimizers: Sequence[torch.optim.Optimizer],
     lr_scheduler_configs: Sequence[Any],
-    loss_callbacks: Sequence[Any] = (),
 ) -> Constraints:
-    """What the runner selection needs of ``trainer`` and ``module`` (and each loss-term callback's
-    ``vectorized_loss_term`` answer)."""
+    """What the runner selection needs of ``trainer`` and ``module``."""
     overridden = tuple(
         h for h in MODULE_STEP_HOOKS if getattr(type(module), h) is not getattr(L.LightningModule, h)
     )
@@ -45,5 +43,4 @@ def constraints_of(
         convert_input=trainer.precision_plugin.convert_input,
         to_device=move_data_to_device,
         smoke=bool(trainer.fast_dev_run),
-        vectorized_terms=lambda: tuple((c, c.vectorized_loss_term(trainer, module)) for c in loss_callbacks),
     )

@@ -257,7 +257,7 @@ class FederatedStrategyMixin(StrategyAPI):
         self._run.bus = CallbackBus(self._callbacks, terms, trainer, module)
         federation.timing = any(c.needs_client_timing for c in self._callbacks)
         _refuse_manual_loss_terms(fit and not module.automatic_optimization, self.algorithm, self._run.bus)
-        constraints = constraints_of(trainer, module, self.optimizers, self.lr_scheduler_configs, terms)
+        constraints = constraints_of(trainer, module, self.optimizers, self.lr_scheduler_configs)
         loading.say(
             self._selection.setup(self._run, constraints, module, self.algorithm, self.collective, fit)
         )

@@ -34,8 +34,6 @@ class Constraints:
         convert_input: what Lightning does to a training batch before the step (precision).
         to_device: how Lightning moves a batch to a device.
         smoke: a ``fast_dev_run`` (no timing; one batch a pass).
-        vectorized_terms: each loss-term callback with its ``vectorized_loss_term`` answer (asked only when
-            the lockstep runner is considered).
     """
 
     precision: str = "32-true"
@@ -47,4 +45,3 @@ class Constraints:
     convert_input: Callable[[Any], Any] = field(default=lambda batch: batch)
     to_device: Callable[[Any, torch.device], Any] = move_to_device
     smoke: bool = False
-    vectorized_terms: Callable[[], Sequence[tuple[Any, Any]]] = tuple
