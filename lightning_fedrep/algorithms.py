@@ -27,7 +27,13 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from lightning_fedrep.federation.aggregation import Aggregator, WeightedAverage
-    from lightning_fedrep.federation.algorithm import ClientEnd, ClientOutcome, ClientTensors, ServerTensors
+    from lightning_fedrep.federation.algorithm import (
+        ClientEnd,
+        ClientOutcome,
+        ClientTensors,
+        ServerState,
+        ServerTensors,
+    )
     from lightning_fedrep.federation.objective import Objective
 
 Part = Literal["head", "body", "all"]
@@ -154,6 +160,21 @@ class Algorithm:
         (``ClientFault``). The default is the weighted mean (FedAvg's server step).
         """
         return average.mean(global_state)
+
+    def configure_round(self, plan: Any, server: ServerState) -> Any:
+        """The round's plan as the algorithm wants it: which clients, which phases, per-client settings.
+        ``plan`` and the return value are :class:`~lightning_fedrep.plan.RoundPlan` (typed loosely: the
+        plan module imports this one).
+
+        Called once per round when it is first planned, on every process, before the federated
+        callbacks' ``configure_round``; return ``plan`` or ``plan.replace(clients=..., phases=...,
+        settings={client: {"lr_scale": 0.5}})``. ``server`` is a read-only copy of the server state the
+        round starts from (``server.shared``: the global shared tensors, ``server.tensors``: the declared
+        server tensors, ``server.num_clients``). Draw only from ``plan.generator(key)`` (seeded from the
+        strategy's seed, the round and ``key``), never the global RNG, so every process plans alike and a
+        resumed run repeats the plan. The default returns ``plan`` unchanged.
+        """
+        return plan
 
     def objective(self, phase: str) -> Objective:
         """The local objective of a phase training ``phase`` (``"head"``, ``"body"``, ``"all"``): loss terms

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -58,6 +58,42 @@ def sample_clients(
     return sorted(chosen.tolist())
 
 
+CLIENT_SETTINGS = ("lr_scale",)
+"""The per-client settings a round plan carries (``ClientWork.settings``): ``lr_scale`` multiplies the
+client's learning rate (every param group of its optimizer) for the round."""
+
+Settings = tuple[tuple[int, tuple[tuple[str, float], ...]], ...]
+"""Per-client settings, frozen: ``((client, ((name, value), ...)), ...)`` sorted by client and name."""
+
+
+def check_settings(
+    round_index: int, clients: Sequence[int], settings: Mapping[int, Mapping[str, float]]
+) -> Settings:
+    """``settings`` (``{client: {"lr_scale": 0.5}}``) checked against the round's ``clients`` and frozen."""
+    frozen = []
+    for client, values in settings.items():
+        if int(client) not in clients:
+            raise ValueError(
+                f"Round {round_index}: settings name client {client}, which is not among the round's clients "
+                f"{list(clients)[:10]}. Set per-client settings only for clients of the round."
+            )
+        items = []
+        for name, value in values.items():
+            if name not in CLIENT_SETTINGS:
+                raise ValueError(
+                    f"Round {round_index}: unknown per-client setting {name!r} for client {client}; "
+                    f"known settings: {', '.join(CLIENT_SETTINGS)}."
+                )
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(
+                    f"Round {round_index}: {name}={value!r} for client {client} must be a positive finite number."
+                )
+            items.append((name, float(value)))
+        if items:
+            frozen.append((int(client), tuple(sorted(items))))
+    return tuple(sorted(frozen))
+
+
 def steps_per_epoch(num_samples: int, batch_size: int) -> int:
     """Batches in one pass over a client's data (the last batch may be smaller)."""
     return math.ceil(num_samples / batch_size)
@@ -79,14 +115,23 @@ class RoundSpec:
     phases: tuple[Phase, ...]
     aggregate: bool = True
     prefix: str = ""
+    settings: Settings = ()
+    """Per-client settings (:data:`CLIENT_SETTINGS`), frozen; see :meth:`RoundPlan.replace`."""
 
 
 @dataclass(frozen=True)
 class ClientWork:
-    """One client's work in a round: its id and ``(part, steps)`` for each local phase, in order."""
+    """One client's work in a round: its id, ``(part, steps)`` for each local phase, in order, and its
+    settings for the round (``(("lr_scale", 0.5),)``; empty: the defaults)."""
 
     client: int
     phases: tuple[tuple[Part, int], ...]
+    settings: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor on the client's learning rate this round (1.0 unless the plan sets ``lr_scale``)."""
+        return dict(self.settings).get("lr_scale", 1.0)
 
     @property
     def steps(self) -> int:
@@ -119,6 +164,8 @@ class RoundPlan:
     work: tuple[ClientWork, ...]
     client_sizes: tuple[int, ...] = field(repr=False)
     batch_size: int = field(repr=False)
+    seed: int = field(default=0, repr=False)
+    """The strategy's seed (what :meth:`generator` draws from)."""
     _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -164,6 +211,17 @@ class RoundPlan:
         """The planned steps of ``client`` in this round (0 if it does not train)."""
         return next((w.steps for w in self.work if w.client == client), 0)
 
+    def generator(self, key: str | int = 0) -> torch.Generator:
+        """A CPU generator for the round's draws (which clients, a coin), seeded from the strategy's seed,
+        the round and ``key``: every process plans alike and a resumed run draws the same. Never the
+        global RNG. Different keys give independent streams."""
+        key = zlib.crc32(key.encode()) if isinstance(key, str) else int(key)
+        return round_generator(self.seed, self.round, 0x5EED, key)
+
+    def settings_of(self, client: int) -> dict[str, float]:
+        """The per-client settings of ``client`` this round (``{}``: the defaults)."""
+        return dict(dict(self.spec.settings).get(client, ()))
+
     def replace(
         self,
         *,
@@ -171,8 +229,11 @@ class RoundPlan:
         phases: Sequence[Phase | dict] | None = None,
         aggregate: bool | None = None,
         prefix: str | None = None,
+        settings: Mapping[int, Mapping[str, float]] | None = None,
     ) -> RoundPlan:
-        """This round with other clients, phases, aggregation or metric prefix (the rest unchanged)."""
+        """This round with other clients, phases, aggregation, metric prefix or per-client settings (the
+        rest unchanged). ``settings={client: {"lr_scale": 0.5}}`` updates those clients' settings; settings
+        of clients that leave the round are dropped."""
         spec = replace(
             self.spec,
             **{
@@ -186,6 +247,9 @@ class RoundPlan:
                 if v is not None
             },
         )
+        merged = {c: dict(v) for c, v in spec.settings if c in spec.clients}
+        for client, values in (settings or {}).items():
+            merged.setdefault(int(client), {}).update(values)
         return plan_round(
             self.round,
             spec.clients,
@@ -194,6 +258,8 @@ class RoundPlan:
             self.batch_size,
             aggregate=spec.aggregate,
             prefix=spec.prefix,
+            settings=merged,
+            seed=self.seed,
         )
 
     def locate(self, step: int) -> StepLocation:
@@ -228,11 +294,14 @@ def plan_round(
     *,
     aggregate: bool = True,
     prefix: str = "",
+    settings: Mapping[int, Mapping[str, float]] | None = None,
+    seed: int = 0,
 ) -> RoundPlan:
     """Turn the round's ``clients`` and ``phases`` into a step-exact round plan.
 
     Epoch budgets become ``epochs * ceil(n_i / batch_size)`` steps for client ``i``; phases with a
-    zero budget are dropped; a client left with no steps is skipped.
+    zero budget are dropped; a client left with no steps is skipped. ``settings`` are per-client
+    settings (:data:`CLIENT_SETTINGS`); ``seed`` is the strategy's (for :meth:`RoundPlan.generator`).
     """
     clients = tuple(int(c) for c in clients)
     unknown = [c for c in clients if not 0 <= c < len(client_sizes)]
@@ -243,15 +312,17 @@ def plan_round(
         )
     if len(set(clients)) != len(clients):
         raise ValueError(f"Round {round_index} names a client twice: {list(clients)}.")
+    frozen = check_settings(round_index, clients, settings or {})
+    by_client = dict(frozen)
     work = []
     for cid in clients:
         per_epoch = steps_per_epoch(client_sizes[cid], batch_size)
         steps = tuple((p.train, p.num_steps(per_epoch)) for p in phases)
         steps = tuple(s for s in steps if s[1] > 0)
         if steps:
-            work.append(ClientWork(cid, steps))
-    spec = RoundSpec(clients, tuple(phases), aggregate, prefix)
-    return RoundPlan(round_index, spec, tuple(work), tuple(client_sizes), batch_size)
+            work.append(ClientWork(cid, steps, by_client.get(cid, ())))
+    spec = RoundSpec(clients, tuple(phases), aggregate, prefix, frozen)
+    return RoundPlan(round_index, spec, tuple(work), tuple(client_sizes), batch_size, seed)
 
 
 @dataclass(frozen=True)
@@ -294,5 +365,8 @@ def plan_fingerprint(plan: RoundPlan) -> int:
     for work in plan.work:
         parts = (zlib.crc32(part.encode()) for part, _ in work.phases)  # stable across processes
         for key in (work.client, *(steps for _, steps in work.phases), *parts):
+            value = (value * 1_000_003 + key + 1) % (2**61 - 1)
+        for name, setting in work.settings:  # none by default: fingerprints without settings are unchanged
+            key = zlib.crc32(f"{name}={setting!r}".encode())
             value = (value * 1_000_003 + key + 1) % (2**61 - 1)
     return (value * 1_000_003 + int(plan.aggregate)) % (2**61 - 1)

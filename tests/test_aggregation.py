@@ -195,15 +195,16 @@ def test_stacked_refuses_a_round_larger_than_max_bytes_naming_both_numbers():
         aggregator.expect(3)
 
 
-def test_a_median_on_two_processes_equals_the_same_run_on_one(tmp_path):
-    """``fedrep_median`` (``tests/scripts/federated_run.py``), 2 rounds, every client, uneven sizes: the
+def test_a_median_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """``fedrep_median`` (``tests/scripts/algorithms_run.py``), 2 rounds, every client, uneven sizes: the
     body and every head on 2 processes equal (bit for bit) the 1-process run. Fails when
     ``Stacked.reduce`` keeps only this rank's updates (each rank takes the median of its own clients)."""
-    from tests.test_distributed import assert_same_federation, fit
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
 
-    args = ("--algorithm", "fedrep_median", "--rounds", "2")
-    (single,) = fit(tmp_path / "one", "--devices", "1", *args)
-    for held in fit(tmp_path / "two", "--devices", "2", *args):
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch for this file and two others
+    single = singles["fedrep_median"]
+    for held in (rank["fedrep_median"] for rank in ranks):
         assert held["world_size"] == 2
         assert_same_federation(single, held)
 

@@ -261,16 +261,17 @@ def test_finish_client_and_the_server_step_run_alike_on_the_lockstep_runner(engi
             torch.testing.assert_close(lock.store.client_state(client)[name], value, rtol=1e-5, atol=1e-6)
 
 
-def test_declared_tensors_on_two_processes_equal_the_same_run_on_one(tmp_path):
-    """SCAFFOLD (``tests/scripts/federated_run.py --algorithm scaffold``), 2 rounds: the model, the server's
-    ``c`` and every client's ``c_i`` on 2 processes equal the 1-process run. Fails when a client's record
-    travels between ranks without its declared tensors (``ClientStore.record`` without ``"tensors"``)."""
-    from tests.test_distributed import assert_same_federation, fit
+def test_declared_tensors_on_two_processes_equal_the_same_run_on_one(tmp_path_factory):
+    """SCAFFOLD (``tests/scripts/algorithms_run.py``), 2 rounds: the model, the server's ``c`` and every
+    client's ``c_i`` on 2 processes equal the 1-process run. Fails when a client's record travels between
+    ranks without its declared tensors (``ClientStore.record`` without ``"tensors"``)."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
 
-    args = ("--algorithm", "scaffold", "--rounds", "2")
-    (single,) = fit(tmp_path / "one", "--devices", "1", *args)
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch for this file and two others
+    single = singles["scaffold"]
     assert any(float(t.abs().sum()) > 0 for t in single["declared"][0].values())
-    for held in fit(tmp_path / "two", "--devices", "2", *args):
+    for held in (rank["scaffold"] for rank in ranks):
         assert held["world_size"] == 2
         assert_same_federation(single, held)
         for name, value in single["server"].items():
@@ -280,17 +281,19 @@ def test_declared_tensors_on_two_processes_equal_the_same_run_on_one(tmp_path):
                 torch.testing.assert_close(held["declared"][client][name], value, rtol=0, atol=0)
 
 
-def test_a_declared_slot_on_two_processes_equals_the_same_run_on_one(tmp_path):
-    """Ditto (``--algorithm ditto``), 2 rounds: the global model, every client's personal slot and the
-    validation accuracy scored on the personal models on 2 processes equal the 1-process run. Fails when a
-    client's record travels between ranks without its declared tensors, the slot among them
+def test_a_declared_slot_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """Ditto (``tests/scripts/algorithms_run.py``), 2 rounds: the global model, every client's personal slot
+    and the validation accuracy scored on the personal models on 2 processes equal the 1-process run. Fails
+    when a client's record travels between ranks without its declared tensors, the slot among them
     (``ClientStore.record`` with ``"tensors": None``)."""
-    from tests.test_distributed import assert_same_federation, fit
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
 
-    args = ("--algorithm", "ditto", "--rounds", "2")
-    (single,) = fit(tmp_path / "one", "--devices", "1", *args)
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch for this file and two others
+    single = singles["ditto"]
     assert len({float(t["personal.classifier.weight"].sum()) for t in single["declared"].values()}) > 1
-    for held in fit(tmp_path / "two", "--devices", "2", *args):
+    for held in (rank["ditto"] for rank in ranks):
+        assert held["world_size"] == 2
         assert_same_federation(single, held)
         for client, tensors in single["declared"].items():
             for name, value in tensors.items():

@@ -128,18 +128,17 @@ def test_loss_term_needs_features_of():
         Objective(terms=(LossTerm(lambda view: None, "t", needs_features=True),))
 
 
-def test_fedprox_on_two_processes_equals_the_same_run_on_one(tmp_path):
-    """FedProx (``tests/scripts/federated_run.py --algorithm fedprox``, mu=0.1), 2 rounds: the model and every
-    client's tensors on 2 processes equal the 1-process run bit for bit (and differ from FedAvg's). Fails when
-    the ranks' uploads are not summed across processes (``WeightedMean.reduce`` loading its own ``flat()``
-    instead of ``collective.all_reduce_sum(self.flat())``: each rank averages only its own clients)."""
+def test_fedprox_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """FedProx (``tests/scripts/algorithms_run.py``, mu=0.1), 2 rounds: the model and every client's tensors
+    on 2 processes equal the 1-process run bit for bit (and differ from FedAvg's). Fails when the ranks'
+    uploads are not summed across processes (``WeightedMean.reduce`` loading its own ``flat()`` instead of
+    ``collective.all_reduce_sum(self.flat())``: each rank averages only its own clients)."""
+    from tests.scripts.algorithms_run import shared_runs
     from tests.test_distributed import assert_same_federation
-    from tests.test_distributed import fit as fit_processes
 
-    args = ("--algorithm", "fedprox", "--rounds", "2")
-    (single,) = fit_processes(tmp_path / "one", "--devices", "1", *args)
-    (fedavg,) = fit_processes(tmp_path / "avg", "--devices", "1", "--algorithm", "fedavg", "--rounds", "2")
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch for this file and two others
+    single, fedavg = singles["fedprox"], singles["fedavg"]
     assert any(not torch.equal(fedavg["global"][n], t) for n, t in single["global"].items())  # the term acts
-    for held in fit_processes(tmp_path / "two", "--devices", "2", *args):
+    for held in (rank["fedprox"] for rank in ranks):
         assert held["world_size"] == 2
         assert_same_federation(single, held)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedrep.algorithms import PART_GROUPS
+from lightning_fedrep.algorithms import PART_GROUPS, Algorithm
 from lightning_fedrep.federation.aggregation import Aggregator, ClientFault, ClientUpdate, WeightedAverage
 from lightning_fedrep.federation.algorithm import (
     ClientEnd,
@@ -106,17 +106,38 @@ class RoundTransaction:
 
     def plan(self, round_index: int, configure: Callable[[RoundPlan], RoundPlan] | None = None) -> RoundPlan:
         """The frozen plan of a round: its sampled clients and their phases' step counts, passed once
-        through ``configure`` (the federated callbacks) when the round is first planned."""
+        through the algorithm's ``configure_round`` and then ``configure`` (the federated callbacks) when
+        the round is first planned."""
         sizes = self._require_data()
         plan = self._plans.get(round_index)
         if plan is None:
-            clients = sample_clients(len(sizes), self.config.clients_per_round, self.config.seed, round_index)
-            plan = plan_round(round_index, clients, self.config.phases, sizes, self.batch_size)
+            seed = self.config.seed
+            clients = sample_clients(len(sizes), self.config.clients_per_round, seed, round_index)
+            plan = plan_round(round_index, clients, self.config.phases, sizes, self.batch_size, seed=seed)
+            plan = self._algorithm_plan(plan)
             if configure is not None:
                 plan = configure(plan)
             self._plans = {r: p for r, p in self._plans.items() if r >= round_index - 1}
             self._plans[round_index] = plan
         return plan
+
+    def _algorithm_plan(self, plan: RoundPlan) -> RoundPlan:
+        """``plan`` after ``Algorithm.configure_round``, with a read-only view of the server state the round
+        starts from (global shared tensors, declared server tensors)."""
+        if type(self.algorithm).configure_round is Algorithm.configure_round:
+            return plan  # the default returns the plan unchanged: no server view to copy
+        server = ServerState(
+            {k: v.detach().clone() for k, v in self.global_view().items()},
+            {k: v.detach().clone() for k, v in self.server_tensors.items()},
+            len(self._require_data()),
+        )
+        changed = self.algorithm.configure_round(plan, server)
+        if not isinstance(changed, RoundPlan) or changed.round != plan.round:
+            raise TypeError(
+                f"{type(self.algorithm).__name__}.configure_round must return a RoundPlan for round {plan.round} "
+                f"(the plan it was given, or plan.replace(clients=..., settings=...)), got {changed!r}."
+            )
+        return changed
 
     def open_round(self, plan: RoundPlan) -> None:
         """Start training round ``plan.round``."""

@@ -70,6 +70,10 @@ def build_engine(
         reasons.append(
             "on_client_error='skip' leaves out the one client whose step raised, which needs its own steps"
         )
+    if type(algorithm).configure_round is not Algorithm.configure_round:
+        reasons.append(
+            f"{type(algorithm).__name__}.configure_round may set a per-client lr_scale, which lockstep does not apply"
+        )
     slots = sorted({phase.slot for phase in federation.config.phases} - {"model"})
     if slots:
         reasons.append(
@@ -221,6 +225,8 @@ class RunnerSelection:
         self.engine: LockstepEngine | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         """The user's optimizer (what ``StepView.lr`` reads on the sequential runner)."""
+        self.optimizers: tuple[torch.optim.Optimizer, ...] = ()
+        """The user's optimizers (the sequential runner scales their lrs by a client's ``lr_scale``)."""
 
     def _lr(self) -> float | None:
         groups = self.optimizer.param_groups if self.optimizer is not None else ()
@@ -238,6 +244,7 @@ class RunnerSelection:
                 lambda phase: local_objective(algorithm, run.bus, phase),
                 run.bus.module,
                 self._lr,
+                lambda: self.optimizers,
             )
         )
         run.runner = Sharded(inner, collective)
@@ -260,6 +267,7 @@ class RunnerSelection:
         """At ``setup``: the runner for a fit (the sequential one for other stages); returns the line to log."""
         self.engine = None
         self.optimizer = constraints.optimizers[0] if constraints.optimizers else None
+        self.optimizers = tuple(constraints.optimizers)
         line = None
         if fit:
             callbacks = run.bus.callbacks

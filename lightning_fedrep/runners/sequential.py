@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -37,12 +37,16 @@ class SequentialRunner:
         objective: Callable[[str], Objective] | None = None,
         module: Any = None,
         lr: Callable[[], float | None] | None = None,
+        optimizers: Callable[[], Sequence[torch.optim.Optimizer]] | None = None,
     ):
         self.federation = federation
         self.notify = notify
         self.objective = objective
         self.module = module
         self.lr = lr or (lambda: None)
+        self.optimizers = optimizers or (lambda: ())
+        self._lr_scale = 1.0
+        self._in_step = False
         self._idle = False
         self._client_step = 0
 
@@ -59,6 +63,7 @@ class SequentialRunner:
             self.finish()
             federation.load_client(location.client)
             self.notify("on_client_start", location.client)
+        self._lr_scale = plan.work[location.work_index].lr_scale
         self._idle = federation.live_failed  # its step raised earlier in the round (on_client_error="skip")
         if not self._idle:
             federation.begin_step(location)
@@ -87,7 +92,9 @@ class SequentialRunner:
         return self.objective(self.federation.live_phase)
 
     def _view(self, batch: Any = None, batch_idx: int | None = None) -> StepView:
-        return live_view(self.federation, self.module, batch, batch_idx, self._client_step, self.lr())
+        lr = self.lr()  # inside the optimizer step the param groups already hold the scaled lr
+        lr = lr * self._lr_scale if lr is not None and not self._in_step else lr
+        return live_view(self.federation, self.module, batch, batch_idx, self._client_step, lr)
 
     def _terms(
         self, objective: Objective, batch: Any, batch_idx: int, captured: dict[str, Tensor]
@@ -118,6 +125,14 @@ class SequentialRunner:
         if self._idle:
             closure()  # it trains nothing
             return None
+        self._in_step = True
+        try:
+            with _ScaledLr(self.optimizers(), self._lr_scale):
+                return self._step(optimizer_step, closure)
+        finally:
+            self._in_step = False
+
+    def _step(self, optimizer_step: Callable[..., Any], closure: Callable[[], Any]) -> Any:
         objective = self._objective()
         if objective is None or not (objective.grad_transforms or objective.param_transforms):
             return optimizer_step()
@@ -221,3 +236,22 @@ class _captured_features:
     def __exit__(self, *exc: Any) -> None:
         for hook in self.hooks:
             hook.remove()
+
+
+class _ScaledLr:
+    """Every param group's ``lr`` times the client's ``lr_scale`` for one optimizer step, then put back (so a
+    checkpoint or an LR scheduler never sees the scaled value)."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], factor: float):
+        self.groups = [g for o in optimizers for g in o.param_groups] if factor != 1.0 else []
+        self.factor = factor
+        self.saved: list[Any] = []
+
+    def __enter__(self) -> None:
+        self.saved = [g["lr"] for g in self.groups]
+        for group in self.groups:
+            group["lr"] = group["lr"] * self.factor
+
+    def __exit__(self, *exc: Any) -> None:
+        for group, lr in zip(self.groups, self.saved):
+            group["lr"] = lr

@@ -137,6 +137,28 @@ class ReadsEveryClient(FederatedCallback):
     needs_every_client = True
 
 
+def holdings(strategy: FederatedStrategy, trainer: L.Trainer, rounds: int) -> dict:
+    """What this rank holds after a fit (its clients gathered from every rank first): the global tensors,
+    every client's tensors and declared state, the server's tensors, the history and per-client accuracy."""
+    federation = strategy.federation
+    store = federation.store
+    held = sorted(set(store.local) | set(store.finetuned))  # before gathering: what this rank holds
+    strategy.gather_clients()
+    return {
+        "held": held,
+        "world_size": trainer.world_size,
+        "global": strategy.global_tensors(),
+        "clients": {c: strategy.client_tensors(c) for c in range(federation.num_clients)},
+        "declared": {c: dict(store.client_state(c)) for c in range(federation.num_clients)},
+        "server": dict(federation.server_tensors),
+        "history": strategy.history,
+        "val_acc": strategy.client_metrics["val"].per_client("val/acc"),
+        "global_step": trainer.global_step,
+        "participants": [len(strategy.round_plan(r).clients) for r in range(rounds)],
+        "results": strategy.results(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=1)
@@ -213,23 +235,7 @@ def main() -> None:
     trainer.fit(model, datamodule=client_data(), ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
-    federation = strategy.federation
-    store = federation.store
-    held = sorted(set(store.local) | set(store.finetuned))  # before gathering: what this rank holds
-    strategy.gather_clients()
-    result = {
-        "held": held,
-        "world_size": trainer.world_size,
-        "global": strategy.global_tensors(),
-        "clients": {c: strategy.client_tensors(c) for c in range(federation.num_clients)},
-        "declared": {c: dict(store.client_state(c)) for c in range(federation.num_clients)},
-        "server": dict(federation.server_tensors),
-        "history": strategy.history,
-        "val_acc": strategy.client_metrics["val"].per_client("val/acc"),
-        "global_step": trainer.global_step,
-        "participants": [len(strategy.round_plan(r).clients) for r in range(args.rounds)],
-        "results": strategy.results(),
-    }
+    result = holdings(strategy, trainer, args.rounds)
     torch.save(result, f"{args.out}.rank{trainer.global_rank}.pt")
     if torch.distributed.is_initialized():  # gloo's threads left to interpreter exit can abort the process
         torch.distributed.destroy_process_group()

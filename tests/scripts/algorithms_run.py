@@ -1,0 +1,134 @@
+"""FedProx, SCAFFOLD, a median aggregator and Ditto, each fitted on 1 or N CPU processes (gloo) in ONE launch.
+
+The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
+share this launch: Lightning's launcher re-runs this script for every extra rank once, at the first ``fit``; the
+later Trainers reuse the processes and the process group. Every fit is ``federated_run.py``'s (its ``Net``, its
+uneven clients, its settings), 2 rounds, sequential engine. Every rank writes ``{algorithm: what it holds}`` to
+``<out>.rank<r>.pt``; :func:`run_algorithms` is also called in the pytest process with ``devices=1`` (the
+reference the N-process run must equal). :func:`shared_runs` does both once per pytest session.
+
+    python tests/scripts/algorithms_run.py --devices 2 --out /tmp/algorithms
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPOSITORY))  # the repository, when run from a checkout
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_fedrep import FederatedDDPStrategy, FederatedStrategy  # noqa: E402
+from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
+from tests.scripts.federated_run import Net, client_data, holdings  # noqa: E402
+
+ALGORITHMS = ("fedprox", "scaffold", "fedrep_median", "ditto")
+"""Fitted on 2 processes; the 1-process reference also fits ``fedavg`` (FedProx must differ from it)."""
+ROUNDS = 2
+TIMEOUT = 600  # seconds for the whole 2-process launch; ~15 s on 2 idle cores
+
+
+def fit(devices: int, algorithm: str) -> dict[str, Any]:
+    """``federated_run.py --devices <devices> --algorithm <algorithm> --rounds 2``: what this process holds."""
+    torch.manual_seed(0)  # the module's initialization (the data and the sampling have their own seeds)
+    settings = dict(
+        algorithm=algorithm,
+        clients_per_round=1.0,
+        **epoch_settings(algorithm, head_epochs=2, body_epochs=1, local_epochs=2),
+        engine="sequential",
+        seed=3,
+    )
+    if devices > 1:
+        strategy = FederatedDDPStrategy(timeout=120, **settings)
+    else:
+        strategy = FederatedStrategy(**settings)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=ROUNDS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(Net(), datamodule=client_data())
+    return holdings(strategy, trainer, ROUNDS)
+
+
+def run_algorithms(devices: int, algorithms: Sequence[str] = ALGORITHMS) -> tuple[int, dict[str, dict]]:
+    """Every algorithm on ``devices`` processes; this process's rank and what it held after each (the
+    caller's torch RNG state and thread count are left as they were)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            results = {name: fit(devices, name) for name in algorithms}
+    finally:
+        torch.set_num_threads(threads)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return rank, results
+
+
+def launch(out: Path, devices: int = 2) -> list[dict[str, dict]]:
+    """This script on ``devices`` processes (its own session, killed by process group if it hangs): what
+    each rank held after each algorithm."""
+    env = {**os.environ, "PYTHONPATH": str(REPOSITORY), "WANDB_MODE": "disabled"}
+    process = subprocess.Popen(
+        [sys.executable, __file__, "--devices", str(devices), "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=out.parent,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(
+            f"algorithms_run.py did not finish within {TIMEOUT} s:\n{output[-4000:]}"
+        ) from None
+    assert process.returncode == 0, output[-6000:]
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+_RUNS: dict[str, Any] = {}
+
+
+def shared_runs(tmp_path_factory: Any) -> tuple[dict[str, dict], list[dict[str, dict]]]:
+    """``(one process, [rank 0, rank 1])``, each ``{algorithm: held}``: launched once per pytest session and
+    shared by the test modules (``tmp_path_factory`` is pytest's)."""
+    if not _RUNS:
+        folder = tmp_path_factory.mktemp("algorithms")
+        ranks = launch(folder / "two")
+        _, single = run_algorithms(1, (*ALGORITHMS, "fedavg"))
+        _RUNS.update(single=single, ranks=ranks)
+    return _RUNS["single"], _RUNS["ranks"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank, results = run_algorithms(args.devices)
+    torch.save(results, f"{args.out}.rank{rank}.pt")
+    if torch.distributed.is_initialized():  # gloo's threads left to interpreter exit can abort the process
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
