@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.scripts.launcher import run_script
+
 REPOSITORY = Path(__file__).resolve().parents[1]
 SCRIPT = REPOSITORY / "tests" / "scripts" / "federated_run.py"
 TIMEOUT = 240  # seconds per run; one run takes ~10 s on 2 idle cores
@@ -27,23 +29,7 @@ TIMEOUT = 240  # seconds per run; one run takes ~10 s on 2 idle cores
 
 def run(out: Path, *args: str, timeout: float = TIMEOUT) -> tuple[int, str]:
     """Run the script (1 or 2 processes); its return code and its output (both ranks')."""
-    env = {**os.environ, "PYTHONPATH": str(REPOSITORY), "WANDB_MODE": "disabled"}
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--out", str(out), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=out.parent,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish within {timeout} s:\n{output[-4000:]}")
-    return process.returncode, output
+    return run_script(SCRIPT, ["--out", str(out), *args], out.parent, timeout)
 
 
 def fit(out: Path, *args: str) -> list[dict]:

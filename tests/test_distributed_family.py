@@ -11,10 +11,6 @@ tolerance (``torch.equal``, ``==`` on every logged value).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ import torch
 
 from tests.scripts.family_run import FAULTS, ROUNDS, FamilyNet, run_scenarios
 from tests.scripts.federated_run import client_data
+from tests.scripts.launcher import run_script
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SCRIPT = REPOSITORY / "tests" / "scripts" / "family_run.py"
@@ -30,23 +27,8 @@ TIMEOUT = 600  # seconds for the whole launch; ~25 s on 2 idle cores
 
 def launch(out: Path) -> list[dict]:
     """Every scenario on 2 processes: what each rank held after each (``{scenario: result}``, by rank)."""
-    env = {**os.environ, "PYTHONPATH": str(REPOSITORY), "WANDB_MODE": "disabled"}
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--devices", "2", "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=out.parent,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"family_run.py did not finish within {TIMEOUT} s:\n{output[-4000:]}")
-    assert process.returncode == 0, output[-6000:]
+    returncode, output = run_script(SCRIPT, ["--devices", "2", "--out", str(out)], out.parent, TIMEOUT)
+    assert returncode == 0, output[-6000:]
     return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(2)]
 
 

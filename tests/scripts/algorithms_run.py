@@ -13,9 +13,6 @@ reference the N-process run must equal). :func:`shared_runs` does both once per 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +27,7 @@ import torch  # noqa: E402
 from lightning_fedrep import FederatedDDPStrategy, FederatedStrategy  # noqa: E402
 from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
 from tests.scripts.federated_run import Net, client_data, holdings  # noqa: E402
+from tests.scripts.launcher import run_script  # noqa: E402
 
 ALGORITHMS = ("fedprox", "scaffold", "fedrep_median", "ditto")
 """Fitted on 2 processes; the 1-process reference also fits ``fedavg`` (FedProx must differ from it)."""
@@ -83,25 +81,10 @@ def run_algorithms(devices: int, algorithms: Sequence[str] = ALGORITHMS) -> tupl
 def launch(out: Path, devices: int = 2) -> list[dict[str, dict]]:
     """This script on ``devices`` processes (its own session, killed by process group if it hangs): what
     each rank held after each algorithm."""
-    env = {**os.environ, "PYTHONPATH": str(REPOSITORY), "WANDB_MODE": "disabled"}
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--devices", str(devices), "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=out.parent,
-        start_new_session=True,
+    returncode, output = run_script(
+        __file__, ["--devices", str(devices), "--out", str(out)], out.parent, TIMEOUT
     )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(
-            f"algorithms_run.py did not finish within {TIMEOUT} s:\n{output[-4000:]}"
-        ) from None
-    assert process.returncode == 0, output[-6000:]
+    assert returncode == 0, output[-6000:]
     return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
