@@ -9,7 +9,7 @@ processes (``"fedrep_ddp"``, ...: ``Trainer(strategy="fedrep_ddp", devices=2)``)
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, FedRep, Phase, on_register, register_algorithm
+from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase, on_register, register_algorithm
 from lightning_fedrep.callbacks import (
     AdaptiveParticipation,
     FederatedProgressBar,
@@ -38,10 +38,28 @@ from lightning_fedrep.federation import (
     Federation,
     RoundResult,
 )
-from lightning_fedrep.federation.algorithms.ditto import Ditto
-from lightning_fedrep.federation.algorithms.fedprox import FedProx
-from lightning_fedrep.federation.algorithms.scaffold import Scaffold
-from lightning_fedrep.federation.objective import GradTransform, LossTerm, Objective, ParamTransform, StepView
+from lightning_fedrep.federation.algorithm import EvaluationSpec
+from lightning_fedrep.federation.algorithms import (  # registers every algorithm module, in order
+    APFL,
+    Ditto,
+    FedAvg,
+    FedPer,
+    FedProx,
+    FedRep,
+    LGFedAvg,
+    Local,
+    PerFedAvg,
+    Scaffold,
+)
+from lightning_fedrep.federation.objective import (
+    GradTransform,
+    LossTerm,
+    Objective,
+    ParamTransform,
+    StepOutcome,
+    StepRule,
+    StepView,
+)
 from lightning_fedrep.lightning.callback import FederatedCallback, LiveStep, VectorizedLossTerm
 from lightning_fedrep.lightning.ddp import FederatedDDPStrategy
 from lightning_fedrep.lightning.strategy import CHECKPOINT_KEY, FederatedStrategy, FedRepStrategy
@@ -57,6 +75,7 @@ from lightning_fedrep.split import ParameterSplit, SplitError, resolve_split
 
 __all__ = [
     "ALGORITHMS",
+    "APFL",
     "AdaptiveParticipation",
     "Algorithm",
     "CHECKPOINT_KEY",
@@ -70,6 +89,9 @@ __all__ = [
     "Ditto",
     "DynamicExponential",
     "EngineReport",
+    "EvaluationSpec",
+    "FedAvg",
+    "FedPer",
     "FedProx",
     "Scaffold",
     "FedRep",
@@ -85,6 +107,8 @@ __all__ = [
     "HeadFineTuning",
     "IIDPartitioner",
     "LatencyModel",
+    "LGFedAvg",
+    "Local",
     "GradTransform",
     "LiveStep",
     "LossTerm",
@@ -95,7 +119,10 @@ __all__ = [
     "OrthonormalBody",
     "ParameterSplit",
     "Partitioner",
+    "PerFedAvg",
     "Phase",
+    "StepOutcome",
+    "StepRule",
     "StepView",
     "RoundPlan",
     "RoundResult",

@@ -14,11 +14,16 @@ The strategy never checks an algorithm's name. It asks the algorithm object:
 * :meth:`Algorithm.state_dict` — server state the algorithm keeps across rounds (saved in checkpoints).
 
 A new algorithm is a subclass (or an instance) passed as ``FederatedStrategy(algorithm=...)``, or
-registered by name with :func:`register_algorithm`; the strategy needs no change.
+registered by name with :func:`register_algorithm`; the strategy needs no change. The built-ins (FedRep,
+FedPer, LG-FedAvg, FedAvg, Local Only) are such subclasses, one module each in
+:mod:`lightning_fedrep.federation.algorithms`, registered by ``import lightning_fedrep``.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
         ClientEnd,
         ClientOutcome,
         ClientTensors,
+        EvaluationSpec,
         ServerState,
         ServerTensors,
     )
@@ -128,6 +134,7 @@ class Algorithm:
         self.name = name
         self.shares: frozenset[Group] = groups
         self.description = description
+        _warn_v1_aggregate(self)
 
     @property
     def needs_split(self) -> bool:
@@ -204,6 +211,16 @@ class Algorithm:
     """``None``: evaluation scores each client's model (global shared part + its local part); a slot name
     (a ``ClientTensors(name, like="model")``, e.g. Ditto's ``"personal"``): it scores that slot."""
 
+    def evaluation(self) -> EvaluationSpec:
+        """What evaluation scores for each client (:class:`~lightning_fedrep.EvaluationSpec`: the personal
+        model, the global one, a slot, a mixture; optionally adapted first). Asked once, at ``setup``. The
+        default scores ``evaluation_slot`` where it is set, else each client's personal model."""
+        from lightning_fedrep.federation.algorithm import EvaluationSpec
+
+        if self.evaluation_slot is not None:
+            return EvaluationSpec("slot", slot=self.evaluation_slot)
+        return EvaluationSpec()
+
     def finish_client(self, end: ClientEnd) -> ClientOutcome:
         """After a client's last local step of a round: what it uploads to the aggregator, its new declared
         client tensors, its metrics (called once per client that trained with finite values). The default
@@ -229,19 +246,34 @@ class Algorithm:
         return f"{type(self).__name__}(name={self.name!r}, shares={sorted(self.shares)})"
 
 
-class FedRep(Algorithm):
-    """FedRep: head epochs with the body frozen, then body epochs with the head frozen; body averaged."""
+_WARNED_V1: weakref.WeakSet[type] = weakref.WeakSet()
+"""The classes already warned about their v1 ``aggregate`` (each is warned about once)."""
 
-    def __init__(self) -> None:
-        super().__init__(
-            "fedrep",
-            {"body"},
-            "FedRep: head epochs with the body frozen, then body epochs with the head frozen; "
-            "the body is averaged, heads stay local.",
-        )
 
-    def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
-        return (Phase("head", epochs=head_epochs), Phase("body", epochs=body_epochs))
+def _warn_v1_aggregate(algorithm: Algorithm) -> None:
+    """A ``DeprecationWarning`` (once per class) when ``algorithm``'s class overrides ``aggregate`` with the v1
+    signature ``(global_state, average)``; it still runs (``federation/round.py`` tells the two apart)."""
+    from lightning_fedrep.federation.algorithm import uses_results
+
+    cls = type(algorithm)
+    if cls.aggregate is Algorithm.aggregate or uses_results(algorithm) or cls in _WARNED_V1:
+        return
+    _WARNED_V1.add(cls)
+    # point the warning at the code that constructs the algorithm (past each class's __init__): Python shows
+    # a DeprecationWarning by default only when it is attributed to __main__
+    frame, level = sys._getframe(1), 2
+    while (
+        frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is algorithm
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"{cls.__name__}.aggregate(global_state, average) is the deprecated v1 server step: write "
+        "aggregate(self, server, results, failures) -> (ServerState, metrics) instead (see "
+        "Algorithm.finish_client's docstring; results.reduced maps each shared name to the weighted mean, and "
+        "server.replace(shared=...) makes the new state).",
+        DeprecationWarning,
+        stacklevel=level,
+    )
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -271,18 +303,20 @@ def register_algorithm(algorithm: Algorithm, *, override: bool = False) -> Algor
     return algorithm
 
 
-for _algorithm in (
-    FedRep(),
-    Algorithm("fedper", {"body"}, "FedPer: head and body trained jointly; the body is averaged."),
-    Algorithm(
-        "lg_fedavg",
-        {"head"},
-        "LG-FedAvg: trained jointly; the head part is averaged, the representation stays local.",
-    ),
-    Algorithm("fedavg", {"body", "head"}, "FedAvg: one global model, everything averaged."),
-    Algorithm("local", (), "Local Only: no communication, every client trains alone."),
-):
-    register_algorithm(_algorithm)
+BUILT_IN = ("FedRep", "FedPer", "LGFedAvg", "FedAvg", "Local")
+"""The built-in algorithm classes (registered as fedrep, fedper, lg_fedavg, fedavg, local). Each lives in its
+own module of :mod:`lightning_fedrep.federation.algorithms` (``federation/algorithms/fedrep.py``, ...), which
+registers it; ``import lightning_fedrep`` imports them, in this order, before anything can ask for a name."""
+
+
+def __getattr__(name: str) -> type[Algorithm]:
+    """``from lightning_fedrep.algorithms import FedRep`` (the old import path) and the other built-in classes,
+    imported on first use: the algorithm modules import this one."""
+    if name in BUILT_IN:
+        from lightning_fedrep.federation import algorithms
+
+        return getattr(algorithms, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 EPOCH_DEFAULTS = {"head_epochs": 10, "body_epochs": 1, "local_epochs": 1}

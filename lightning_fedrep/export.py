@@ -8,19 +8,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, get_algorithm
 from lightning_fedrep.checkpoint_payload import CHECKPOINT_KEY
 from lightning_fedrep.checkpoints import check_version, read_checkpoint
+from lightning_fedrep.federation.algorithm import EvaluationSpec, evaluation_spec, scored_tensors
 from lightning_fedrep.federation.store import ClientStore
 
 
-def personalized_state_dict(checkpoint: str | Path | dict[str, Any], client: int) -> dict[str, Tensor]:
+def personalized_state_dict(
+    checkpoint: str | Path | dict[str, Any], client: int, algorithm: str | Algorithm | None = None
+) -> dict[str, Tensor]:
     """Client ``client``'s personalized ``state_dict`` for the user's module, read from a checkpoint
     written during a federated fit (a path, or the already loaded dict).
 
     The same as ``strategy.client_state_dict(client)`` on the live strategy: the checkpoint's
-    ``state_dict`` (the global shared part) with the client's own tensors — its local part (the initial
-    one for a client that never trained) and whatever it fine-tuned (``HeadFineTuning``). The result
-    loads with ``MyModule(...).load_state_dict(...)``.
+    ``state_dict`` (the global shared part) with the client's own tensors as the algorithm's evaluation
+    scores them (``Algorithm.evaluation()``: its local part, the initial one for a client that never trained,
+    and whatever it fine-tuned (``HeadFineTuning``); or a slot, a mixture, the global model). ``algorithm``
+    (an ``Algorithm`` or a registered name) is the one the checkpoint was written with; ``None`` looks up its
+    recorded name among the registered algorithms. The result loads with ``MyModule(...).load_state_dict(...)``.
     """
     source = "(given as a dict)"
     if not isinstance(checkpoint, dict):
@@ -48,4 +54,30 @@ def personalized_state_dict(checkpoint: str | Path | dict[str, Any], client: int
         )
     store = ClientStore([])
     store.load_state_dict(state["clients"])
-    return {**checkpoint["state_dict"], **store.personal(client, state["local_names"])}
+    personal = store.personal(client, state["local_names"])
+    spec = None if client == -1 else _spec(state, store, algorithm, source)  # -1: a new client's model
+    if spec is not None:
+        global_tensors = dict(zip(state["shared_names"], state["global"]))
+        personal = scored_tensors(spec, client, global_tensors, personal, lambda: store.client_state(client))
+    return {**checkpoint["state_dict"], **personal}
+
+
+def _spec(
+    state: dict[str, Any], store: ClientStore, algorithm: str | Algorithm | None, source: Any
+) -> EvaluationSpec | None:
+    """What the checkpoint's algorithm scores: ``algorithm``'s, else the registered one of its recorded name;
+    ``None`` (its local part) for an unregistered algorithm without declared client tensors (then no slot
+    can be scored, and a global score equals it)."""
+    if algorithm is not None:
+        return evaluation_spec(get_algorithm(algorithm))
+    name = state.get("algorithm")
+    if name not in ALGORITHMS and not store.tensor_names:
+        return None
+    spec = evaluation_spec(ALGORITHMS[name]) if name in ALGORITHMS else None
+    if spec is None or spec.score == "mixture":
+        why = "is not registered here" if spec is None else "scores a mixture that depends on its settings"
+        raise ValueError(
+            f"{source} was written by algorithm {name!r}, which {why}: pass "
+            "personalized_state_dict(..., algorithm=<the Algorithm object it was trained with>)."
+        )
+    return spec

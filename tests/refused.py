@@ -15,6 +15,7 @@ checkpoint of such a fit on ``datamodule``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import tempfile
@@ -29,10 +30,12 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
+    APFL,
     AdaptiveParticipation,
     DirichletPartitioner,
     Ditto,
     DynamicExponential,
+    EvaluationSpec,
     FederatedDataModule,
     FederatedDDPStrategy,
     FedProx,
@@ -44,6 +47,7 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     NeuralCollapse,
     Objective,
     OrthonormalBody,
+    PerFedAvg,
     Phase,
     RunSummary,
     ShardPartitioner,
@@ -266,6 +270,13 @@ def named(dataset: TensorDataset) -> TensorDataset:
     return relabelled
 
 
+def scoring(spec: Any, algorithm: str = "fedrep") -> Any:
+    """A copy of the registered ``algorithm`` whose evaluation scores ``spec`` (an ``EvaluationSpec``)."""
+    scored = copy.copy(ALGORITHMS[algorithm])
+    scored.evaluation = lambda: spec
+    return scored
+
+
 S = 'fit(FedRepStrategy(head="classifier", '
 
 CASES = [
@@ -275,8 +286,23 @@ CASES = [
     Refused('FedRepStrategy(algorithm="fedrepp")', ValueError, "algorithm"),
     Refused("FedProx(mu=-0.1)", ValueError, "mu"),
     Refused("Ditto(lam=-1)", ValueError, "lam"),
+    Refused('PerFedAvg(step="reptile")', ValueError, "step"),
+    Refused("APFL(alpha=1.5)", ValueError, "alpha"),
+    Refused('fit(FedRepStrategy(algorithm="per_fedavg"))', ValueError, "fedrep_loss", "set-up"),
     Refused('Phase("all", epochs=1, slot="")', ValueError, "slot"),
     Refused(S + 'phases=[Phase("all", epochs=1, slot="personal")]))', ValueError, "slot", "set-up"),
+    Refused('EvaluationSpec("best")', ValueError, "score"),
+    Refused('EvaluationSpec("slot")', ValueError, "slot"),
+    Refused('EvaluationSpec("mixture", slot="personal")', ValueError, "mix"),
+    Refused("EvaluationSpec(adapt_lr=0.1)", ValueError, "adapt_lr"),
+    Refused(S + 'algorithm=scoring(EvaluationSpec("global"))))', ValueError, "global", "set-up"),
+    Refused(S + 'algorithm=scoring(EvaluationSpec("slot", slot="personal"))))', ValueError, "slot", "set-up"),
+    Refused(
+        S + 'algorithm=scoring(EvaluationSpec(adapt=Phase("all", steps=1)))))',
+        ValueError,
+        "fedrep_loss",
+        "set-up",
+    ),
     Refused('FedRepStrategy(clients_per_round="0.5")', TypeError, "clients_per_round"),
     Refused("FedRepStrategy(clients_per_round=nan)", ValueError, "clients_per_round"),
     Refused("FedRepStrategy(clients_per_round=inf)", ValueError, "clients_per_round"),

@@ -236,11 +236,11 @@ def seed_curves(row: Row) -> tuple[list[float], list[float], list[float]]:
 
 def figure(rows: Sequence[Row]) -> Any:
     """Accuracy vs round: per row the mean over seeds and a band of ± one sample std (matplotlib Figure)."""
-    from lightning_fedrep.app.report import _axes, _pyplot
+    from lightning_fedrep.callbacks.figures import axes, pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     metrics = sorted({curve_metric(row.figure) for row in rows})
-    fig, ax = _axes(plt, f"{', '.join(metrics)}: mean over seeds ± std", "round", ", ".join(metrics))
+    fig, ax = axes(plt, f"{', '.join(metrics)}: mean over seeds ± std", "round", ", ".join(metrics))
     for row in rows:
         rounds, means, stds = seed_curves(row)
         (line,) = ax.plot(

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_fedrep.algorithms import PART_GROUPS
 from lightning_fedrep.arguments import check_bool, check_choice, check_int, check_real
 from lightning_fedrep.data.loaders import datasets_are_deterministic
 from lightning_fedrep.federation import RoundResult
@@ -129,6 +130,10 @@ class FineTunedEvaluation(FederatedCallback):
     """
 
     needs_every_client = True  # the "average" start reads the last round's clients' heads
+    owner = "FineTunedEvaluation"
+    """Who fine-tunes, in log lines."""
+    steps: int | None = None
+    """A total step budget per client in place of ``epochs`` (the adaptation of ``EvaluationSpec.adapt``)."""
 
     def __init__(
         self,
@@ -248,7 +253,10 @@ class FineTunedEvaluation(FederatedCallback):
         return names
 
     def _fine_tune(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        federation = self.federation(trainer)
+        self.federation(trainer).set_evaluation_tensors(self._tuned(trainer, pl_module))
+
+    def _tuned(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[int, dict[str, Tensor]]:
+        """Every evaluated client's fine-tuned tensors by name."""
         names = self.tuned_names(trainer, pl_module)
         clients = self.strategy(trainer).evaluated_clients
         starts = self._starting_heads(trainer, names, clients)
@@ -269,7 +277,7 @@ class FineTunedEvaluation(FederatedCallback):
                 if trainer.fast_dev_run:  # a smoke run: one step per client
                     batches = itertools.islice(batches, 1)
                 tuned[client] = self._fit_head(trainer, pl_module, client, starts(client), batches, optimizer)
-        federation.set_evaluation_tensors(tuned)
+        return tuned
 
     def _cached_split(
         self, trainer: L.Trainer, pl_module: L.LightningModule, names: list[str], clients: list[int]
@@ -278,9 +286,9 @@ class FineTunedEvaluation(FederatedCallback):
         changes)."""
         split, why = self._feature_split(trainer, pl_module, names, clients)
         decision = (
-            f"FineTunedEvaluation caches each client's features ({split.how}): one feature pass per client."
+            f"{self.owner} caches each client's features ({split.how}): one feature pass per client."
             if split is not None
-            else f"FineTunedEvaluation runs full forward passes (no feature cache: {why})."
+            else f"{self.owner} runs full forward passes (no feature cache: {why})."
         )
         if decision != self.cache_decision:
             self.cache_decision = decision
@@ -417,8 +425,10 @@ class FineTunedEvaluation(FederatedCallback):
         description = chosen.describe()
         if description != self._described:
             self._described = description
-            rank_zero_info(f"FineTunedEvaluation fine-tunes each client's head with {description}.")
+            rank_zero_info(f"{self.owner} fine-tunes each client's {self._what} with {description}.")
         return chosen
+
+    _what = "head"
 
     def _official_sgd(
         self, trainer: L.Trainer, pl_module: L.LightningModule, names: list[str]
@@ -509,8 +519,13 @@ class FineTunedEvaluation(FederatedCallback):
             self.seed * 1_000_003 + (self.last_round + 1) * 10_007 + client
         )
         size = len(datamodule.client_data(client))
-        for _ in range(self.epochs):
-            yield torch.randperm(size, generator=generator).split(batch_size)
+        left = self.steps
+        epochs = self.epochs if left is None else -(-left // max(1, -(-size // batch_size)))
+        for _ in range(epochs):
+            batches = torch.randperm(size, generator=generator).split(batch_size)
+            if left is not None:  # a step budget: the last epoch is cut
+                batches, left = batches[:left], left - len(batches[:left])
+            yield batches
 
     def _shared(self, trainer: L.Trainer) -> dict[str, Tensor]:
         return self.federation(trainer).global_view()
@@ -524,9 +539,13 @@ class FineTunedEvaluation(FederatedCallback):
         state = {n: t.detach() for n, t in pl_module.named_parameters()}
         state.update({n: t.detach().clone() for n, t in pl_module.named_buffers()})
         state.update({n: t.detach().clone() for n, t in federation.global_view().items()})
-        state.update(federation.client_tensors(client))  # copies
+        state.update(self._own_tensors(trainer, client))  # copies
         state.update(head)
         return state
+
+    def _own_tensors(self, trainer: L.Trainer, client: int) -> dict[str, Tensor]:
+        """Copies of the tensors that make ``client``'s model its own before fine-tuning."""
+        return self.federation(trainer).client_tensors(client)
 
     def _inputs_and_target(self, batch: Any) -> tuple[Any, Any]:
         try:
@@ -591,6 +610,100 @@ class FineTunedEvaluation(FederatedCallback):
             self._loss(trainer, pl_module, state, batch).backward()
             optimizer.step()
         return {n: t.detach() for n, t in head.items()}
+
+
+class EvaluationAdaptation(FineTunedEvaluation):
+    """The adaptation an algorithm asks for before evaluation (``EvaluationSpec.adapt``: Per-FedAvg's epochs,
+    HF-MAML's one step): before each validation and test (never the sanity check), every evaluated client's
+    scored model trains the phase's part (``"all"``, ``"head"``, ``"body"``) on the client's own training data
+    for the phase's epochs or steps, with plain SGD (no momentum, no weight decay) at ``lr`` (``None``: the
+    module optimizer's learning rate), and evaluation scores the result; the stored state does not change.
+
+    :class:`FineTunedEvaluation`'s machinery with the spec's tuned part, start (the scored model) and
+    optimizer. The strategy creates and runs it (it is not one of the Trainer's callbacks).
+    """
+
+    needs_every_client = False
+    owner = "EvaluationSpec.adapt"
+    _what = "scored model"
+
+    def __init__(self, algorithm: str, phase: Any, lr: float | None):
+        super().__init__(epochs=max(1, phase.epochs or 1), lr=lr, cache_features=phase.train == "head")
+        self.epochs = phase.epochs if phase.epochs is not None else 1
+        self.steps = phase.steps
+        self.phase = phase
+        self.algorithm = algorithm
+
+    def _what_for(self, pl_module: L.LightningModule) -> str:
+        return (
+            f"Algorithm {self.algorithm!r} adapts each client's scored model before evaluation "
+            f"(EvaluationSpec.adapt={self.phase!r}) on {type(pl_module).__name__}"
+        )
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Refuse, before anything runs, a module without a declared loss or data without clients."""
+        self._loss_fn = declared_loss(pl_module)
+        if self._loss_fn is None:
+            raise ValueError(
+                f"{self._what_for(pl_module)} with its per-sample loss: set fedrep_loss = 'cross_entropy' (or "
+                f"'mse', or a callable) on {type(pl_module).__name__}."
+            )
+        if trainer.datamodule is None or not hasattr(trainer.datamodule, "client_data"):
+            raise ValueError(
+                f"{self._what_for(pl_module)} on each client's training data: pass a FederatedDataModule as "
+                "datamodule=."
+            )
+        self.tuned_names(trainer, pl_module)
+
+    def adapt(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Adapt every evaluated client and have the coming evaluation score the adapted models."""
+        federation = self.federation(trainer)
+        self.last_round = federation.round_index  # seeds the batches
+        tuned = self._tuned(trainer, pl_module)
+        federation.set_evaluation_tensors(
+            {c: {**federation.evaluation_tensors(c), **t} for c, t in tuned.items()}
+        )
+
+    def tuned_names(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
+        """The parameters of the phase's part (``"all"``: every trainable group)."""
+        federation = self.federation(trainer)
+        parameters = dict(pl_module.named_parameters())
+        groups = PART_GROUPS[self.phase.train]
+        names = [
+            n
+            for n in federation.shared_names + federation.local_names
+            if n in parameters and federation.split.group(n) in groups
+        ]
+        if not names:
+            raise ValueError(
+                f"{self._what_for(pl_module)}, but its part {self.phase.train!r} holds no parameters: adapt "
+                "'all', or pass head=... to the strategy."
+            )
+        return names
+
+    def fine_tuning_optimizer(self, trainer: L.Trainer, pl_module: L.LightningModule) -> FineTuningOptimizer:
+        """Plain SGD at ``lr`` (the module optimizer's learning rate when ``None``); a log line names it."""
+        names = self.tuned_names(trainer, pl_module)
+        lr = self.lr if self.lr is not None else _training_lr(trainer, pl_module)
+        source = (
+            "(EvaluationSpec.adapt_lr)" if self.lr is not None else "(the module optimizer's learning rate)"
+        )
+        chosen = FineTuningOptimizer(source, torch.optim.SGD, (({"lr": lr}, tuple(names)),))
+        description = f"plain SGD, lr={lr} {source}, {self.phase!r}"
+        if description != self._described:
+            self._described = description
+            rank_zero_info(f"Algorithm {self.algorithm!r} adapts each evaluated client with {description}.")
+        return chosen
+
+    def _starting_heads(
+        self, trainer: L.Trainer, names: list[str], clients: list[int]
+    ) -> Callable[[int], dict[str, Tensor]]:
+        federation = self.federation(trainer)
+        shared = self._shared(trainer)
+        return lambda c: _own_values(federation.evaluation_tensors(c), shared, names)
+
+    def _own_tensors(self, trainer: L.Trainer, client: int) -> dict[str, Tensor]:
+        return {n: t.detach().clone() for n, t in self.federation(trainer).evaluation_tensors(client).items()}
 
 
 def _check_optimizer(optimizer: Any, lr: Any, momentum: Any, weight_decay: Any) -> None:

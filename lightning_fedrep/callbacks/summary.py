@@ -11,8 +11,8 @@ import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from lightning_fedrep.app.report import FIGURES, run_figures, save
 from lightning_fedrep.arguments import check_bool
+from lightning_fedrep.callbacks.figures import FIGURES, run_figures, save
 from lightning_fedrep.callbacks.run_files import HISTORY, write_run_files, write_stage_files
 from lightning_fedrep.lightning.callback import FederatedCallback
 
@@ -37,7 +37,7 @@ class RunSummary(FederatedCallback):
     CLI fills it in); beside it ``history.csv``, ``clients.csv`` (per client, per round),
     ``participation.csv``, ``partition.csv``, ``clients_<stage>.csv`` (see
     ``lightning_fedrep.callbacks.run_files``) and, with matplotlib and ``figures=True``, the PNGs of
-    ``lightning_fedrep.app.report`` under ``figures/``.
+    ``lightning_fedrep.callbacks.figures`` under ``figures/`` (``lightning-fedrep report`` draws them again).
     The folder is ``dirpath``, by default the Trainer's run folder (next to ``checkpoints/``). With a
     ``WandbLogger`` the per-client metrics go to W&B as a table and a histogram, the figures as images,
     and validation metrics are plotted against the round; with a ``TensorBoardLogger`` the figures go

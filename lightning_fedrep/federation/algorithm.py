@@ -17,7 +17,8 @@ round's history row. No Lightning here (the core).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,11 +32,14 @@ __all__ = [
     "ClientEnd",
     "ClientOutcome",
     "ClientTensors",
+    "EvaluationSpec",
     "RoundResults",
     "ServerState",
     "ServerTensors",
     "declared_names",
     "declared_templates",
+    "evaluation_spec",
+    "scored_tensors",
     "uses_results",
 ]
 
@@ -193,3 +197,130 @@ def uses_results(algorithm: Any) -> bool:
     the v1 ``(global_state, average)`` (told apart by its parameter names)."""
     parameters = list(inspect.signature(algorithm.aggregate).parameters)
     return parameters[:2] == ["server", "results"]
+
+
+Score = Literal["personal", "global", "slot", "mixture"]
+SCORES: tuple[str, ...] = ("personal", "global", "slot", "mixture")
+Mix = Callable[[Mapping[str, Tensor], Mapping[str, Tensor], int], Mapping[str, Tensor]]
+"""``mix(global tensors, the client's slot tensors, client) -> the tensors evaluation scores``."""
+
+
+@dataclass(frozen=True)
+class EvaluationSpec:
+    """What evaluation scores for each client (returned by ``Algorithm.evaluation()``).
+
+    ``score``: ``"personal"`` (the global shared part with the client's local part; the default),
+    ``"global"`` (the server's global model for every client: only for algorithms that share everything),
+    ``"slot"`` (the client's declared slot ``slot``, a ``ClientTensors(slot, like="model")``: Ditto's
+    ``"personal"``), or ``"mixture"`` (``mix(global, slot values, client)``, e.g. APFL's
+    ``α·v + (1−α)·w``; ``global`` maps every model tensor name to the global shared part and the client's
+    local part, ``slot values`` the same names to the client's slot ``slot``; tensors ``mix`` leaves out
+    keep the ``global`` values).
+
+    ``adapt``: before scoring, each evaluated client's scored model first trains on the client's own training
+    data for this phase (``Phase("all", epochs=5)``: Per-FedAvg; ``Phase("all", steps=1)``: HF-MAML) with
+    plain SGD (no momentum, no weight decay) at ``adapt_lr`` (``None``: the module optimizer's learning
+    rate); the stored state does not change.
+    """
+
+    score: Score = "personal"
+    slot: str | None = None
+    mix: Mix | None = None
+    adapt: Any = None
+    """A ``Phase`` (``lightning_fedrep.Phase``; typed loosely: the algorithms module imports this one)."""
+    adapt_lr: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.score not in SCORES:
+            raise ValueError(f"EvaluationSpec.score must be one of {list(SCORES)}, got {self.score!r}.")
+        if self.score in ("slot", "mixture"):
+            if not isinstance(self.slot, str) or not self.slot or self.slot == "model":
+                raise ValueError(
+                    f"EvaluationSpec(score={self.score!r}) needs slot= naming a declared per-client slot "
+                    f"(a ClientTensors(name, like='model')), got slot={self.slot!r}."
+                )
+        elif self.slot is not None:
+            raise ValueError(
+                f"EvaluationSpec.slot is read only by score='slot' or 'mixture', got slot={self.slot!r} with "
+                f"score={self.score!r}; drop slot= or choose one of those scores."
+            )
+        if (self.score == "mixture") != (self.mix is not None):
+            raise ValueError(
+                "EvaluationSpec.mix is the mixture score='mixture' evaluates (and only it): give "
+                f"mix=(global, slot, client) -> tensors with score='mixture', got score={self.score!r}, "
+                f"mix={self.mix!r}."
+            )
+        if self.mix is not None and not callable(self.mix):
+            raise TypeError(
+                f"EvaluationSpec.mix must be a callable (global, slot, client) -> tensors, got {self.mix!r}."
+            )
+        self._check_adapt()
+
+    def _check_adapt(self) -> None:
+        if self.adapt is not None:
+            if not all(hasattr(self.adapt, a) for a in ("train", "epochs", "steps", "slot", "num_steps")):
+                raise TypeError(
+                    f"EvaluationSpec.adapt must be a Phase (e.g. Phase('all', epochs=5)) or None, got {self.adapt!r}."
+                )
+            if self.adapt.slot != "model":
+                raise ValueError(
+                    f"EvaluationSpec.adapt trains the scored model itself; leave its slot at 'model', got "
+                    f"slot={self.adapt.slot!r} (choose what is scored with score=/slot=)."
+                )
+        if self.adapt_lr is None:
+            return
+        if self.adapt is None:
+            raise ValueError(
+                f"EvaluationSpec.adapt_lr={self.adapt_lr!r} is the adaptation's learning rate, but adapt is None; "
+                "give adapt=Phase(...) or drop adapt_lr."
+            )
+        if (
+            isinstance(self.adapt_lr, bool)
+            or not isinstance(self.adapt_lr, int | float)
+            or not (math.isfinite(self.adapt_lr) and self.adapt_lr > 0)
+        ):
+            raise ValueError(
+                f"EvaluationSpec.adapt_lr must be a positive finite number or None (the module optimizer's "
+                f"learning rate), got {self.adapt_lr!r}."
+            )
+
+
+def evaluation_spec(algorithm: Any) -> EvaluationSpec:
+    """``algorithm.evaluation()``, checked to be an :class:`EvaluationSpec` (an error naming the algorithm)."""
+    spec = algorithm.evaluation()
+    if not isinstance(spec, EvaluationSpec):
+        raise TypeError(
+            f"{type(algorithm).__name__}.evaluation() must return an EvaluationSpec, got {spec!r}."
+        )
+    return spec
+
+
+@torch.no_grad()
+def scored_tensors(
+    spec: EvaluationSpec,
+    client: int,
+    global_tensors: Mapping[str, Tensor],
+    personal: Mapping[str, Tensor],
+    client_state: Callable[[], Mapping[str, Tensor]],
+) -> dict[str, Tensor]:
+    """The tensors that make ``client``'s scored model (before ``spec.adapt``), on top of the global shared
+    part: ``{}`` for ``"global"``, ``personal`` (its local part) for ``"personal"``, the slot's values of
+    every model tensor for ``"slot"``, ``spec.mix(...)`` for ``"mixture"``. ``client_state()`` gives the
+    client's declared tensors (read only for the slot scores). Not copies for ``"personal"``/``"slot"``."""
+    if spec.score == "personal":
+        return dict(personal)
+    if spec.score == "global":
+        return {}
+    model = {**global_tensors, **personal}
+    state = client_state()
+    slot = {n: state[f"{spec.slot}.{n}"] for n in model}
+    if spec.score == "slot":
+        return slot
+    mixed = dict(spec.mix(model, slot, client))
+    unknown = set(mixed) - set(model)
+    if unknown:
+        raise KeyError(
+            f"EvaluationSpec.mix returned {sorted(unknown)}, which are not tensors of the model; it must return "
+            f"some of {sorted(model)}."
+        )
+    return {**personal, **{n: t.detach() for n, t in mixed.items()}}

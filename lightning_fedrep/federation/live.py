@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fedrep.algorithms import PART_GROUPS, Part
+from lightning_fedrep.federation.algorithm import EvaluationSpec, evaluation_spec, scored_tensors
 from lightning_fedrep.federation.round import _LiveClient
 from lightning_fedrep.federation.store import OptimizerState
 
@@ -79,10 +80,22 @@ class LiveModule:
         self._write(self.shared_names, self.global_state)
         self._eval_client = None
 
+    @property
+    def evaluation_spec(self) -> EvaluationSpec:
+        """What evaluation scores: ``algorithm.evaluation()`` (asked once)."""
+        if getattr(self, "_evaluation_spec", None) is None:
+            self._evaluation_spec = evaluation_spec(self.algorithm)
+        return self._evaluation_spec
+
+    def _scores_shared(self) -> bool:
+        """Whether evaluation may write a client's own values into shared tensors."""
+        slots = self.evaluation_spec.score in ("slot", "mixture")
+        return slots or bool(self.store.finetuned or self._eval_tensors)
+
     def evaluate_client(self, client: int) -> None:
         """Give the module ``client``'s personalized model for its evaluation batches."""
         if client != self._eval_client:
-            if self.store.finetuned or self._eval_tensors:  # some client's own shared tensors may be live
+            if self._scores_shared():  # some client's own shared tensors may be live
                 self._write(self.shared_names, self.global_state)
             personal = self.evaluation_tensors(client)
             self._write(list(personal), list(personal.values()))
@@ -101,17 +114,21 @@ class LiveModule:
                 raise KeyError(f"{sorted(unknown)} are neither shared nor local tensors of the federation.")
         self._eval_tensors = {c: dict(named) for c, named in tensors.items()}
 
+    def scored_tensors(self, client: int) -> dict[str, Tensor]:
+        """What evaluation scores for ``client`` on top of the global shared part, before any adaptation
+        (the algorithm's :class:`EvaluationSpec`: its local part, nothing, a slot, a mixture). Not copies."""
+        return scored_tensors(
+            self.evaluation_spec,
+            client,
+            self.global_view(),
+            self.store.personal(client, self.local_names),
+            lambda: self.store.client_state(client),
+        )
+
     def evaluation_tensors(self, client: int) -> dict[str, Tensor]:
-        """What makes ``client``'s model its own in the current evaluation (not copies: do not modify): its
-        stored personal tensors (or, if the algorithm scores a declared slot, that slot's values of every
-        tensor), with those set by :meth:`set_evaluation_tensors` in their place."""
-        slot = self.algorithm.evaluation_slot
-        if slot is not None:
-            state = self.store.client_state(client)
-            own = {n: state[f"{slot}.{n}"] for n in self.shared_names + self.local_names}
-        else:
-            own = self.store.personal(client, self.local_names)
-        return {**own, **self._eval_tensors.get(client, {})}
+        """What makes ``client``'s model its own in the current evaluation (not copies: do not modify):
+        :meth:`scored_tensors`, with those set by :meth:`set_evaluation_tensors` in their place."""
+        return {**self.scored_tensors(client), **self._eval_tensors.get(client, {})}
 
     def end_evaluation(self) -> None:
         """Put back what training had live before the evaluation."""
@@ -119,7 +136,7 @@ class LiveModule:
             self._write(self.shared_names + self.local_names, self._eval_stash)
             self._eval_stash = None
         else:
-            if self._eval_tensors:  # the shared part may hold a client's override
+            if self._scores_shared():  # the shared part may hold a client's own values
                 self._write(self.shared_names, self.global_state)
             if self._live is not None:
                 self._write(self.local_names, self.store.get(self._live.client))
@@ -127,8 +144,12 @@ class LiveModule:
         self._eval_client = None
 
     def load_personalized(self, client: int) -> None:
-        """Write ``client``'s personalized model into the module (``-1``: a client that never trained)."""
+        """Write ``client``'s personalized model into the module: what evaluation scores (before any
+        adaptation); ``-1``: a new client's model (the global shared part and the initial local part)."""
         self._write_personal(client)
+        if client != -1 and self.evaluation_spec.score != "personal":
+            own = self.scored_tensors(client)
+            self._write(list(own), list(own.values()))
 
     def _tensors(self, names: Iterable[str]) -> list[Tensor]:
         return [self._named[n] for n in names]

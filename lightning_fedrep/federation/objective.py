@@ -5,6 +5,12 @@ Both runners apply an :class:`Objective` at every local step, in this order::
     loss (the user's step, or the declared loss in lockstep) + every LossTerm
     -> backward -> every GradTransform -> the client's optimizer step -> every ParamTransform
 
+A :class:`StepRule` (``Objective.step``) replaces "loss -> backward" by a program over the module's declared
+pure loss (a meta/inner step, a mixing step): its gradients are set on the trained tensors, then the
+transforms and the optimizer step run as above, and finally its ``client_state`` updates are written into the
+client's declared per-client tensors. It needs the module's ``fedrep_loss``; the lockstep runner runs it per
+client inside its ``vmap`` (``view.mask`` marks the real rows there), unless it says ``vmappable=False``.
+
 A term or transform is a function of a :class:`StepView`. On the sequential runner its tensors are the live
 module's; inside the lockstep runner's ``torch.func.vmap`` they are one client's slices, so one function
 written with tensor ops runs on both. ``vmappable=False`` says it cannot run inside the ``vmap``:
@@ -18,9 +24,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
-__all__ = ["GradTransform", "LossTerm", "Objective", "ParamTransform", "StepView"]
+__all__ = [
+    "GradTransform",
+    "LossTerm",
+    "Objective",
+    "ParamTransform",
+    "PureLoss",
+    "StepOutcome",
+    "StepRule",
+    "StepView",
+    "pure_loss",
+]
 
 _EMPTY: Mapping[str, Tensor] = {}
 
@@ -45,7 +62,8 @@ class StepView:
         mask: ``[batch]``, 1 for real rows and 0 for padding (lockstep runner); ``None`` on the
             sequential runner, where every row is real.
         client_state: the client's declared per-client tensors (``Algorithm.client_tensors``; in lockstep
-            its own row of the group's stack). ``finish_client`` updates them, never a term or transform.
+            its own row of the group's stack). ``finish_client`` updates them, and a :class:`StepRule` through
+            its :class:`StepOutcome` ``client_state`` (after each step); never a term or transform.
         batch: the raw batch on the sequential runner (``None`` in lockstep). Only the adapters of the
             deprecated ``loss_term`` hooks read it; a term that does is ``vmappable=False``.
         batch_idx: Lightning's batch index on the sequential runner (``None`` in lockstep); adapters only.
@@ -126,15 +144,81 @@ class ParamTransform:
     needs_before: bool = False
 
 
+PureLoss = Callable[[Mapping[str, Tensor], Tensor, Tensor, "Tensor | None"], Tensor]
+"""``loss(tensors, x, y, mask) -> scalar``: the module run functionally on ``tensors`` (any it lacks are the
+module's own), its declared per-sample loss averaged over the real rows (``mask``: 1 real, 0 padding;
+``None``: every row)."""
+
+
+def pure_loss(module: torch.nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> PureLoss:
+    """The :data:`PureLoss` of ``module`` with its declared per-sample loss ``loss_fn`` (``fedrep_loss``)."""
+
+    def loss(tensors: Mapping[str, Tensor], x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
+        per_sample = loss_fn(torch.func.functional_call(module, dict(tensors), (x,)), y)
+        if mask is None:
+            return per_sample.mean()
+        return (per_sample * mask).sum() / mask.sum().clamp_min(1.0)
+
+    return loss
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a :class:`StepRule` computed for one local step.
+
+    Attributes:
+        grads: the gradient of each trained tensor it moves, by name (a trained tensor it leaves out gets no
+            gradient: the optimizer skips it).
+        loss: the step's loss, what the runner logs as ``train/loss``.
+        client_state: new values of some of the client's declared tensors (``Algorithm.client_tensors``), by
+            full name (``"personal.fc.weight"``), written after the optimizer step and the transforms.
+    """
+
+    grads: Mapping[str, Tensor]
+    loss: Tensor
+    client_state: Mapping[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepRule:
+    """Replaces "loss of the batch -> backward" of a local step by a program over the declared pure loss.
+
+    Args:
+        fn: ``fn(loss, view, x, y) -> StepOutcome``: ``loss`` is the module's :data:`PureLoss`, ``view`` the
+            step's :class:`StepView` (its tensors detached: differentiate with ``torch.func.grad``), ``(x, y)``
+            the step's batch. The user's ``training_step`` does not run.
+        name: names the rule in the runner report and in errors.
+        vmappable: ``True``: ``fn`` uses tensor ops only (as a vmappable :class:`LossTerm`) and reads the real
+            rows from ``view.mask`` (``None`` on the sequential runner: every row is real; in lockstep the
+            batch is zero-padded), so the lockstep runner runs it per client inside its ``vmap``. ``False``:
+            ``engine="auto"`` runs sequentially (saying why, naming the rule), ``"vectorized"`` refuses.
+
+    The runner sets the trained tensors' gradients to ``grads``, runs the gradient transforms, the client's
+    optimizer step (momentum, weight decay apply), the parameter transforms, then writes ``client_state``.
+    Needs the module's ``fedrep_loss`` (refused at setup without it), and no loss terms beside it.
+    """
+
+    fn: Callable[[PureLoss, StepView, Tensor, Tensor], StepOutcome]
+    name: str
+    vmappable: bool = True
+
+
 @dataclass(frozen=True)
 class Objective:
-    """What a client's local step adds to the plain loss-and-optimizer step (see the module docstring)."""
+    """What a client's local step adds to the plain loss-and-optimizer step (see the module docstring).
+
+    ``step``: a :class:`StepRule` replacing the loss and backward (at most one per phase: an algorithm's and a
+    callback's cannot be combined).
+    """
 
     terms: tuple[LossTerm, ...] = ()
     grad_transforms: tuple[GradTransform, ...] = ()
     param_transforms: tuple[ParamTransform, ...] = ()
+    step: StepRule | None = None
 
     def __post_init__(self) -> None:
+        if self.step is not None and not isinstance(self.step, StepRule):
+            raise TypeError(f"Objective.step must be a StepRule or None, got {self.step!r}.")
         for kind, items, cls in (
             ("terms", self.terms, LossTerm),
             ("grad_transforms", self.grad_transforms, GradTransform),
@@ -155,21 +239,31 @@ class Objective:
                     )
 
     def __add__(self, other: Objective) -> Objective:
+        if self.step is not None and other.step is not None:
+            raise ValueError(
+                f"Two step rules for one local step: {self.step.name!r} and {other.step.name!r}; a step "
+                "computes the gradients once, so at most one objective (the algorithm's or one callback's) may "
+                "set Objective.step."
+            )
         return Objective(
             self.terms + other.terms,
             self.grad_transforms + other.grad_transforms,
             self.param_transforms + other.param_transforms,
+            self.step if self.step is not None else other.step,
         )
 
     def for_phase(self, phase: str) -> Objective:
         """Only the terms that apply to ``phase``."""
         return Objective(
-            tuple(t for t in self.terms if t.applies(phase)), self.grad_transforms, self.param_transforms
+            tuple(t for t in self.terms if t.applies(phase)),
+            self.grad_transforms,
+            self.param_transforms,
+            self.step,
         )
 
     @property
     def empty(self) -> bool:
-        return not (self.terms or self.grad_transforms or self.param_transforms)
+        return not (self.terms or self.grad_transforms or self.param_transforms or self.step)
 
     @property
     def needs_features(self) -> bool:

@@ -216,6 +216,32 @@ class RoundTransaction:
             live.timed_steps += 1
             live.step_started = None
 
+    def put_live_state(self, tensors: Mapping[str, Tensor]) -> None:
+        """New values of some of the live client's declared tensors, from a step (a ``StepRule``'s
+        ``client_state``): stored now (a rolled-back round restores what it held before the round)."""
+        if self._live is not None:
+            self.put_step_state(self._live.client, tensors)
+
+    def put_step_state(self, client: int, tensors: Mapping[str, Tensor]) -> None:
+        """New values of some of a training client's declared tensors, from its step (the lockstep runner's
+        clients are not live): stored now, restored if the round is rolled back or the client left out."""
+        if not tensors:
+            return
+        self._remember_before(client)
+        self.store.put_state(client, tensors)
+
+    def _remember_before(self, client: int) -> None:
+        """Keep what ``client`` held before the round, the first time the round changes it (for rollback)."""
+        if self._before_round is None or client in self._before_round.clients:
+            return
+        record = self.store.record(client)
+        self._before_round.clients[client] = {
+            "local": None if record["local"] is None else [t.detach().clone() for t in record["local"]],
+            "optimizer": record["optimizer"],  # replaced, never modified in place
+            "finetuned": record["finetuned"],
+            "tensors": record["tensors"],  # copies already
+        }
+
     def finish_client(self) -> ClientResult | None:
         """Store the live client's state and add its shared part to the round's average."""
         live = self._live
@@ -266,7 +292,9 @@ class RoundTransaction:
         (``"<slot>.<name>"``), stored with its declared tensors."""
         plan = self.plan(self.round_index)
         slots = dict(slots or {})
-        bad = _nonfinite({**tensors, **slots})
+        before = self._before_round
+        stepped = self.store.client_state(client) if before is not None and client in before.clients else {}
+        bad = _nonfinite({**tensors, **slots, **stepped})  # stepped: declared tensors its steps wrote
         outcome = None
         if not bad and plan.aggregate:
             outcome = self._finish_outcome(client, tensors, steps)
@@ -284,14 +312,7 @@ class RoundTransaction:
             self._average.add(self._update(client, outcome.upload, steps, metrics))
         if self._local_average is not None:
             self._local_average.add([tensors[n] for n in self.local_names], self.weight_of(client))
-        if self._before_round is not None and client not in self._before_round.clients:
-            record = self.store.record(client)
-            self._before_round.clients[client] = {
-                "local": None if record["local"] is None else [t.detach().clone() for t in record["local"]],
-                "optimizer": record["optimizer"],  # replaced, never modified in place
-                "finetuned": record["finetuned"],
-                "tensors": record["tensors"],  # copies already
-            }
+        self._remember_before(client)
         if (outcome is not None and outcome.client_state) or slots:
             self.store.put_state(client, {**(outcome.client_state if outcome else {}), **slots})
         if not plan.aggregate:
@@ -357,6 +378,9 @@ class RoundTransaction:
         return self._live is not None and bool(self._live.fault)
 
     def _leave_out(self, client: int, steps: int, reason: str) -> ClientResult:
+        before = self._before_round
+        if before is not None and client in before.clients:  # its steps wrote declared tensors: undo them
+            self.store.load_record(client, before.clients.pop(client), self._device)
         warnings.warn(
             f"Client {client} is left out of round {self.round_index}: {reason} (after {steps} local steps); its "
             "state stays as it was before the round.",

@@ -156,6 +156,12 @@ def local_objective(algorithm: Algorithm, bus: CallbackBus, phase: str) -> Objec
                     f"{type(callback).__name__}.objective must return an Objective (Objective() for none), "
                     f"got {found!r}."
                 )
+            if objective.step is not None and found.step is not None:
+                raise ValueError(
+                    f"{type(callback).__name__}.objective sets the step rule {found.step.name!r}, but the "
+                    f"step rule {objective.step.name!r} (of {type(algorithm).__name__} or an earlier callback) "
+                    "already computes the step's gradients: at most one objective may set Objective.step."
+                )
             objective = objective + found
         cache[phase] = objective.for_phase(phase)
     return cache[phase]

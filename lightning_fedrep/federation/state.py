@@ -164,12 +164,11 @@ class FederationState:
 
     def personalized_state(self, base_state: Mapping[str, Tensor], client: int) -> dict[str, Tensor]:
         """``base_state`` (a module ``state_dict`` holding the global shared part) made ``client``'s own: the
-        model evaluation scores (the algorithm's ``evaluation_slot`` where it declares one)."""
+        model evaluation scores (``Algorithm.evaluation()``, before any adaptation); ``-1``: a new client's
+        model (the global shared part, the initial local part)."""
         own = self.client_tensors(client)
-        slot = self.algorithm.evaluation_slot
-        if slot is not None:
-            state = self.store.client_state(client)
-            own = {n: state[f"{slot}.{n}"].detach().clone() for n in self.shared_names + self.local_names}
+        if client != -1:
+            own = {n: t.detach().clone() for n, t in self.scored_tensors(client).items()}
         return {**{k: v.detach().clone() for k, v in base_state.items()}, **own}
 
     def update_global(self, tensors: Mapping[str, Tensor]) -> None:
@@ -221,16 +220,25 @@ class FederationState:
             self.server_tensors = {n: t.to(device) for n, t in self.server_tensors.items()}
 
     def _check_slots(self) -> None:
-        """Every slot a phase or the evaluation names is a declared ``ClientTensors(slot, like="model")``."""
+        """Every slot a phase or the evaluation names is a declared ``ClientTensors(slot, like="model")``;
+        a ``"global"`` evaluation needs an algorithm that shares everything."""
         declared = {t.name for t in self.algorithm.client_tensors if t.like == "model"}
-        named = [p.slot for p in self.config.phases] + [self.algorithm.evaluation_slot]
+        spec = self.evaluation_spec
+        named = [p.slot for p in self.config.phases] + [spec.slot]
         for slot in named:
             if slot not in (None, "model") and slot not in declared:
                 raise ValueError(
-                    f"Slot {slot!r} (a phase's slot= or {type(self.algorithm).__name__}.evaluation_slot) is not "
-                    f"declared: add ClientTensors({slot!r}, like='model', init='module') to the algorithm's "
+                    f"Slot {slot!r} (a phase's slot= or {type(self.algorithm).__name__}.evaluation()'s slot) is "
+                    f"not declared: add ClientTensors({slot!r}, like='model', init='module') to the algorithm's "
                     f"client_tensors, or use slot='model'."
                 )
+        if spec.score == "global" and self.local_names:
+            raise ValueError(
+                f"{type(self.algorithm).__name__} (algorithm {self.algorithm.name!r}) scores evaluation with the "
+                f"global model (EvaluationSpec('global')), but it keeps {list(self.local_names)} per client, so "
+                "there is no global model: score 'personal' (or 'slot'/'mixture'), or share every group "
+                "(and buffers='shared')."
+            )
 
     def _declared_groups(self, named: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """The groups a declared tensor can be shaped ``like``: shared, local, body, head (name -> value)."""

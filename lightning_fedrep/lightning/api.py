@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_fedrep.checkpoint_payload import CHECKPOINT_KEY
@@ -159,8 +160,18 @@ class StrategyAPI:
 
     def client_state_dict(self, client: int) -> dict[str, Tensor]:
         """A ``state_dict`` of the user's module personalized for ``client`` (global shared part, its
-        local part, and what it fine-tuned). Load it into a fresh instance of the module to predict."""
-        return self.require_federation().personalized_state(self.lightning_module.state_dict(), client)
+        local part, and what it fine-tuned; what evaluation scores, ``Algorithm.evaluation()``). Load it into a
+        fresh instance of the module to predict. With ``EvaluationSpec.adapt`` it is the model before the
+        adaptation (evaluation adapts it on the client's training data first; a warning says so)."""
+        federation = self.require_federation()
+        adapt = federation.evaluation_spec.adapt
+        if adapt is not None and client != -1:
+            rank_zero_warn(
+                f"client_state_dict({client}) is the client's scored model before the adaptation its evaluation "
+                f"runs first ({adapt!r} on the client's training data, EvaluationSpec.adapt of "
+                f"{self.algorithm.name!r})."
+            )
+        return federation.personalized_state(self.lightning_module.state_dict(), client)
 
     def client_model(self, client: int) -> L.LightningModule:
         """A copy of the user's module holding ``client``'s personalized model (for prediction or export)."""

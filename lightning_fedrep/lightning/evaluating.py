@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_fedrep.callbacks.evaluation_finetuning import EvaluationAdaptation
 from lightning_fedrep.data.loaders import ClientChunk
 from lightning_fedrep.evaluation import EvaluationPass
 from lightning_fedrep.evaluation_records import gather_pass, non_finite_note, partial_pass_note, pass_values
@@ -25,9 +26,25 @@ PREDICTION_MODES = {
 }
 
 
+def setup(strategy: Any, trainer: Any) -> None:
+    """At the strategy's ``setup``: the adaptation the algorithm's ``EvaluationSpec.adapt`` asks for, its
+    module and data checked now (``None`` without one)."""
+    spec = strategy.federation.evaluation_spec
+    strategy._adaptation = None
+    if spec.adapt is not None:
+        adaptation = EvaluationAdaptation(strategy.algorithm.name, spec.adapt, spec.adapt_lr)
+        adaptation.setup(trainer, strategy.lightning_module, trainer.state.fn)
+        strategy._adaptation = adaptation
+
+
 def begin(strategy: Any, stage: str) -> None:
-    """Before a pass: the federation evaluates the global shared part with each client's own part."""
-    strategy.require_federation().begin_evaluation()
+    """Before a pass: the federation evaluates the global shared part with each client's own part (adapted
+    first where the algorithm's evaluation asks for it; never in the sanity check)."""
+    federation = strategy.require_federation()
+    federation.begin_evaluation()
+    adaptation, module = getattr(strategy, "_adaptation", None), strategy.lightning_module
+    if adaptation is not None and not module.trainer.sanity_checking:
+        adaptation.adapt(module.trainer, module)
     strategy._evaluation = EvaluationPass(
         stage, capture_logs, batch_size_of, headline=strategy.headline_metrics
     )

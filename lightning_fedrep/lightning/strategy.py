@@ -251,6 +251,7 @@ class FederatedStrategyMixin(StrategyAPI):
             check_optimizers_cover_split(self.optimizers, module, federation.split)
         federation.attach(module, self.optimizers)
         federation.initialize(self.root_device)
+        evaluating.setup(self, trainer)
         federation.collective = self.collective
         self._callbacks = [c for c in trainer.callbacks if isinstance(c, FederatedCallback)]
         terms = [c for c in self._callbacks if type(c).loss_term is not FederatedCallback.loss_term]

@@ -206,6 +206,29 @@ def _vectorize_problem(
     return found[0] if found else None
 
 
+def _step_rule_loss(objectives: dict[str, Any], module: nn.Module) -> Any:
+    """The module's declared loss where an objective has a step rule (``None`` where none has); refuses a
+    step rule on a module without ``fedrep_loss``, or one combined with loss terms (it replaces the loss)."""
+    rules = {o.step.name: o for o in objectives.values() if o.step is not None}
+    if not rules:
+        return None
+    name, objective = next(iter(rules.items()))
+    if objective.terms:
+        terms = ", ".join(repr(t.name) for t in objective.terms)
+        raise ValueError(
+            f"The step rule {name!r} computes the step's gradients from the declared loss, so the loss terms "
+            f"{terms} would be ignored: drop them, or fold them into the rule."
+        )
+    loss_fn = declared_loss(module)
+    if loss_fn is None:
+        raise ValueError(
+            f"The step rule {name!r} differentiates the module's declared loss, and {type(module).__name__} "
+            "declares none: set fedrep_loss on the module (e.g. fedrep_loss = 'cross_entropy', or a callable "
+            "(output, target) -> per-sample loss), the loss its training_step computes."
+        )
+    return loss_fn
+
+
 class RunnerSelection:
     """The runner of a fit, decided at ``setup``, on the first training loader and on a resumed checkpoint;
     every decision installs the runner (always wrapped in :class:`Sharded`) on the :class:`FederatedRun`.
@@ -227,6 +250,8 @@ class RunnerSelection:
         """The user's optimizer (what ``StepView.lr`` reads on the sequential runner)."""
         self.optimizers: tuple[torch.optim.Optimizer, ...] = ()
         """The user's optimizers (the sequential runner scales their lrs by a client's ``lr_scale``)."""
+        self.loss_fn: Any = None
+        """The module's declared per-sample loss where a step rule needs it (the sequential runner's)."""
 
     def _lr(self) -> float | None:
         groups = self.optimizer.param_groups if self.optimizer is not None else ()
@@ -245,6 +270,7 @@ class RunnerSelection:
                 run.bus.module,
                 self._lr,
                 lambda: self.optimizers,
+                self.loss_fn,
             )
         )
         run.runner = Sharded(inner, collective)
@@ -269,9 +295,11 @@ class RunnerSelection:
         self.optimizer = constraints.optimizers[0] if constraints.optimizers else None
         self.optimizers = tuple(constraints.optimizers)
         line = None
+        self.loss_fn = None
         if fit:
             callbacks = run.bus.callbacks
             objectives = {phase: local_objective(algorithm, run.bus, phase) for phase in PHASE_PARTS}
+            self.loss_fn = _step_rule_loss(objectives, module)
             decision = build_engine(
                 self.mode, constraints, module, run.federation, algorithm, callbacks, self.width, objectives
             )

@@ -10,9 +10,11 @@ import torch
 from torch import Tensor
 
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.federation.objective import Objective, StepView
+from lightning_fedrep.federation.objective import Objective, StepOutcome, StepView, pure_loss
 from lightning_fedrep.federation.run import NOTHING_RAN, Notify, live_view
+from lightning_fedrep.losses import LossFn
 from lightning_fedrep.plan import RoundPlan
+from lightning_fedrep.runners.lockstep.probe import batch_pair
 
 
 class SequentialRunner:
@@ -26,6 +28,12 @@ class SequentialRunner:
         objective: the local objective of a phase part (``None``: nothing added).
         module: the live module (what the objective's :class:`StepView` reads).
         lr: the live client's learning rate (what ``StepView.lr`` holds), or ``None``.
+        optimizers: the user's optimizers (their lrs are scaled by a client's ``lr_scale``).
+        loss_fn: the module's declared per-sample loss (``fedrep_loss``), what a step rule differentiates.
+
+    A phase whose objective has a :class:`~lightning_fedrep.federation.objective.StepRule` does not run the
+    user's ``training_step``: the rule computes the gradients ``g`` on the batch's ``(x, y)`` and the step
+    returns the surrogate ``sum((p * g).sum())`` (``g`` detached), whose gradient is exactly ``g``.
     """
 
     vectorized = False
@@ -38,6 +46,7 @@ class SequentialRunner:
         module: Any = None,
         lr: Callable[[], float | None] | None = None,
         optimizers: Callable[[], Sequence[torch.optim.Optimizer]] | None = None,
+        loss_fn: LossFn | None = None,
     ):
         self.federation = federation
         self.notify = notify
@@ -49,6 +58,9 @@ class SequentialRunner:
         self._in_step = False
         self._idle = False
         self._client_step = 0
+        self.loss_fn = loss_fn
+        self._outcome: StepOutcome | None = None
+        """The step rule's outcome of the step being run (its client_state is written after the step)."""
 
     def schedule(self, plan: RoundPlan, own: bool = True) -> RoundPlan:
         return plan
@@ -73,8 +85,11 @@ class SequentialRunner:
         if self._idle:
             return NOTHING_RAN
         objective = self._objective()
+        self._outcome = None
         captured: dict[str, Tensor] = {}
         try:
+            if objective is not None and objective.step is not None:
+                return self._rule_loss(objective, batch, batch_idx)
             with _captured_features(self.module, objective, captured):
                 output = user_step()
         except Exception as error:
@@ -85,6 +100,32 @@ class SequentialRunner:
         if objective is None or not objective.terms:
             return output
         return _with_terms(output, lambda: self._terms(objective, batch, batch_idx, captured))
+
+    def _rule_loss(self, objective: Objective, batch: Any, batch_idx: int) -> Tensor:
+        """The step rule's outcome on the batch, as the surrogate loss whose gradient is its ``grads``."""
+        rule = objective.step
+        if self.loss_fn is None:
+            raise ValueError(
+                f"The step rule {rule.name!r} needs the module's declared loss: set fedrep_loss on the module."
+            )
+        x, y = batch_pair(batch, f"the step rule {rule.name!r}")
+        view = self._view(batch, batch_idx)
+        detached = {n: t.detach() for n, t in view.tensors.items()}
+        view = replace(
+            view, tensors=detached, trained={n: detached[n] for n in view.trained}, batch=None, batch_idx=None
+        )
+        outcome = rule.fn(pure_loss(self.module, self.loss_fn), view, x, y)
+        if not isinstance(outcome, StepOutcome):
+            raise TypeError(f"The step rule {rule.name!r} must return a StepOutcome, got {outcome!r}.")
+        unknown = sorted(set(outcome.grads) - set(view.trained))
+        if unknown:
+            raise KeyError(
+                f"The step rule {rule.name!r} returned gradients for {unknown}, which the phase does not train "
+                f"(it trains {sorted(view.trained)})."
+            )
+        self._outcome = outcome
+        live = dict(self.module.named_parameters())
+        return _surrogate({n: live[n] for n in outcome.grads}, outcome.grads)
 
     def _objective(self) -> Objective | None:
         if self.objective is None or self.federation.live_phase is None:
@@ -116,8 +157,11 @@ class SequentialRunner:
             found.append(term.fn(replace(view, features=features)))
         return found
 
-    def logged_loss(self) -> None:
-        return None  # the user's step logs its own
+    def logged_loss(self) -> Callable[[], Any] | None:
+        """The step rule's loss (the user's step, which did not run, logs nothing); else ``None``: the
+        user's step logs its own."""
+        outcome = self._outcome
+        return None if outcome is None else (lambda: outcome.loss.detach())
 
     def step(self, optimizer_step: Callable[..., Any], closure: Callable[[], Any]) -> Any:
         """The user's optimizer step; the objective's gradient transforms run after the closure's backward
@@ -128,9 +172,13 @@ class SequentialRunner:
         self._in_step = True
         try:
             with _ScaledLr(self.optimizers(), self._lr_scale):
-                return self._step(optimizer_step, closure)
+                output = self._step(optimizer_step, closure)
         finally:
             self._in_step = False
+        outcome, self._outcome = self._outcome, None
+        if outcome is not None and outcome.client_state:
+            self.federation.put_live_state(outcome.client_state)
+        return output
 
     def _step(self, optimizer_step: Callable[..., Any], closure: Callable[[], Any]) -> Any:
         objective = self._objective()
@@ -201,6 +249,17 @@ class SequentialRunner:
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         pass
+
+
+def _surrogate(params: dict[str, Tensor], grads: Any) -> Tensor:
+    """``sum((p * g).sum())`` with ``g`` detached: its gradient with respect to each ``p`` is exactly ``g``."""
+    total = None
+    for name, param in params.items():
+        term = (param * grads[name].detach().to(param.dtype)).sum()
+        total = term if total is None else total + term
+    if total is None:
+        raise ValueError("A step rule returned no gradients: it must move at least one trained tensor.")
+    return total
 
 
 def _with_terms(output: Any, terms: Callable[[], list[Any]]) -> Any:

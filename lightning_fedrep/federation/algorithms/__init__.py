@@ -1,2 +1,37 @@
-"""One small module per algorithm, each written on the public algorithm API only (``lightning_fedrep.algorithms``
-and ``lightning_fedrep.federation.objective``). ``import lightning_fedrep`` registers them by name."""
+"""One small module per algorithm, each written on the public algorithm API only (``lightning_fedrep.algorithms``,
+``lightning_fedrep.federation.objective`` and ``lightning_fedrep.federation.algorithm``): the built-ins
+(:class:`FedRep`, :class:`FedPer`, :class:`LGFedAvg`, :class:`FedAvg`, :class:`Local`) and the acceptance
+examples of the algorithm API (:class:`Ditto`, :class:`FedProx`, :class:`Scaffold`) and the baselines on its step
+rules and evaluation specs (:class:`APFL`, :class:`PerFedAvg`).
+
+Importing this package registers them all by name, in this order (the order of ``StrategyRegistry`` and the
+command's help); ``import lightning_fedrep`` does so.
+"""
+
+# the import order is the registration order
+# isort: off
+from lightning_fedrep.federation.algorithms.fedrep import FedRep
+from lightning_fedrep.federation.algorithms.fedper import FedPer
+from lightning_fedrep.federation.algorithms.lg_fedavg import LGFedAvg
+from lightning_fedrep.federation.algorithms.fedavg import FedAvg
+from lightning_fedrep.federation.algorithms.local import Local
+from lightning_fedrep.federation.algorithms.ditto import Ditto
+from lightning_fedrep.federation.algorithms.fedprox import FedProx
+from lightning_fedrep.federation.algorithms.scaffold import Scaffold
+from lightning_fedrep.federation.algorithms.apfl import APFL
+from lightning_fedrep.federation.algorithms.per_fedavg import PerFedAvg
+
+# isort: on
+
+__all__ = [
+    "APFL",
+    "Ditto",
+    "FedAvg",
+    "FedPer",
+    "FedProx",
+    "FedRep",
+    "LGFedAvg",
+    "Local",
+    "PerFedAvg",
+    "Scaffold",
+]

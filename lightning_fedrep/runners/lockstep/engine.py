@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_fedrep.algorithms import PART_GROUPS
 from lightning_fedrep.federation import ClientResult, Federation
-from lightning_fedrep.federation.objective import LossTerm, Objective, StepView
+from lightning_fedrep.federation.objective import LossTerm, Objective, StepRule, StepView, pure_loss
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import move_to_device
 from lightning_fedrep.runners.lockstep import sizing
@@ -121,6 +121,10 @@ class LockstepEngine:
         self._schedules: dict[int, LockstepPlan] = {}
         self._pending: dict[str, Any] | None = None
         self._declared_cache: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+        self._rule_state: dict[str, Tensor] = {}
+        """The last step rule's new declared tensors, stacked by lane (written after the step)."""
+        self.step_rules = [o.step.name for o in self.objectives.values() if o.step is not None]
+        """The step rules of the phases (they run the whole module: no cached features)."""
         self._cache_decided = split is not None
         self.group_width: int | None = None
         """Clients per group after the memory bound (``None``: a round's clients)."""
@@ -178,6 +182,8 @@ class LockstepEngine:
         head phases cannot run on cached features, or ``None``."""
         head = self.federation.split.head
         why = data_is_deterministic(self._loader) if head else "no head marked"
+        if self.step_rules:
+            why = f"the step rule {self.step_rules[0]!r} runs the whole module"
         if head and (why is None or self.needs_features):
             self.split = find_feature_split(self.module, head, x)
             if self.split is None:
@@ -399,6 +405,8 @@ class LockstepEngine:
         loss_fn, split = self.loss_fn, self.split
         phase = self.segment.part
         objective = self.objectives.get(phase, Objective())
+        if objective.step is not None:
+            return self._rule_loss(objective.step, batch)
         terms = objective.terms
         server, states = self._declared() if terms else ({}, {})
         lr, round_index, local_step = self._lr(), self.federation.round_index, self._step
@@ -463,6 +471,64 @@ class LockstepEngine:
         self.last_losses = losses.detach()
         return losses.sum()
 
+    def _rule_loss(self, rule: StepRule, batch: dict[str, Tensor]) -> Tensor:
+        """A step rule run per client inside one ``vmap`` (each client its own ``(x, y)``, mask and declared
+        tensors): the surrogate ``sum((p * g).sum())`` over the lanes, whose gradient is each client's ``g``;
+        its ``client_state`` is written after the step (:meth:`end_step`)."""
+        mask, inputs, targets = batch["mask"], batch["x"], batch["y"]
+        trained, frozen = self._lane_tensors
+        fixed, phase = self._fixed, self.segment.part
+        server, states = self._declared()
+        lr, round_index, local_step = self._lr(), self.federation.round_index, self._step
+        loss = pure_loss(self.module, self.loss_fn)
+
+        def client_step(own, rest, x, y, m, client, state):  # noqa: ANN001, ANN202 (vmapped)
+            view = StepView(
+                tensors={**fixed, **rest, **own},
+                trained=own,
+                server=server,
+                client=client,
+                phase=phase,
+                round=round_index,
+                step=local_step,
+                lr=lr,
+                mask=m,
+                client_state=state,
+            )
+            outcome = rule.fn(loss, view, x, y)
+            return dict(outcome.grads), outcome.loss, dict(outcome.client_state)
+
+        own = {n: t.detach() for n, t in trained.items()}
+        rest = {n: t.detach() for n, t in frozen.items()}
+        clients = torch.tensor(self.segment.clients, device=mask.device)
+        grads, losses, new_state = torch.func.vmap(client_step)(
+            own, rest, inputs, targets, mask, clients, states
+        )
+        active = torch.tensor(self._active, dtype=losses.dtype, device=losses.device)
+        self.last_losses = (losses * active).detach()
+        self._rule_state = {n: t.detach() for n, t in new_state.items()}
+        surrogate = None
+        for name, grad in grads.items():
+            keep = active.reshape(-1, *([1] * (grad.dim() - 1)))
+            term = (trained[name] * (grad.detach() * keep).to(trained[name].dtype)).sum()
+            surrogate = term if surrogate is None else surrogate + term
+        if surrogate is None:
+            raise ValueError(
+                f"The step rule {rule.name!r} returned no gradients: it must move a trained tensor."
+            )
+        return surrogate
+
+    @torch.no_grad()
+    def _write_rule_state(self) -> None:
+        """The step rule's ``client_state`` of each active client, into the store (and the segment's rows)."""
+        new, self._rule_state = self._rule_state, {}
+        if not new:
+            return
+        for k, client in enumerate(self.segment.clients):
+            if self._active[k]:
+                self.federation.put_step_state(client, {n: t[k] for n, t in new.items()})
+        self._declared_cache = None  # re-read: the rows changed
+
     def end_step(self) -> list[ClientResult]:
         """After Lightning's backward: step every active client; returns clients whose round is done."""
         group = self.group
@@ -474,6 +540,7 @@ class LockstepEngine:
         if objective.param_transforms:
             with torch.no_grad():
                 self._transform(objective.param_transforms, grads=False)
+        self._write_rule_state()
         # the user's optimizer.step() never runs here: mark it as stepped (what torch's LR scheduler wrapper
         # of .step() does), else every epoch scheduler warns that it stepped before the optimizer
         self.user_optimizer._opt_called = True

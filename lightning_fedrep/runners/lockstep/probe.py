@@ -52,6 +52,15 @@ def is_pair(batch: Any) -> bool:
     return isinstance(batch, list | tuple) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)
 
 
+def batch_pair(batch: Any, where: str) -> tuple[Tensor, Tensor]:
+    """``batch`` as ``(inputs, targets)`` tensors, as the engine and a step rule read a training batch;
+    a clear error naming ``where`` for any other batch."""
+    problem = _batch_problem(batch, where)
+    if problem is not None:
+        raise TypeError(f"{problem}: return (inputs, targets) tensors from the training data set.")
+    return batch[0], batch[1]
+
+
 def probe_problem(
     module: nn.Module, loss_fn: LossFn, loss_name: str, batches: Sequence[tuple[Any, int, str]]
 ) -> str | None:

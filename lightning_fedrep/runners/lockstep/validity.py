@@ -96,6 +96,10 @@ def federation_reasons(objectives: Mapping[str, Objective], callbacks: Sequence[
     transforms) or the federated callbacks add that the engine cannot vectorize."""
     names = dict.fromkeys(name for objective in objectives.values() for name in objective.not_vmappable())
     reasons = [f"{name} cannot run in lockstep (vmappable=False)" for name in names]
+    rules = dict.fromkeys(
+        o.step.name for o in objectives.values() if o.step is not None and not o.step.vmappable
+    )
+    reasons += [f"the step rule {name!r} cannot run in lockstep (vmappable=False)" for name in rules]
     for callback in callbacks:
         if getattr(callback, "needs_client_timing", False):
             reasons.append(f"{type(callback).__name__} measures each client's step time")
