@@ -183,6 +183,11 @@ class Algorithm:
         """
         return plan
 
+    scales_lr: bool = True
+    """Whether an overridden :meth:`configure_round` may set a per-client ``lr_scale``, which the lockstep
+    runner does not apply (so ``engine="auto"`` runs such an algorithm sequentially). ``False`` (it only reads
+    the plan, or picks clients): the lockstep runner may run it, and still refuses a round that sets one."""
+
     def objective(self, phase: str) -> Objective:
         """The local objective of a phase training ``phase`` (``"head"``, ``"body"``, ``"all"``): loss terms
         and step transforms (:mod:`lightning_fedrep.federation.objective`), run by both runners where they

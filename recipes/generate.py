@@ -37,6 +37,8 @@ def headline_figure(method: Method, headline: str = "val/acc") -> str:
         return f"`{headline}` of the last round" + (" (first 100 clients)" if method.official_local else "")
     if method.callbacks:
         return f"`finetune/{headline}`"
+    if method.last_round:
+        return f"`{headline}` of the last round"
     return f"`{headline}_last10`"
 
 
@@ -61,6 +63,16 @@ class Table1Column:
     batch_size: int = 10  # the official local_bs
     name: str = ""  # the column's label in headers and recipes/README.md (default: "<FOLDER> (n=.., S=..)")
     local_note: str = ""  # what the official main_local.py does differently for this column
+    step_rule_model_args: dict = field(default_factory=dict)  # model_args overrides for StepRule algorithms
+    step_rule_note: str = ""  # why (header line of those recipes)
+
+
+SENT140_LAYOUT_NOTE = (
+    "Model: layout: official keeps the official emb.view(300, 4, 25) (sic: LSTM input 25 over 300 steps, each row\n"
+    "mixing the batch's 4 tweets), so evaluation runs in batches of 4 (eval_batch_size: 4) as the official test\n"
+    "loop; layout: tokens reads one word per step."
+)
+"""The Sent140 header's model sentence; recipes of step-rule algorithms replace it (``step_rule_note``)."""
 
 
 TABLE1 = {
@@ -208,6 +220,11 @@ TABLE1 = {
         fedavg_script=("the official scripts/FedAvg_sent140.sh", 10),
         headline="val/acc_weighted",
         ft_mode="head",
+        step_rule_model_args={"layout": "tokens"},
+        step_rule_note="Model: layout: tokens, one word per LSTM step (LSTM input 300 over 25 steps), NOT the official\n"
+        "emb.view(300, 4, 25): that layout mixes the tweets of a batch, so Sent140RNN(layout: official) declares no\n"
+        "per-sample loss (fedrep_loss = None), and this algorithm's step rule needs one (it splits batches and is\n"
+        "refused at setup without it); the RNN's sizes, initialisation and body/head split are the official ones.\n",
         ft_note="Fine-tuning: only the head (HeadFineTuning mode: head), as the official Sent140 branch of the last round\n"
         "(rnn and fc frozen, the decoder trained for 10 epochs) and the paper's text.",
         local_note="Sent140: main_local.py's Sent140 branch calls LocalUpdate.train --epochs times instead (local_ep epochs\n"
@@ -217,9 +234,8 @@ TABLE1 = {
             "order (user_order: file, --num_users 183), tweets as 25 GloVe word ids (the official tokenisation); batch 4.\n"
             "Word vectors: glove_path (model and data: the same file) is GloVe's glove.6B.300d.txt or LEAF's embs.json;\n"
             "nothing is downloaded.\n"
-            "Model: layout: official keeps the official emb.view(300, 4, 25) (sic: LSTM input 25 over 300 steps, each row\n"
-            "mixing the batch's 4 tweets), so evaluation runs in batches of 4 (eval_batch_size: 4) as the official test\n"
-            "loop; layout: tokens reads one word per step. The LSTM state starts at zero every batch (the official code\n"
+            + SENT140_LAYOUT_NOTE
+            + " The LSTM state starts at zero every batch (the official code\n"
             "carries it across a client's batches) and a client's last incomplete batch is kept (the official drops it).\n"
             "The official Sent140 accuracy is weighted by test samples: val/acc_weighted."
         ),
@@ -271,6 +287,15 @@ class Method:
     description: str
     callbacks: tuple[Callable[..., dict], ...] = ()
     official_local: bool = False  # Local Only as main_local.py: one round of 10 epochs, 100 clients scored
+    class_path: str = ""  # the algorithm's class, written with ``args`` (official hyper-parameters) in YAML
+    args: dict = field(default_factory=dict)
+    strategy_args: dict = field(default_factory=dict)  # beyond the common ones (e.g. the official weighting)
+    step_rule: bool = False  # trains through a StepRule: needs the module's per-sample loss (fedrep_loss)
+    last_round: bool = False  # the paper's figure is the last round's (the official final round), not last10
+    note: str = ""  # where the recipe follows the paper's text or the official code, and the deviations
+    weight_decay: float | None = None  # the official optimizer's, where it is not the family's 1e-4
+    rounds: Callable[[int], int] | None = None  # the rounds for the column's T, where they differ
+    lr: Callable[[int], float] | None = None  # the official learning rate for n clients, where not 0.01
 
 
 METHODS = {
@@ -312,13 +337,160 @@ METHODS = {
 }
 DIGITS_METHODS = [m for m in METHODS if m != "local_paper"]
 
+PAPER_ROWS: dict[str, tuple[float, ...]] = {
+    "fedprox": (39.92, 50.99, 21.93, 20.17, 28.52, 52.33, 18.89),
+    "fedprox_ft": (85.81, 72.75, 75.41, 78.52, 55.09, 71.21, 53.54),
+    "scaffold": (37.72, 47.33, 33.79, 20.32, 22.52, 51.31, 17.65),
+    "scaffold_ft": (86.35, 68.23, 78.24, 78.88, 44.34, 71.49, 52.11),
+    "fed_mtl": (80.46, 58.31, 76.53, 71.47, 41.25, 71.20, 54.11),
+    "per_fedavg": (82.27, 67.20, 67.36, 72.05, 52.49, 68.45, 71.51),
+    "l2gd": (81.04, 59.98, 71.96, 72.13, 42.84, 70.67, 66.18),
+    "apfl": (83.77, 72.29, 82.39, 78.20, 55.44, 69.87, 70.74),
+    "ditto": (85.39, 70.34, 80.36, 78.91, 56.34, 71.04, 68.28),
+}
+"""Table 1's other rows (shared/reference/fedrep.md §6.1), in the paper's column order :data:`PAPER_COLUMNS`."""
+PAPER_COLUMNS = (
+    "cifar10_100_2",
+    "cifar10_100_5",
+    "cifar10_1000_2",
+    "cifar100_100_5",
+    "cifar100_100_20",
+    "sent140_183_2",
+    "femnist_150_3",
+)
+
+FT_DESCRIPTION = "\nthen one extra round in which every client fine-tunes {ft} for 10 epochs\n(the protocol of FedAvg + FT)"
+WEIGHTING_NOTE = "Server: the unweighted mean of the uploads (weighting: uniform), as {script}'s w / m."
+BASELINES = {
+    "fedprox": Method(
+        algorithm="fedprox",
+        class_path="lightning_fedrep.FedProx",
+        args={"mu": 0.1},
+        description="FedProx: FedAvg whose local loss adds mu/2 ||w - w_global||^2 (mu = 0.1, the official --mu default);\n"
+        "{body} local epoch(s), everything averaged (global model evaluated)",
+        note="FedProx: the proximal gradient goes through the recipe's SGD (momentum 0.5, weight decay 1e-4); the\n"
+        "official FedProx.py optimizer adds mu (w - w_0) after momentum (the same update with momentum 0).",
+    ),
+    "fedprox_ft": Method(
+        algorithm="fedprox",
+        class_path="lightning_fedrep.FedProx",
+        args={"mu": 0.1},
+        description="FedProx + FT: FedProx (mu = 0.1, {body} local epoch(s))," + FT_DESCRIPTION,
+        callbacks=(head_fine_tuning,),
+    ),
+    "scaffold": Method(
+        algorithm="scaffold",
+        class_path="lightning_fedrep.Scaffold",
+        args={"lr_g": 0.1, "clip": 10.0},
+        description="SCAFFOLD, the official main_scaffold.py: gradients corrected by the control variates (c - c_i), clipped\n"
+        "to norm 10, server lr lr_g = 0.1 (the official default), unweighted mean; {body} local epoch(s) (global model evaluated)",
+    ),
+    "scaffold_ft": Method(
+        algorithm="scaffold",
+        class_path="lightning_fedrep.Scaffold",
+        args={"lr_g": 0.1, "clip": 10.0},
+        description="SCAFFOLD + FT: SCAFFOLD (lr_g = 0.1, clip 10, {body} local epoch(s))," + FT_DESCRIPTION,
+        callbacks=(head_fine_tuning,),
+    ),
+    "ditto": Method(
+        algorithm="ditto",
+        class_path="lightning_fedrep.Ditto",
+        args={"lam": 1.0},
+        strategy_args={"weighting": "uniform"},
+        description="Ditto, the official main_ditto.py: {body} FedAvg epoch(s) on the global model, then {body} epoch(s) on the\n"
+        "client's personal model, each step pulled towards the global model (lam = 1, the official --lam_ditto);\n"
+        "the personal models are evaluated",
+        note=WEIGHTING_NOTE.format(script="main_ditto.py")
+        + "\nPersonal models start from the initial model (the paper's Algorithm 1); the official w_locals alias the\n"
+        "global model until a client first trains.",
+    ),
+    "apfl": Method(
+        algorithm="apfl",
+        class_path="lightning_fedrep.APFL",
+        args={"alpha": 0.75, "mixture": "paper"},
+        strategy_args={"weighting": "uniform"},
+        step_rule=True,
+        description="APFL, the official main_apfl.py: a global model w and a personal model v per client, v trained on the\n"
+        "mixture alpha v + (1 - alpha) w (alpha = 0.75, the official --alpha_apfl), {body} local epoch(s); the mixture\n"
+        "alpha v + (1 - alpha) w_global is evaluated",
+        note="Mixture: mixture: paper, the paper's alpha v + (1 - alpha) w; the official training mixture reads\n"
+        "alpha v + alpha w (a typo for 1 - alpha): mixture: official reproduces it. v's step is plain SGD (the official\n"
+        "code runs its momentum-0.5 SGD on it; the same with momentum and weight decay 0).\n"
+        + WEIGHTING_NOTE.format(script="main_apfl.py"),
+    ),
+    "per_fedavg": Method(
+        algorithm="per_fedavg",
+        class_path="lightning_fedrep.PerFedAvg",
+        args={"step": "maml", "inner_scale": 0.001, "support": 0.8, "adapt_epochs": 5},
+        step_rule=True,
+        last_round=True,
+        description="Per-FedAvg, the official --alg maml: every local step a MAML step on the batch's 80/20 support/query split,\n"
+        "inner lr = lr x 0.001; {body} local epoch(s), everything averaged; each client is scored after 5 epochs of\n"
+        "all-parameter adaptation on its training data",
+        note="Step: step: maml, the paper's meta-gradient; the official code builds the adapted weights but backpropagates\n"
+        "L_support(w) + L_query(w) at w (step: official reproduces it). The 5 adaptation epochs (plain SGD) run before\n"
+        "every evaluation; the official code runs them once, in its extra last round, with its momentum-0.5 SGD, and\n"
+        "reports that round (so the figure here is the last round's, not a last-10 mean).",
+    ),
+    "fed_mtl": Method(
+        algorithm="fed_mtl",
+        class_path="lightning_fedrep.FedMTL",
+        args={"chunk": 4000, "strength": None},
+        weight_decay=0.0,
+        description="Fed-MTL, the official main_mtl.py: every client keeps its whole model, trained {body} local epoch(s) on\n"
+        "loss + 10^-f (||W||^2 + tr(W Omega W^T)) over the sampled clients' flattened weights W, Omega = (I - 11^T/m)^2,\n"
+        "f = int(log10(d) + 1) + 1 (strength: null); nothing averaged; each client's own model is evaluated",
+        note="Optimizer: no weight decay, as LocalUpdateMTL (every weight is in its w_glob_keys, which it spares).\n"
+        "One process, sequential runner (the regularizer reads the other sampled clients' weights).",
+    ),
+    "l2gd": Method(
+        algorithm="l2gd",
+        class_path="lightning_fedrep.L2GD",
+        args={"p": 0.9, "alpha": 1.0, "lam": 0.5},
+        strategy_args={"clients_per_round": 1.0},
+        rounds=lambda t: round(t * (1 - 0.9)),
+        lr=lambda n: round(1.0 / (n * (1 - 0.9)), 6),
+        last_round=True,
+        description="L2GD, the official main_l2gd.py: full participation; each iteration, with probability 1 - p every client\n"
+        "trains its own model ({body} local epoch(s)), else the models are averaged and pulled towards the mean,\n"
+        "w_i <- (1 - lr lam) w_i + lr lam w_mean (p = 0.9, alpha = 1, lam = 0.5); each client's own model is evaluated",
+        note="Schedule: the official T iterations are coin flips, about T(1 - p) of them local; a round here is a run of\n"
+        "local iterations and the aggregations after it, so this recipe runs T(1 - p) rounds (max_epochs) and reads\n"
+        "the last round (the official last-10-iteration mean is over mostly aggregation iterations, after the last\n"
+        "local one). Learning rate: the official lr = alpha / (n (1 - p)) for the local steps as for the pull (model lr).",
+    ),
+}
+"""Table 1's rows on the algorithm API; a row's recipes are written only once its algorithm is registered."""
+
+
+def registered(algorithm: str) -> bool:
+    """Whether ``algorithm`` is in the package's registry (importing ``lightning_fedrep`` registers them)."""
+    from lightning_fedrep import ALGORITHMS
+
+    return algorithm in ALGORITHMS
+
+
+def table1_methods() -> dict[str, Method]:
+    """Every Table 1 row with a recipe: the family (:data:`METHODS`) and the registered :data:`BASELINES`."""
+    return {**METHODS, **{name: m for name, m in BASELINES.items() if registered(m.algorithm)}}
+
+
+def paper_number(column: str, method: str) -> float:
+    """The paper's Table 1 accuracy (%) of ``method`` in ``column``."""
+    if method in PAPER_ROWS:
+        return PAPER_ROWS[method][PAPER_COLUMNS.index(column)]
+    return TABLE1[column].paper["local" if method == "local_paper" else method]
+
 
 def family_strategy(
     method: Method, participation: float, head_epochs: int, body_epochs: int, lg_shared: tuple[str, ...]
 ) -> dict:
     """The strategy's arguments for ``method``: FedRep trains ``head_epochs`` then ``body_epochs``, the
     others ``body_epochs`` local epochs; Local Only trains every client every round."""
-    strategy: dict = {"algorithm": method.algorithm, "clients_per_round": participation, "seed": 0}
+    algorithm = (
+        {"class_path": method.class_path, "init_args": method.args} if method.class_path else method.algorithm
+    )
+    strategy: dict = {"algorithm": algorithm, "clients_per_round": participation, "seed": 0}
     if method.algorithm == "fedrep":
         strategy.update(head_epochs=head_epochs, body_epochs=body_epochs)
     else:
@@ -331,6 +503,7 @@ def family_strategy(
     if method.official_local:  # main_local.py: --epochs 10 passes, the first min(100, n) clients scored
         strategy["local_epochs"] = 10
         strategy["evaluate_clients"] = 100
+    strategy.update(method.strategy_args)
     return strategy
 
 
@@ -345,11 +518,14 @@ def local_epochs_note(method: Method, setting: Table1Column) -> str:
                 '("the same number of local epochs as FedRep uses for the representation"). This recipe follows the script.'
             )
         return f"Local epochs: {epochs}, as {script} and the paper's text."
-    if method.algorithm in ("fedper", "lg_fedavg"):
+    if method.algorithm not in ("fedrep", "local"):
         return f"Local epochs: {setting.body_epochs}, the paper's rule (as FedRep's body epochs); no official script sets them."
     if method.algorithm == "fedrep":
         return f"Local epochs: 10 head + {setting.body_epochs} body, as the official scripts (local_ep, local_rep_ep)."
     return ""
+
+
+FT_BASE = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD"}
 
 
 def headline_note(method: Method, headline: str = "val/acc") -> str:
@@ -362,16 +538,30 @@ def headline_note(method: Method, headline: str = "val/acc") -> str:
     if method.callbacks:  # FedAvg + FT: the fine-tuned models, after the extra round
         return (
             f"The paper's figure is the fine-tuned accuracy: finetune/{headline} (validation after the fine-tuning round,"
-            f"\nresults()['finetune']); {headline}_last10 is plain FedAvg's global model, not this method's figure."
+            f"\nresults()['finetune']); {headline}_last10 is plain {FT_BASE[method.algorithm]}'s global model, not this method's figure."
         )
+    if method.last_round:
+        return f"The paper's figure is the last round's: {headline} of the last round (results()['final'])."
     return (
         f"The paper's figure is the mean over the last 10 rounds: {headline}_last10 (validation runs on each client's"
         "\ntest split, as the paper's code does)."
     )
 
 
+def weight_decay(method: Method) -> float:
+    """The method's own official weight decay, else the family's: none for Local Only (main_local.py), else 1e-4."""
+    if method.weight_decay is not None:
+        return method.weight_decay
+    return 0.0 if method.algorithm == "local" else 1e-4
+
+
+def column_clients(column: str) -> int:
+    """The number of clients n of a Table 1 column (``<data>_<n>_<S>``)."""
+    return int(column.rsplit("_", 2)[-2])
+
+
 def table1_recipe(column: str, method: str) -> tuple[str, str]:
-    setting, spec = TABLE1[column], METHODS[method]
+    setting, spec = TABLE1[column], table1_methods()[method]
     script, script_epochs = setting.fedavg_script
     local_epochs = script_epochs if spec.algorithm == "fedavg" else setting.body_epochs
     strategy = family_strategy(
@@ -381,21 +571,24 @@ def table1_recipe(column: str, method: str) -> tuple[str, str]:
         strategy["first_state"] = "average"
     local_rounds = max(1, round(setting.rounds * 0.1))
     rounds = local_rounds if spec.algorithm == "local" else setting.rounds
+    if spec.rounds:
+        rounds = spec.rounds(setting.rounds)
     if spec.official_local:
         rounds, local_epochs = 1, 10
     headline = "val/acc" if spec.official_local else setting.headline  # main_local.py: unweighted
     path = f"{setting.folder}/{column.split('_', 1)[1]}_{method}.yaml"
     callbacks = [make(10, setting.ft_mode) for make in spec.callbacks]
+    model_args = {**setting.model_args, **(setting.step_rule_model_args if spec.step_rule else {})}
     recipe = {
         "seed_everything": 0,
         "trainer": trainer_section(setting.folder, f"{column}-{method}", rounds, strategy, callbacks),
         "model": {
             "class_path": setting.model_class,
             "init_args": {
-                **setting.model_args,
-                "lr": 0.01,
+                **model_args,
+                "lr": spec.lr(column_clients(column)) if spec.lr else 0.01,
                 "momentum": 0.5,
-                "weight_decay": 0.0 if spec.algorithm == "local" else 1e-4,
+                "weight_decay": weight_decay(spec),
             },
         },
         "data": {
@@ -409,8 +602,12 @@ def table1_recipe(column: str, method: str) -> tuple[str, str]:
         recipe["data"]["init_args"]["download"] = True
         recipe["data"]["init_args"]["assignment"] = "official"
     n, s = column.rsplit("_", 2)[-2:]
-    paper = setting.paper
+    note = setting.note
+    if spec.step_rule and setting.step_rule_note:
+        assert f"{SENT140_LAYOUT_NOTE} " in note, column  # the sentence the step-rule recipes replace
+        note = note.replace(f"{SENT140_LAYOUT_NOTE} ", setting.step_rule_note)
     protocol = [
+        spec.note,
         ASSIGNMENT_NOTE if cifar else "",
         FIRST_STATE_NOTE if "first_state" in strategy else "",
         (setting.ft_note or FT_NOTE[setting.ft_mode]) if spec.callbacks else "",
@@ -429,9 +626,9 @@ def table1_recipe(column: str, method: str) -> tuple[str, str]:
             share="10%",
             ft="every layer" if setting.ft_mode == "full" else "only the head",
         )
-        + f".\nPaper: {paper['local' if method == 'local_paper' else method]:.2f}% mean client test accuracy (FedRep {paper['fedrep']:.2f}%)."
-        + (f"\n{note}" if (note := local_epochs_note(spec, setting)) else "")
-        + (f"\n{setting.note}" if setting.note else "")
+        + f".\nPaper: {paper_number(column, method):.2f}% mean client test accuracy (FedRep {paper_number(column, 'fedrep'):.2f}%)."
+        + (f"\n{epochs}" if (epochs := local_epochs_note(spec, setting)) else "")
+        + (f"\n{note}" if note else "")
         + "".join(f"\n{line}" for line in protocol if line)
         + f"\n{headline_note(spec, headline)}"
         + f"\nRun: lightning-fedrep fit --config recipes/{path}"
@@ -439,7 +636,7 @@ def table1_recipe(column: str, method: str) -> tuple[str, str]:
     FACTS[path] = (
         f"FedRep Table 1, {setting.name.split(' (')[0] or setting.folder.upper()} ({n}, {s}): {method}",
         headline_figure(spec, headline),
-        f"{paper['local' if method == 'local_paper' else method]:.2f}%",
+        f"{paper_number(column, method):.2f}%",
     )
     return path, render(header, recipe)
 
@@ -845,7 +1042,8 @@ def recipes_readme() -> str:
 
 
 def all_recipes() -> dict[str, str]:
-    recipes = [digits_recipe(m) for m in DIGITS_METHODS] + [table1_recipe(c, m) for c in TABLE1 for m in METHODS]
+    recipes = [digits_recipe(m) for m in DIGITS_METHODS]
+    recipes += [table1_recipe(c, m) for c in TABLE1 for m in table1_methods()]
     recipes += [linear_recipe(m) for m in LINEAR]
     recipes += [srpfl_recipe(a) for a in SRPFL]
     recipes += [srpfl_paper_recipe(d, m) for d in SRPFL_PAPER for m in SRPFL_METHODS]

@@ -19,6 +19,14 @@ momentum 0.5, weight decay 1e-4, batch 10), a fresh optimizer per client per rou
   last hidden layer and the output layer, as LG-FedAvg's code shares for the FEMNIST MLP); the first
   layer is local.
 * Local Only: ``algorithm="local"``, every client trains alone on its data (all clients every round).
+* FedProx, SCAFFOLD (and + FT): ``algorithm="fedprox"`` / ``"scaffold"`` (the official defaults: mu 0.1;
+  lr_g 0.1, clip 10), ``local_epochs``, the global model tested; + FT as FedAvg + FT.
+* Fed-MTL, Per-FedAvg, APFL, Ditto: ``algorithm="fed_mtl"`` / ``"per_fedavg"`` / ``"apfl"`` / ``"ditto"``
+  with their registered defaults (the official hyper-parameters: Fed-MTL 10^-f; Per-FedAvg 80/20 split,
+  inner lr x 0.001, 5 epochs of adaptation before scoring; APFL alpha 0.75; Ditto lam 1), ``local_epochs``.
+* L2GD: ``algorithm="l2gd"`` (p 0.9, alpha 1, lam 0.5), full participation as the official code, for
+  ``l2gd_rounds = 10`` rounds (as many client trainings as the others' 50 rounds x 10 clients); its local
+  steps run at the official lr alpha / (n (1 - p)) = 1 / (50 x 0.1) = 0.2 (the others at the MLP's 0.05).
 
 Protocol: per round 10 of the 50 clients train; validation every round on each client's own test
 split; ``strategy.results()`` gives the mean client test accuracy of the last round (``final``) and the
@@ -58,7 +66,23 @@ from lightning_fedrep.callbacks import HeadFineTuning  # noqa: E402
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: E402
 from lightning_fedrep.models import MLPClassifier  # noqa: E402
 
-METHODS = ("fedrep", "fedper", "fedavg_ft", "fedavg", "lg_fedavg", "local")
+METHODS = (
+    "fedrep",
+    "fedper",
+    "fedavg_ft",
+    "fedavg",
+    "lg_fedavg",
+    "local",
+    "fedprox",
+    "fedprox_ft",
+    "scaffold",
+    "scaffold_ft",
+    "fed_mtl",
+    "per_fedavg",
+    "l2gd",
+    "apfl",
+    "ditto",
+)
 LABELS = {
     "fedrep": "FedRep",
     "fedper": "FedPer",
@@ -66,8 +90,33 @@ LABELS = {
     "fedavg": "FedAvg (global model)",
     "lg_fedavg": "LG-FedAvg",
     "local": "Local Only",
+    "fedprox": "FedProx (global model)",
+    "fedprox_ft": "FedProx + FT (head, 10 ep)",
+    "scaffold": "SCAFFOLD (global model)",
+    "scaffold_ft": "SCAFFOLD + FT (head, 10 ep)",
+    "fed_mtl": "Fed-MTL",
+    "per_fedavg": "Per-FedAvg (5 ep adapted)",
+    "l2gd": "L2GD",
+    "apfl": "APFL",
+    "ditto": "Ditto",
 }
-PERSONALIZED = ("fedrep", "fedper", "fedavg_ft", "lg_fedavg")
+PERSONALIZED = (
+    "fedrep",
+    "fedper",
+    "fedavg_ft",
+    "lg_fedavg",
+    "fedprox_ft",
+    "scaffold_ft",
+    "fed_mtl",
+    "per_fedavg",
+    "l2gd",
+    "apfl",
+    "ditto",
+)
+# one global model each; their "+ FT" rows fine-tune it after the last round
+GLOBAL = ("fedavg", "fedprox", "scaffold")
+# registered algorithms, run with their defaults (the official hyper-parameters)
+PERSONAL = ("fed_mtl", "per_fedavg", "apfl", "ditto")
 LG_GLOBAL = ("body.2", "classifier")
 
 
@@ -82,6 +131,7 @@ class Settings:
     finetune_epochs: int = 10
     local_only_rounds: int = 25
     local_only_epochs: int = 2
+    l2gd_rounds: int = 10  # full participation: 10 rounds x 50 clients = 50 rounds x 10 clients
     batch_size: int = 10
     test_fraction: float = 0.5
 
@@ -97,7 +147,7 @@ def _fit(algorithm: str, seed: int, s: Settings, **strategy_kwargs) -> tuple[Fed
         seed=seed,
     )
     torch.manual_seed(seed)  # the same initial weights for every method of this seed
-    model = MLPClassifier()
+    model = MLPClassifier(**strategy_kwargs.pop("model", {}))
     callbacks = strategy_kwargs.pop("callbacks", [])
     rounds = strategy_kwargs.pop("rounds", s.rounds)
     strategy = FederatedStrategy(algorithm=algorithm, seed=seed, **strategy_kwargs)
@@ -133,10 +183,13 @@ def run_seed(seed: int, s: Settings = Settings(), methods: tuple[str, ...] = MET
         )
     if "fedper" in methods:
         record("fedper", *_fit("fedper", seed, s, clients_per_round=per_round, local_epochs=s.local_epochs))
-    if "fedavg" in methods or "fedavg_ft" in methods:
-        finetune = [HeadFineTuning(epochs=s.finetune_epochs, mode="head")] if "fedavg_ft" in methods else []
+    for algorithm in GLOBAL:
+        if algorithm not in methods and f"{algorithm}_ft" not in methods:
+            continue
+        tuned = f"{algorithm}_ft" in methods
+        finetune = [HeadFineTuning(epochs=s.finetune_epochs, mode="head")] if tuned else []
         strategy, seconds = _fit(
-            "fedavg",
+            algorithm,
             seed,
             s,
             clients_per_round=per_round,
@@ -144,10 +197,10 @@ def run_seed(seed: int, s: Settings = Settings(), methods: tuple[str, ...] = MET
             head="classifier",
             callbacks=finetune,
         )
-        record("fedavg", strategy, seconds)
+        record(algorithm, strategy, seconds)
         if finetune:
             accuracy = 100 * strategy.results()["finetune"]["finetune/val/acc"]
-            out["fedavg_ft"] = {"final": accuracy, "last10": float("nan"), "seconds": seconds}
+            out[f"{algorithm}_ft"] = {"final": accuracy, "last10": float("nan"), "seconds": seconds}
     if "lg_fedavg" in methods:
         record(
             "lg_fedavg",
@@ -170,6 +223,23 @@ def run_seed(seed: int, s: Settings = Settings(), methods: tuple[str, ...] = MET
                 clients_per_round=1.0,
                 local_epochs=s.local_only_epochs,
                 rounds=s.local_only_rounds,
+            ),
+        )
+    for algorithm in PERSONAL:
+        if algorithm in methods:
+            run = _fit(algorithm, seed, s, clients_per_round=per_round, local_epochs=s.local_epochs)
+            record(algorithm, *run)
+    if "l2gd" in methods:  # every client every round: as many client-rounds as the others in fewer rounds
+        record(
+            "l2gd",
+            *_fit(
+                "l2gd",
+                seed,
+                s,
+                clients_per_round=1.0,
+                local_epochs=s.local_epochs,
+                rounds=s.l2gd_rounds,
+                model={"lr": 1.0 / (s.num_clients * (1 - 0.9))},  # the official alpha / (n (1 - p))
             ),
         )
     return out
@@ -231,7 +301,7 @@ def report(per_seed: list[dict[str, dict]], seeds: list[int], settings: Settings
     ]
     print(format_table(headers, rows))
     print(
-        "\nFedAvg + FT is the FedAvg run plus one head-fine-tuning round (its wall time is the shared run's; "
+        "\nX + FT is the X run plus one head-fine-tuning round (its wall time is the shared run's; "
         "it has one evaluation, so no last-10 mean)."
     )
     print(

@@ -40,7 +40,7 @@ _SEED_KEYS = (
 )
 _RUN_KEYS = (("config",), ("ckpt_path",), ("trainer", "default_root_dir"), ("trainer", "logger"))
 PAPERS: dict[str, Callable[[str], bool]] = {
-    "fedrep-table1": lambda recipe: recipe.startswith(("cifar10/", "cifar100/", "femnist/")),
+    "fedrep-table1": lambda recipe: recipe.startswith(("cifar10/", "cifar100/", "femnist/", "sent140/")),
     "flute-table1": lambda recipe: recipe.startswith("flute/"),
     "srpfl-fig3": lambda recipe: recipe.startswith("srpfl/") and not recipe.startswith("srpfl/digits_"),
     "digits": lambda recipe: recipe.startswith("digits/"),

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ClientEnd",
+    "ClientMap",
     "ClientOutcome",
     "ClientTensors",
     "EvaluationSpec",
@@ -77,7 +78,9 @@ class ClientEnd:
     ``start``/``end`` map the module's shared and local tensor names to their values at the start of the
     client's round and at the end of its work; ``client_state`` holds its declared client tensors as they
     were before the round, ``server`` the declared server tensors; ``lr`` is the first optimizer's first
-    param group's learning rate (``None`` if unknown).
+    param group's learning rate (``None`` if unknown); ``slots`` the declared slots the client trained this
+    round (``Phase(slot=...)``) at the end of its work, by ``"<slot>.<tensor name>"`` (stored with its
+    declared tensors after ``finish_client``; ``{}`` when no phase trained a slot).
     """
 
     client: int
@@ -90,6 +93,7 @@ class ClientEnd:
     client_state: Mapping[str, Tensor]
     server: Mapping[str, Tensor]
     shared_names: tuple[str, ...] = ()
+    slots: Mapping[str, Tensor] = field(default_factory=dict)
 
     def shared(self) -> dict[str, Tensor]:
         """The end values of the shared tensors (what the default ``finish_client`` uploads)."""
@@ -112,14 +116,27 @@ class ClientOutcome:
     metrics: Mapping[str, float] = field(default_factory=dict)
 
 
+ClientMap = Callable[[Mapping[str, Tensor]], Mapping[str, Tensor]]
+"""``client_map(a client's declared tensors by name) -> new values of some of them`` (``ServerState``)."""
+
+
 @dataclass(frozen=True)
 class ServerState:
     """What the server holds between rounds: the global shared tensors and the declared server tensors,
-    by name; ``num_clients`` is the federation's size. ``aggregate`` returns a new one (``replace``)."""
+    by name; ``num_clients`` is the federation's size. ``aggregate`` returns a new one (``replace``).
+
+    ``client_map`` (returned by ``aggregate``, never stored): a server step that changes every client's
+    declared tensors at once (L2GD's pull towards the average). It receives one client's declared tensors
+    by name and returns new values of some of them (the others are kept); the federation applies it right
+    after ``aggregate`` to every client it holds and to the template of those that never trained, on every
+    process alike (so it must be a pure function of its input and of the server state), before evaluation
+    or a checkpoint can see them.
+    """
 
     shared: Mapping[str, Tensor]
     tensors: Mapping[str, Tensor]
     num_clients: int = 0
+    client_map: ClientMap | None = None
 
     def replace(self, **changes: Any) -> ServerState:
         """A copy with ``changes`` (``shared=``, ``tensors=``: the names given replace those values)."""

@@ -20,6 +20,7 @@ from lightning_fedrep.algorithms import PART_GROUPS, Algorithm
 from lightning_fedrep.federation.aggregation import Aggregator, ClientFault, ClientUpdate, WeightedAverage
 from lightning_fedrep.federation.algorithm import (
     ClientEnd,
+    ClientMap,
     ClientOutcome,
     RoundResults,
     ServerState,
@@ -297,7 +298,7 @@ class RoundTransaction:
         bad = _nonfinite({**tensors, **slots, **stepped})  # stepped: declared tensors its steps wrote
         outcome = None
         if not bad and plan.aggregate:
-            outcome = self._finish_outcome(client, tensors, steps)
+            outcome = self._finish_outcome(client, tensors, steps, slots)
             bad = _nonfinite({**outcome.upload, **outcome.client_state})
         if bad:
             reason = f"non-finite values in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}"
@@ -327,8 +328,11 @@ class RoundTransaction:
         return result
 
     @torch.no_grad()
-    def _finish_outcome(self, client: int, tensors: Mapping[str, Tensor], steps: int) -> ClientOutcome:
-        """``Algorithm.finish_client`` on the client's start and end tensors (before the store changes)."""
+    def _finish_outcome(
+        self, client: int, tensors: Mapping[str, Tensor], steps: int, slots: Mapping[str, Tensor]
+    ) -> ClientOutcome:
+        """``Algorithm.finish_client`` on the client's start and end tensors and the slots it trained
+        (before the store changes)."""
         end = ClientEnd(
             client=client,
             round=self.round_index,
@@ -340,6 +344,7 @@ class RoundTransaction:
             client_state=self.store.client_state(client),
             server=self.server_tensors,
             shared_names=self.shared_names,
+            slots=slots,
         )
         outcome = self.algorithm.finish_client(end)
         if not isinstance(outcome, ClientOutcome):
@@ -463,6 +468,8 @@ class RoundTransaction:
                 raise KeyError(
                     f"{name}.aggregate returned {label} tensors {sorted(given)}, expected {sorted(names)}."
                 )
+        if new.client_map is not None:
+            self._map_clients(new.client_map)
         self.global_state = [
             new.shared[n].detach().to(ref.device, ref.dtype).clone()
             for n, ref in zip(self.shared_names, self.global_state)
@@ -473,6 +480,19 @@ class RoundTransaction:
         }
         if metrics:
             self.history.record(self.round_index, {k: float(v) for k, v in metrics.items()})
+
+    def _map_clients(self, client_map: ClientMap) -> None:
+        """Apply the server step's ``client_map`` to the declared tensors of every client this process holds
+        and to the template of the clients that never trained."""
+        store = self.store
+        template = dict(zip(store.tensor_names, store.tensor_template))
+        changed = _checked_map(client_map, template, type(self.algorithm).__name__)
+        for client in list(store.tensors):
+            store.put_state(client, _checked_map(client_map, store.client_state(client), None))
+        store.tensor_template = [
+            changed[n].detach().to(t.device, t.dtype).clone() if n in changed else t
+            for n, t in zip(store.tensor_names, store.tensor_template)
+        ]
 
     def _record_client_metrics(self) -> None:
         """The mean over the round's clients of each metric their ``finish_client`` reported."""
@@ -563,6 +583,19 @@ class RoundTransaction:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         return self.clock()
+
+
+def _checked_map(
+    client_map: ClientMap, tensors: Mapping[str, Tensor], owner: str | None
+) -> Mapping[str, Tensor]:
+    """``client_map(tensors)``; with ``owner`` (the first call), checked to return some of ``tensors``' names."""
+    changed = client_map(tensors)
+    if owner is not None and (not isinstance(changed, Mapping) or set(changed) - set(tensors)):
+        raise KeyError(
+            f"{owner}.aggregate returned a client_map that must return new values of some of the client's "
+            f"declared tensors {sorted(tensors)}, got {changed if not isinstance(changed, Mapping) else sorted(changed)}."
+        )
+    return changed
 
 
 def _nonfinite(tensors: Mapping[str, Tensor]) -> list[str]:

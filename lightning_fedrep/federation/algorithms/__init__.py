@@ -2,7 +2,8 @@
 ``lightning_fedrep.federation.objective`` and ``lightning_fedrep.federation.algorithm``): the built-ins
 (:class:`FedRep`, :class:`FedPer`, :class:`LGFedAvg`, :class:`FedAvg`, :class:`Local`) and the acceptance
 examples of the algorithm API (:class:`Ditto`, :class:`FedProx`, :class:`Scaffold`) and the baselines on its step
-rules and evaluation specs (:class:`APFL`, :class:`PerFedAvg`).
+rules and evaluation specs (:class:`APFL`, :class:`PerFedAvg`, :class:`HFMAML`) and on the server step's client
+map (:class:`L2GD`).
 
 Importing this package registers them all by name, in this order (the order of ``StrategyRegistry`` and the
 command's help); ``import lightning_fedrep`` does so.
@@ -20,6 +21,9 @@ from lightning_fedrep.federation.algorithms.fedprox import FedProx
 from lightning_fedrep.federation.algorithms.scaffold import Scaffold
 from lightning_fedrep.federation.algorithms.apfl import APFL
 from lightning_fedrep.federation.algorithms.per_fedavg import PerFedAvg
+from lightning_fedrep.federation.algorithms.hf_maml import HFMAML
+from lightning_fedrep.federation.algorithms.l2gd import L2GD
+from lightning_fedrep.federation.algorithms.fed_mtl import FedMTL
 
 # isort: on
 
@@ -27,9 +31,12 @@ __all__ = [
     "APFL",
     "Ditto",
     "FedAvg",
+    "FedMTL",
     "FedPer",
     "FedProx",
     "FedRep",
+    "HFMAML",
+    "L2GD",
     "LGFedAvg",
     "Local",
     "PerFedAvg",

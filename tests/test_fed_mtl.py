@@ -1,0 +1,206 @@
+"""Fed-MTL (``lightning_fedrep.federation.algorithms.fed_mtl``) against a plain PyTorch loop restating the official
+FedRep code's ``main_mtl.py`` / ``LocalUpdateMTL``: every client keeps its full model; a sampled client trains
+``loss + strength * (||W||^2 + sum over full 'chunk'-row blocks x of tr(x Omega x^T))``, ``W`` the sampled
+clients' round-start flattened weights (``d x m``) with its own column replaced by its live weights,
+``Omega = (I - 11^T/m) ** 2`` elementwise; nothing is averaged; evaluation scores each client's own model."""
+
+import copy
+import math
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.nn import functional as F
+
+from lightning_fedrep import FederatedStrategy, FedMTL
+from lightning_fedrep.runners.lockstep import sizing
+from tests.fixtures import quiet_trainer, reference_clients, tiny_datamodule
+from tests.test_engine_equivalence import LossNet
+
+NUM_CLIENTS, PER_ROUND, SEED, ROUNDS, LOCAL_EPOCHS = 3, 2, 1, 2, 2
+CHUNK, STRENGTH = 50, 0.05  # d = 224: 4 full blocks of 50 rows, 24 rows dropped; strong enough to matter
+
+
+def full_batch_datamodule():
+    """Every client's training data is one batch, so batch order is irrelevant."""
+    return tiny_datamodule(num_clients=NUM_CLIENTS, batch_size=256, seed=3)
+
+
+def _xy(dm, client, split="train"):
+    data = dm.client_data(client, split)
+    return tuple(t[data.indices] for t in data.dataset.tensors)
+
+
+def official_regularizer(W_glob, idx, live, omega, chunk, strength):
+    """``LocalUpdateMTL.train``'s regularizer, restated line by line (the official ``k = 4000`` is ``chunk``)."""
+    W = W_glob.clone()
+    W[:, idx] = torch.cat([p.flatten() for p in live])
+    reg = W.norm() ** 2
+    for i in range(W.shape[0] // chunk):
+        x = W[i * chunk : (i + 1) * chunk, :]
+        reg = reg + x.mm(omega).mm(x.T).trace()
+    f = int(math.log10(W.shape[0]) + 1) + 1
+    return reg * (10 ** (-f) if strength is None else strength)
+
+
+def plain_fed_mtl(init, dm, chunk=CHUNK, strength=STRENGTH):
+    """``main_mtl.py`` written out: ``W`` built from the sampled clients' stored weights before any trains."""
+    w = {c: {n: p.detach().clone() for n, p in init.named_parameters()} for c in range(NUM_CLIENTS)}
+    m = PER_ROUND
+    ones = torch.ones((m, 1))
+    omega = (torch.eye(m) - 1 / m * ones.mm(ones.T)) ** 2
+    for r in range(ROUNDS):
+        users = reference_clients(NUM_CLIENTS, PER_ROUND, SEED, r)
+        W = torch.stack([torch.cat([t.flatten() for t in w[u].values()]) for u in users], dim=1)
+        for idx, user in enumerate(users):
+            model = copy.deepcopy(init)
+            model.load_state_dict(w[user], strict=False)
+            optimizer = model.configure_optimizers()
+            x, y = _xy(dm, user)
+            for _ in range(LOCAL_EPOCHS):
+                optimizer.zero_grad()
+                reg = official_regularizer(W, idx, list(model.parameters()), omega, chunk, strength)
+                (F.cross_entropy(model(x), y) + reg).backward()
+                optimizer.step()
+            w[user] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return w
+
+
+def fit(algorithm, ckpt_path=None, callbacks=(), engine="auto", rounds=ROUNDS):
+    torch.manual_seed(0)
+    init = LossNet()
+    dm = full_batch_datamodule()
+    strategy = FederatedStrategy(
+        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, engine=engine
+    )
+    model = copy.deepcopy(init)
+    trainer = quiet_trainer(
+        strategy=strategy,
+        max_epochs=rounds,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+        enable_checkpointing=bool(callbacks),
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    dm.setup()
+    return strategy, init, dm, trainer, model
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_fed_mtl_equals_the_official_rule_restated(engine):
+    """Golden test: every client's weights and the tested accuracy/loss (on its own model), on both runners.
+    Fails if ``Omega`` is the matrix square (``diagonal, off = 1 - 1 / m, -1 / m``: the projection), the partial
+    block is kept (``_rows`` returning ``d``), the own column is left out of the gradient (``w.detach()``), or a
+    lockstep lane reads another client's row (``tables["index"][0]``)."""
+    strategy, init, dm, trainer, model = fit(FedMTL(chunk=CHUNK, strength=STRENGTH), engine=engine)
+    assert strategy.runner_report.engine == engine
+    assert strategy.global_tensors() == {}  # nothing is averaged
+    expected = plain_fed_mtl(init, dm)
+    for client in range(NUM_CLIENTS):
+        for name, value in strategy.client_model(client).named_parameters():
+            torch.testing.assert_close(
+                value, expected[client][name], rtol=1e-5, atol=1e-6, msg=(client, name)
+            )
+    plain = plain_fed_mtl(init, dm, strength=0.0)  # the regularizer matters at this strength
+    assert any(not torch.allclose(plain[c][n], expected[c][n], atol=1e-4) for c in plain for n in plain[c])
+    metrics = trainer.test(model, datamodule=dm, verbose=False)[0]
+    accuracy, loss = [], []
+    for client in range(NUM_CLIENTS):
+        own = copy.deepcopy(init)
+        own.load_state_dict(expected[client], strict=False)
+        x, y = _xy(dm, client, "test")
+        with torch.no_grad():
+            out = own(x)
+        accuracy.append((out.argmax(1) == y).double().mean().item())
+        loss.append(F.cross_entropy(out, y).item())
+    assert abs(metrics["test/acc"] - sum(accuracy) / NUM_CLIENTS) < 1e-6
+    assert abs(metrics["test/loss"] - sum(loss) / NUM_CLIENTS) < 1e-4 * max(1.0, abs(metrics["test/loss"]))
+
+
+def test_the_official_strength_and_block_size():
+    """``Trainer(strategy="fed_mtl")`` is FedMTL(chunk=4000, strength=None): ``10^-f`` with ``f = 4`` for
+    d = 224, and no trace term (d < 4000). Fails if ``f`` is ``floor(log10 d) + 1`` or the trace keeps the
+    partial block."""
+    torch.manual_seed(0)
+    trainer = quiet_trainer(strategy="fed_mtl", max_epochs=1, limit_val_batches=0)
+    trainer.fit(LossNet(), datamodule=tiny_datamodule(num_clients=10, batch_size=256, seed=3))  # 1 per round
+    algorithm = trainer.strategy.algorithm
+    assert isinstance(algorithm, FedMTL) and (algorithm.chunk, algorithm.strength) == (4000, None)
+    torch.manual_seed(0)
+    strategy, init, dm, *_ = fit(FedMTL())
+    expected = plain_fed_mtl(init, dm, chunk=4000, strength=None)
+    for client in range(NUM_CLIENTS):
+        for name, value in strategy.client_model(client).named_parameters():
+            torch.testing.assert_close(
+                value, expected[client][name], rtol=1e-6, atol=1e-7, msg=(client, name)
+            )
+
+
+def test_a_mid_round_checkpoint_resumes_like_the_uninterrupted_run(tmp_path):
+    """Fails if the kept weights are not saved with the federation (``state_dict`` returning ``{}``), or if the
+    resumed round's tables read the client that finished before the checkpoint at its end weights instead of
+    its round-start ones (``_start`` returning ``end``)."""
+    algorithm, engine = FedMTL(chunk=CHUNK, strength=STRENGTH), "sequential"
+    whole, *_ = fit(algorithm, engine=engine, rounds=3)  # round 2 reads what round 1's first client kept
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    first, *_ = fit(algorithm, callbacks=[saver], engine=engine, rounds=3)
+    # round 1: its first client done, the next one's first step done
+    step = first.round_plan(0).length + LOCAL_EPOCHS + 1
+    resumed, *_ = fit(
+        FedMTL(chunk=CHUNK, strength=STRENGTH),
+        ckpt_path=tmp_path / f"step={step}.ckpt",
+        engine=engine,
+        rounds=3,
+    )
+    for client in range(NUM_CLIENTS):
+        for name, value in whole.client_tensors(client).items():
+            torch.testing.assert_close(resumed.client_tensors(client)[name], value, msg=(client, name))
+
+
+def test_auto_may_run_fed_mtl_on_the_lockstep_runner(monkeypatch):
+    """Fails if the regularizer is ``vmappable=False`` or FedMTL's ``configure_round`` (which only records the
+    round's clients) keeps ``engine="auto"`` sequential (``scales_lr = True``)."""
+    monkeypatch.setattr(sizing, "faster_lane_width", lambda wide, narrow, device: (True, 1e-3, 2e-3))
+    strategy, *_ = fit(FedMTL(chunk=CHUNK, strength=STRENGTH))
+    assert strategy.runner_report.engine == "vectorized", strategy.runner_report
+
+
+class ScaledFedMTL(FedMTL):
+    """Sets an ``lr_scale`` though it says ``scales_lr = False``."""
+
+    def configure_round(self, plan, server):
+        plan = super().configure_round(plan, server)
+        return plan.replace(settings={plan.clients[0]: {"lr_scale": 0.5}})
+
+
+def test_a_round_that_scales_the_lr_is_still_refused_in_lockstep():
+    """``scales_lr = False`` lets lockstep run an algorithm's ``configure_round``; a round that sets ``lr_scale``
+    anyway is refused when it opens, naming it (fails if the lockstep runner trusted the flag)."""
+    with pytest.raises(ValueError, match="lr_scale"):
+        fit(ScaledFedMTL(), engine="vectorized")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"chunk": 0}, ValueError, "chunk"),
+        ({"chunk": 2.5}, TypeError, "chunk"),
+        ({"strength": -1.0}, ValueError, "strength"),
+        ({"strength": float("nan")}, ValueError, "strength"),
+        ({"strength": "0.1"}, TypeError, "strength"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_them(kwargs, error, match):
+    with pytest.raises(error, match=f"FedMTL.*{match}|{match}.*FedMTL"):
+        FedMTL(**kwargs)
+
+
+def test_a_second_fit_of_the_same_algorithm_starts_afresh():
+    """The registered instance serves every ``Trainer(strategy="fed_mtl")``: fails if a new fit keeps the last
+    fit's weights (no reset when round 0 is planned), whose clients' columns would not be the initial model."""
+    algorithm = FedMTL(chunk=CHUNK, strength=STRENGTH)
+    first, *_ = fit(algorithm, engine="sequential")
+    second, *_ = fit(algorithm, engine="sequential")
+    for client in range(NUM_CLIENTS):
+        for name, value in first.client_tensors(client).items():
+            torch.testing.assert_close(second.client_tensors(client)[name], value, msg=(client, name))
