@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         ServerTensors,
     )
     from lightning_fedrep.federation.objective import Objective
+    from lightning_fedrep.split import ParameterSplit
 
 Part = Literal["head", "body", "all"]
 """What trains in a local phase: the head, the body, or both."""
@@ -239,6 +240,12 @@ class Algorithm:
         from lightning_fedrep.federation.algorithm import ClientOutcome
 
         return ClientOutcome(upload=end.shared())
+
+    def setup(self, module: nn.Module, split: ParameterSplit, datamodule: Any) -> None:
+        """Called at the strategy's ``setup`` (every stage, every process), once the head/body split is resolved
+        and before any step: check the module (raise naming what to change) or read the data (``datamodule``:
+        the Trainer's data module, or ``None``). The default does nothing; FedRoD checks its head and reads the
+        clients' label counts here."""
 
     def state_dict(self) -> dict[str, Any]:
         """Server state kept across rounds (e.g. server momentum); saved with the federation."""

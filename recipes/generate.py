@@ -986,6 +986,226 @@ def srpfl_paper_recipe(data: str, method: str) -> tuple[str, str]:
     return path, render(header, recipe)
 
 
+@dataclass(frozen=True)
+class SRPFLBaseline:
+    """A curve of the SRPFL paper's Figure 3 legend beyond FedRep(-SRPFL), as the official scripts run it."""
+
+    label: str
+    algorithm: str  # the registered algorithm
+    script: str  # the official script (its --flanp flag: the doubling)
+    doubling: bool  # n0 = 10 fastest, doubling every 10 rounds (FLANP's / SRPFL's selection)
+    fine_tune: bool  # FineTunedEvaluation before each evaluation (the -FT curves, LG's local part)
+    description: str
+
+
+SRPFL_BASELINES = {
+    "lg_srpfl": SRPFLBaseline(
+        "LG-SRPFL",
+        "lg_fedavg",
+        "LG-ray.py --flanp",
+        True,
+        True,
+        "LG-FedAvg wrapped by SRPFL: {shared} averaged, the rest local, trained jointly",
+    ),
+    "lg_fedavg": SRPFLBaseline(
+        "LG-FedAvg",
+        "lg_fedavg",
+        "LG-ray.py",
+        False,
+        True,
+        "LG-FedAvg: {shared} averaged, the rest local, trained jointly",
+    ),
+    "flanp": SRPFLBaseline(
+        "FLANP",
+        "fedavg",
+        "FEDAVG-ray.py --flanp",
+        True,
+        False,
+        "FedAvg with FLANP's adaptive doubling; global model",
+    ),
+    "flanp_ft": SRPFLBaseline(
+        "FLANP-FT",
+        "fedavg",
+        "FEDAVG-ray.py --flanp",
+        True,
+        True,
+        "FLANP (FedAvg with the adaptive doubling), each client's head fine-tuned before it is scored",
+    ),
+    "fedavg": SRPFLBaseline(
+        "FedAvg", "fedavg", "FEDAVG-ray.py", False, False, "FedAvg; global model evaluated"
+    ),
+    "fedavg_ft": SRPFLBaseline(
+        "FedAvg-FT",
+        "fedavg",
+        "FEDAVG-ray.py",
+        False,
+        True,
+        "FedAvg, each client's head fine-tuned before it is scored",
+    ),
+    "hf_maml": SRPFLBaseline(
+        "HFMAML",
+        "hf_maml",
+        "HFMAML-ray.py",
+        False,
+        False,
+        "HF-MAML (alpha = 1e-2, beta = 1e-1, delta = 1e-3), not wrapped by SRPFL; everything averaged",
+    ),
+}
+"""SRPFL's Figure 3 legend beyond :data:`SRPFL_METHODS` (shared/reference/srpfl.md §2); recipes are written
+only for registered algorithms."""
+SRPFL_LG_SHARED = {"cifar10": ("fc2", "fc3"), "cifar100": ("fc2", "fc3")}  # the code's LG global keys
+SRPFL_MLP_LG_SHARED = ("layer_hidden2", "layer_out")  # EMNIST / FEMNIST MLP
+
+
+def srpfl_baseline_strategy(spec: SRPFLBaseline, data: str, local_epochs: int) -> dict:
+    """The strategy of an SRPFL baseline: full participation, ``local_epochs`` epochs (all parameters)."""
+    if spec.algorithm == "hf_maml":  # parts: 1, the official D = D' = D'' (batch 10, as HFMAML's docstring)
+        algorithm: str | dict = {
+            "class_path": "lightning_fedrep.HFMAML",
+            "init_args": {"alpha": 0.01, "delta": 0.001, "parts": 1},
+        }
+    else:
+        algorithm = spec.algorithm
+    strategy: dict = {
+        "algorithm": algorithm,
+        "clients_per_round": 1.0,
+        "seed": 0,
+        "local_epochs": local_epochs,
+    }
+    if spec.algorithm == "lg_fedavg":
+        strategy["head"] = list(SRPFL_LG_SHARED.get(data, SRPFL_MLP_LG_SHARED))
+        strategy["first_state"] = "average"  # LG-ray.py's local_heads alias net_glob's tensors
+    return strategy
+
+
+def srpfl_baseline_recipe(data: str, method: str) -> tuple[str, str]:
+    """A Figure 3 legend curve other than FedRep(-SRPFL): the setting of :func:`srpfl_paper_recipe`, the
+    official script's method. FedAvg / FLANP and LG: plain SGD lr 0.01, no momentum, weight decay 1e-4,
+    ``local_ep`` 1 (CIFAR10) or 5; HF-MAML: SGD lr beta = 0.1 without momentum or weight decay, 5 epochs (the
+    official ``args.local_ep``; its ``HFMAML_local_ep`` flag is ignored)."""
+    setting, spec = SRPFL_PAPER[data], SRPFL_BASELINES[method]
+    hf_maml = spec.algorithm == "hf_maml"
+    local_epochs = (
+        5 if hf_maml else setting.rep_epochs
+    )  # rep_epochs: the scripts' local_ep (1 CIFAR10, else 5)
+    strategy = srpfl_baseline_strategy(spec, data, local_epochs)
+    participation = {
+        "class_path": "lightning_fedrep.callbacks.AdaptiveParticipation",
+        "init_args": {
+            "initial_clients": 10 if spec.doubling else None,
+            "rounds_per_stage": 10,
+            "latency": {
+                "class_path": "lightning_fedrep.participation.FixedExponential",
+                "init_args": {"rate": 1.0, "seed": 1},
+            },
+            "communication_cost": 0.0,
+        },
+    }
+    points = {
+        "class_path": "lightning_fedrep.callbacks.ValidateAtRounds",
+        "init_args": {"every": 10, "last": 3},
+    }
+    callbacks = [points, participation]
+    if (
+        spec.fine_tune
+    ):  # the official fine_tune: SGD momentum 0.5, weight decay 1e-4, lr 0.01, whatever trained
+        callbacks.append(
+            {
+                "class_path": "lightning_fedrep.callbacks.FineTunedEvaluation",
+                "init_args": {"epochs": 10, "optimizer": "sgd"},
+            }
+        )
+        if spec.algorithm == "lg_fedavg":  # the tuned local part is not a declared head: full passes
+            callbacks[-1]["init_args"]["cache_features"] = False
+    path = f"srpfl/{data}_{method}.yaml"
+    recipe = {
+        "seed_everything": 0,
+        "trainer": trainer_section(
+            "srpfl", f"{data}-{method.replace('_', '-')}", 150, strategy, callbacks, val_every=10
+        ),
+        "model": {
+            "class_path": setting.model_class,
+            "init_args": {
+                **setting.model_args,
+                "lr": 0.1 if hf_maml else 0.01,
+                "momentum": 0.0,
+                "weight_decay": 0.0 if hf_maml else 1e-4,
+            },
+        },
+        "data": {
+            "class_path": setting.data_class,
+            "init_args": {**setting.data_args, "batch_size": 10, "seed": 0},
+        },
+    }
+    shards = "classes_per_client" in setting.data_args
+    if shards:
+        recipe["data"]["init_args"]["assignment"] = "official"
+    shared = "+".join(SRPFL_LG_SHARED.get(data, SRPFL_MLP_LG_SHARED))
+    selection = (
+        "each round only the n fastest of the M=100 clients train, n = 10 doubling every 10 rounds"
+        if spec.doubling
+        else "every round all M=100 clients train and the round waits for the slowest"
+    )
+    if hf_maml:
+        optimizer = (
+            "HF-MAML: HFMAML(alpha: 0.01, delta: 0.001, parts: 1); the outer step is the model's SGD at beta = 0.1, no\n"
+            "momentum, no weight decay; 5 local epochs for every data set (the official LocalUpdateHFMAML reads\n"
+            "args.local_ep, default 5: the scripts' --HFMAML_local_ep is ignored). parts: 1 with batch 10 is the official\n"
+            "computation (D = D' = D'' = the batch); parts: 3 with batch_size: 30 gives the paper's independent batches.\n"
+            "Evaluation: the global model after one SGD step (alpha) on one batch of each client's training data, as the\n"
+            "official test_MAML (the algorithm's own evaluation; the stored model is unchanged)."
+        )
+    else:
+        optimizer = (
+            f"{local_epochs} local epoch(s) a round (the script's --{'LG' if spec.algorithm == 'lg_fedavg' else 'FEDAVG'}"
+            "_local_ep) of plain SGD: lr 0.01, no momentum, weight decay 1e-4\n"
+            "(the official LocalUpdate"
+            + ("LG" if spec.algorithm == "lg_fedavg" else "FEDAVG")
+            + "; the paper says lr 0.1)."
+        )
+    evaluation = ""
+    if spec.fine_tune:
+        tuned = "the local part (all but " + shared + ")" if spec.algorithm == "lg_fedavg" else "the head"
+        evaluation = (
+            f"Evaluation: every client fine-tunes {tuned} of the averaged model for 10 epochs before it is scored\n"
+            "(FineTunedEvaluation, optimizer: sgd: the official fine_tune's SGD, momentum 0.5, weight decay 1e-4, lr 0.01)."
+        )
+        if spec.algorithm == "lg_fedavg":
+            evaluation += (
+                "\ncache_features: false: LG tunes the layers below the shared ones, so the features cannot be cached (the\n"
+                "MLP's declared forward_features/forward_head split is not that one)."
+            )
+    elif not hf_maml:
+        evaluation = "Evaluation: the global model, no fine-tuning (the official global_accs)."
+    header = (
+        f"{spec.label}, SRPFL paper Figure 3 ({setting.panel}): full participation, fixed speeds, C.T. = 0;\n"
+        f"{selection};\nclient speeds drawn once from Exp(1). "
+        + spec.description.format(shared=shared)
+        + f", 150 rounds, batch 10,\naggregation weighted by samples, as the official {spec.script}.\n"
+        + f"{optimizer}\n"
+        + (f"{evaluation}\n" if evaluation else "")
+        + "Evaluation at the official code's 17 points (ValidateAtRounds(every=10, last=3)).\n"
+        "The paper gives curves, no table: read val/acc_weighted (sample-weighted, as the official figures)\n"
+        "against sim/time in history.csv beside the other legend curves' runs. The official curves average 4 seeds\n"
+        "(10, 20, 30, 40): run this with --seeds 10,20,30,40.\n"
+        + (f"{setting.note}\n" if setting.note else "")
+        + (f"{ASSIGNMENT_NOTE}\n" if shards else "")
+        + (f"{FIRST_STATE_NOTE}\n" if "first_state" in strategy else "")
+        + f"Run: lightning-fedrep fit --config recipes/{path}"
+    )
+    FACTS[path] = (
+        f"SRPFL Fig. 3, {setting.panel.split(' (')[0]}: {spec.label}",
+        "`val/acc_weighted` vs `sim/time` (`history.csv`)",
+        f"curves only ({setting.panel.split(' (')[1].rstrip(')')})",
+    )
+    return path, render(header, recipe)
+
+
+def srpfl_baselines() -> list[str]:
+    """The :data:`SRPFL_BASELINES` whose algorithm is registered now."""
+    return [name for name, spec in SRPFL_BASELINES.items() if registered(spec.algorithm)]
+
+
 RECIPES_README = """# Recipes
 
 Every recipe is a LightningCLI config: `lightning-fedrep fit --config recipes/<path>`. Each file's header says
@@ -1047,6 +1267,7 @@ def all_recipes() -> dict[str, str]:
     recipes += [linear_recipe(m) for m in LINEAR]
     recipes += [srpfl_recipe(a) for a in SRPFL]
     recipes += [srpfl_paper_recipe(d, m) for d in SRPFL_PAPER for m in SRPFL_METHODS]
+    recipes += [srpfl_baseline_recipe(d, m) for d in SRPFL_PAPER for m in srpfl_baselines()]
     texts = dict(recipes)
     texts.update({f"flute/{path}": text for path, text in flute_recipes().items()})
     FACTS.update({f"flute/{path}": facts for path, facts in FLUTE_FACTS.items()})

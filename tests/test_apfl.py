@@ -230,3 +230,22 @@ def test_evaluation_scores_the_mixture_of_personal_and_global_models():
             accuracies.append((net(x).argmax(1) == y).double().mean().item())
     metrics = trainer.test(model, datamodule=dm, verbose=False)[0]
     assert abs(metrics["test/acc"] - sum(accuracies) / NUM_CLIENTS) < 1e-6
+
+
+def test_apfl_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """APFL (``tests/scripts/algorithms_run.py``), 2 rounds, every client: the global model, every client's
+    personal model (written by the step rule at every step) and the validation accuracy scored on the mixture
+    on 2 processes equal the 1-process run. Fails when the personal models a step wrote stay on the rank that
+    trained the client (a client's record moved without its declared tensors)."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch shared with other test files
+    single = singles["apfl"]
+    assert len({float(t["personal.classifier.weight"].sum()) for t in single["declared"].values()}) > 1
+    for held in (rank["apfl"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held)
+        for client, tensors in single["declared"].items():
+            for name, value in tensors.items():
+                torch.testing.assert_close(held["declared"][client][name], value, rtol=1e-6, atol=1e-7)

@@ -594,3 +594,20 @@ def test_features_are_cached_only_where_every_rank_can(monkeypatch, caplog):
     assert strategy.runner_report.runner == "lockstep" and not strategy.runner_settings["caching"]
     (line,) = engine_lines(caplog)
     assert f"no feature cache: rank 1 cannot: {why}" in line
+
+
+def test_a_declared_split_whose_features_read_the_tuned_names_is_not_used():
+    """``forward_features``/``forward_head`` split the model, but the tuned names (LG-FedAvg's local part, the
+    body) are read by ``forward_features``: caching the features would train nothing. ``find_feature_split``
+    must refuse it (``None``), and accept the same split for the real head. Fails without ``_features_read``
+    (the declared split was trusted for any names)."""
+    from lightning_fedrep.models import MLPClassifier
+    from lightning_fedrep.runners.lockstep.contract import find_feature_split
+
+    torch.manual_seed(0)
+    module = MLPClassifier().eval()
+    probe = torch.randn(4, 64)
+    body = tuple(n for n, _ in module.named_parameters() if n.startswith("body."))
+    head = tuple(n for n, _ in module.named_parameters() if not n.startswith("body."))
+    assert find_feature_split(module, body, probe) is None
+    assert find_feature_split(module, head, probe) is not None

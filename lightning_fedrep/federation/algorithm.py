@@ -232,7 +232,8 @@ class EvaluationSpec:
     ``"personal"``), or ``"mixture"`` (``mix(global, slot values, client)``, e.g. APFL's
     ``α·v + (1−α)·w``; ``global`` maps every model tensor name to the global shared part and the client's
     local part, ``slot values`` the same names to the client's slot ``slot``; tensors ``mix`` leaves out
-    keep the ``global`` values).
+    keep the ``global`` values). A mixture's slot may be any declared ``ClientTensors`` with ``like`` (FedRoD's
+    ``like="head"``): ``slot values`` then holds only the names it covers.
 
     ``adapt``: before scoring, each evaluated client's scored model first trains on the client's own training
     data for this phase (``Phase("all", epochs=5)``: Per-FedAvg; ``Phase("all", steps=1)``: HF-MAML) with
@@ -330,7 +331,9 @@ def scored_tensors(
         return {}
     model = {**global_tensors, **personal}
     state = client_state()
-    slot = {n: state[f"{spec.slot}.{n}"] for n in model}
+    slot = {
+        n: state[f"{spec.slot}.{n}"] for n in model if f"{spec.slot}.{n}" in state
+    }  # a mixture's may be partial
     if spec.score == "slot":
         return slot
     mixed = dict(spec.mix(model, slot, client))

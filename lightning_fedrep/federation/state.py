@@ -225,6 +225,15 @@ class FederationState:
         declared = {t.name for t in self.algorithm.client_tensors if t.like == "model"}
         spec = self.evaluation_spec
         named = [p.slot for p in self.config.phases] + [spec.slot]
+        if spec.score == "mixture":  # a mixture may read any declared like= tensors (FedRoD's head)
+            named.pop()
+            declared_like = {t.name for t in self.algorithm.client_tensors if t.like is not None}
+            if spec.slot not in declared_like:
+                raise ValueError(
+                    f"Slot {spec.slot!r} ({type(self.algorithm).__name__}.evaluation()'s mixture slot) is not "
+                    f"declared: add ClientTensors({spec.slot!r}, like='model' (or 'head', 'body', ...)) to the "
+                    "algorithm's client_tensors."
+                )
         for slot in named:
             if slot not in (None, "model") and slot not in declared:
                 raise ValueError(

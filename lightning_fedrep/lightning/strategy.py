@@ -251,6 +251,7 @@ class FederatedStrategyMixin(StrategyAPI):
             check_optimizers_cover_split(self.optimizers, module, federation.split)
         federation.attach(module, self.optimizers)
         federation.initialize(self.root_device)
+        self.algorithm.setup(module, federation.split, trainer.datamodule)
         evaluating.setup(self, trainer)
         federation.collective = self.collective
         self._callbacks = [c for c in trainer.callbacks if isinstance(c, FederatedCallback)]

@@ -24,6 +24,7 @@ from lightning_fedrep.federation.algorithms.per_fedavg import PerFedAvg
 from lightning_fedrep.federation.algorithms.hf_maml import HFMAML
 from lightning_fedrep.federation.algorithms.l2gd import L2GD
 from lightning_fedrep.federation.algorithms.fed_mtl import FedMTL
+from lightning_fedrep.federation.algorithms.fedrod import FedRoD
 
 # isort: on
 
@@ -35,6 +36,7 @@ __all__ = [
     "FedPer",
     "FedProx",
     "FedRep",
+    "FedRoD",
     "HFMAML",
     "L2GD",
     "LGFedAvg",

@@ -70,8 +70,24 @@ def find_feature_split(module: nn.Module, head_names: tuple[str, ...], probe: Te
         )
         if split is None:
             return None
-        got = split.head(tensors, split.features(tensors, probe))
+        features = split.features(tensors, probe)
+        if declared and _features_read(split, tensors, head_names, probe, features):
+            return None
+        got = split.head(tensors, features)
     return split if same_tensor(got, expected) else None
+
+
+def _features_read(
+    split: FeatureSplit,
+    tensors: dict[str, Tensor],
+    head_names: tuple[str, ...],
+    probe: Tensor,
+    features: Tensor,
+) -> bool:
+    """Whether the declared ``forward_features`` reads any of ``head_names`` (then they are not the head of this
+    split: LG-FedAvg's local part is the body). Checked by shifting those tensors and comparing the features."""
+    shifted = {**tensors, **{n: tensors[n] + 1.0 for n in head_names if tensors[n].is_floating_point()}}
+    return not same_tensor(split.features(shifted, probe), features)
 
 
 def same_tensor(a: object, b: object) -> bool:
