@@ -271,3 +271,22 @@ def test_a_padded_row_labelled_with_an_absent_class_changes_nothing():
     for got, expected in ((padded.grads, real.grads), (padded.client_state, real.client_state)):
         for name in expected:
             torch.testing.assert_close(got[name], expected[name], msg=name)
+
+
+def test_fedrod_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """FedRoD (``tests/scripts/algorithms_run.py``), 2 rounds, every client: the global model, every client's
+    personalized head (written by the step rule at every step), the label counts read at set-up on each process
+    and the validation accuracy scored on the two heads, on 2 processes, equal the 1-process run. Fails when a
+    client's personalized head stays on the rank that trained it, or a rank reads another client's counts."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch shared with other test files
+    single = singles["fedrod"]
+    assert len({float(sum(t.sum() for t in tensors.values())) for tensors in single["declared"].values()}) > 1
+    for held in (rank["fedrod"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held)
+        for client, tensors in single["declared"].items():
+            for name, value in tensors.items():
+                torch.testing.assert_close(held["declared"][client][name], value, rtol=1e-6, atol=1e-7)

@@ -1,4 +1,4 @@
-"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD and APFL, each fitted on 1 or N CPU processes (gloo) in ONE launch.
+"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL and FedRoD, each fitted on 1 or N CPU processes (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
 share this launch: Lightning's launcher re-runs this script for every extra rank once, at the first ``fit``; the
@@ -29,7 +29,7 @@ from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
 from tests.scripts.federated_run import Net, client_data, holdings  # noqa: E402
 from tests.scripts.launcher import run_script  # noqa: E402
 
-ALGORITHMS = ("fedprox", "scaffold", "fedrep_median", "ditto", "l2gd", "apfl")
+ALGORITHMS = ("fedprox", "scaffold", "fedrep_median", "ditto", "l2gd", "apfl", "fedrod")
 """Fitted on 2 processes; the 1-process reference also fits ``fedavg`` (FedProx must differ from it)."""
 ROUNDS = 2
 TIMEOUT = 600  # seconds for the whole 2-process launch; ~15 s on 2 idle cores
