@@ -27,6 +27,22 @@ def _xy(dm, client, split="train"):
     return tuple(t[data.indices] for t in data.dataset.tensors)
 
 
+def assert_logged_scores(metrics, init, dm, models):
+    """The logged ``test/acc`` and ``test/loss`` are the means over clients of plain PyTorch's accuracy and
+    cross-entropy of ``models[c]`` (state dicts over ``init``) on client ``c``'s test split."""
+    accuracy, loss = [], []
+    for client, values in models.items():
+        net = copy.deepcopy(init)
+        net.load_state_dict(values, strict=False)
+        x, y = _xy(dm, client, "test")
+        with torch.no_grad():
+            out = net(x)
+        accuracy.append((out.argmax(1) == y).double().mean().item())
+        loss.append(F.cross_entropy(out, y).item())
+    assert abs(metrics["test/acc"] - sum(accuracy) / len(models)) < 1e-6
+    assert abs(metrics["test/loss"] - sum(loss) / len(models)) < 1e-4 * max(1.0, abs(metrics["test/loss"]))
+
+
 def _train(init, values, x, y, pull_to=None, lam=LAM):
     """LOCAL_EPOCHS full-batch steps of the module's own optimizer from ``values``; with ``pull_to``, each
     step is followed by the pull computed from the pre-step weights (outside the optimizer)."""
@@ -101,17 +117,7 @@ def test_ditto_equals_a_plain_loop():
         for name, value in strategy.client_model(client).named_parameters():
             torch.testing.assert_close(value, v[client][name], rtol=1e-4, atol=1e-5, msg=(client, name))
     metrics = trainer.test(model, datamodule=dm, verbose=False)[0]
-    accuracy, loss = [], []
-    for client in range(NUM_CLIENTS):
-        personal = copy.deepcopy(init)
-        personal.load_state_dict(v[client], strict=False)
-        x, y = _xy(dm, client, "test")
-        with torch.no_grad():
-            out = personal(x)
-        accuracy.append((out.argmax(1) == y).double().mean().item())
-        loss.append(F.cross_entropy(out, y).item())
-    assert abs(metrics["test/acc"] - sum(accuracy) / NUM_CLIENTS) < 1e-6
-    assert abs(metrics["test/loss"] - sum(loss) / NUM_CLIENTS) < 1e-4 * max(1.0, abs(metrics["test/loss"]))
+    assert_logged_scores(metrics, init, dm, {c: v[c] for c in range(NUM_CLIENTS)})
 
 
 def test_a_mid_round_checkpoint_in_the_personal_phase_resumes_like_the_uninterrupted_run(tmp_path):

@@ -409,7 +409,7 @@ class LockstepEngine:
             return self._rule_loss(objective.step, batch)
         terms = objective.terms
         server, states = self._declared() if terms else ({}, {})
-        lr, round_index, local_step = self._lr(), self.federation.round_index, self._step
+        shared = self._view_fields(server)
 
         if self.segment.cached:
             k = torch.arange(mask.shape[0], device=mask.device)[:, None]
@@ -449,15 +449,11 @@ class LockstepEngine:
                 view = StepView(
                     tensors=tensors,
                     trained=own,
-                    server=server,
                     client=client,
-                    phase=phase,
-                    round=round_index,
-                    step=local_step,
-                    lr=lr,
                     features=features if term.needs_features else None,
                     mask=m,
                     client_state=state,
+                    **shared,
                 )
                 extra = term.fn(view)
                 if extra is not None:
@@ -477,23 +473,19 @@ class LockstepEngine:
         its ``client_state`` is written after the step (:meth:`end_step`)."""
         mask, inputs, targets = batch["mask"], batch["x"], batch["y"]
         trained, frozen = self._lane_tensors
-        fixed, phase = self._fixed, self.segment.part
+        fixed = self._fixed
         server, states = self._declared()
-        lr, round_index, local_step = self._lr(), self.federation.round_index, self._step
+        shared = self._view_fields(server)
         loss = pure_loss(self.module, self.loss_fn)
 
         def client_step(own, rest, x, y, m, client, state):  # noqa: ANN001, ANN202 (vmapped)
             view = StepView(
                 tensors={**fixed, **rest, **own},
                 trained=own,
-                server=server,
                 client=client,
-                phase=phase,
-                round=round_index,
-                step=local_step,
-                lr=lr,
                 mask=m,
                 client_state=state,
+                **shared,
             )
             outcome = rule.fn(loss, view, x, y)
             return dict(outcome.grads), outcome.loss, dict(outcome.client_state)
@@ -548,6 +540,17 @@ class LockstepEngine:
             return self.finish_group()
         return []
 
+    def _view_fields(self, server: dict[str, Tensor]) -> dict[str, Any]:
+        """The :class:`StepView` fields every lane of this step shares (the server tensors, the phase part, the
+        round, the local step and the learning rate)."""
+        return dict(
+            server=server,
+            phase=self.segment.part,
+            round=self.federation.round_index,
+            step=self._step,
+            lr=self._lr(),
+        )
+
     def _lr(self) -> float | None:
         groups = self.user_optimizer.param_groups
         return groups[0].get("lr") if groups else None
@@ -555,9 +558,9 @@ class LockstepEngine:
     def _transform(self, transforms: tuple[Any, ...], grads: bool) -> None:
         """Apply gradient (``grads``) or parameter transforms to each active lane, in one ``vmap``."""
         leaves, rest = self._lane_tensors
-        fixed, phase = self._fixed, self.segment.part
+        fixed = self._fixed
         server, states = self._declared()
-        lr, round_index, local_step = self._lr(), self.federation.round_index, self._step
+        shared = self._view_fields(server)
         device = next(iter(leaves.values())).device
         clients = torch.tensor(self.segment.clients, device=device)
         own = {n: t.detach() for n, t in leaves.items()}
@@ -571,15 +574,7 @@ class LockstepEngine:
             state: dict[str, Tensor],
         ):
             view = StepView(
-                tensors={**fixed, **others, **mine},
-                trained=mine,
-                server=server,
-                client=client,
-                phase=phase,
-                round=round_index,
-                step=local_step,
-                lr=lr,
-                client_state=state,
+                tensors={**fixed, **others, **mine}, trained=mine, client=client, client_state=state, **shared
             )
             for transform in transforms:
                 value = {**value, **transform.fn(value, view)}
