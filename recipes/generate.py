@@ -894,6 +894,15 @@ SRPFL_PAPER = {
 SRPFL_METHODS = {"fedrep_srpfl": ("FedRep-SRPFL", 10), "fedrep": ("FedRep", None)}
 
 
+def srpfl_data(setting: SRPFLSetting) -> dict:
+    """The ``data`` section of an SRPFL recipe: the panel's data set, batch 10, the official shard assignment
+    where clients hold shards of classes."""
+    init_args = {**setting.data_args, "batch_size": 10, "seed": 0}
+    if "classes_per_client" in setting.data_args:
+        init_args["assignment"] = "official"
+    return {"class_path": setting.data_class, "init_args": init_args}
+
+
 def srpfl_paper_recipe(data: str, method: str) -> tuple[str, str]:
     """The SRPFL paper's Figure 3 setting (full participation, fixed Exp(1) speeds, C.T. = 0) as the official
     scripts run it: M=100, n0=10 doubling every 10 rounds, 150 rounds, FedRep with (10 head + 1 body epoch)
@@ -945,14 +954,9 @@ def srpfl_paper_recipe(data: str, method: str) -> tuple[str, str]:
             "class_path": setting.model_class,
             "init_args": {**setting.model_args, "lr": 0.01, "momentum": 0.5, "weight_decay": 1e-4},
         },
-        "data": {
-            "class_path": setting.data_class,
-            "init_args": {**setting.data_args, "batch_size": 10, "seed": 0},
-        },
+        "data": srpfl_data(setting),
     }
     shards = "classes_per_client" in setting.data_args
-    if shards:
-        recipe["data"]["init_args"]["assignment"] = "official"
     selection = (
         "each round only the n fastest of the M=100 clients train, n = 10 doubling every 10 rounds"
         if n0
@@ -1132,14 +1136,9 @@ def srpfl_baseline_recipe(data: str, method: str) -> tuple[str, str]:
                 "weight_decay": 0.0 if hf_maml else 1e-4,
             },
         },
-        "data": {
-            "class_path": setting.data_class,
-            "init_args": {**setting.data_args, "batch_size": 10, "seed": 0},
-        },
+        "data": srpfl_data(setting),
     }
     shards = "classes_per_client" in setting.data_args
-    if shards:
-        recipe["data"]["init_args"]["assignment"] = "official"
     shared = "+".join(SRPFL_LG_SHARED.get(data, SRPFL_MLP_LG_SHARED))
     selection = (
         "each round only the n fastest of the M=100 clients train, n = 10 doubling every 10 rounds"
@@ -1257,7 +1256,9 @@ def table_line(path: str) -> str:
 
 def recipes_readme() -> str:
     """``recipes/README.md``: one row per recipe from :data:`FACTS` (call after the recipes are built)."""
-    rows = [f"| `{path}` | {a} | {b} | {c} | {paper_seeds(path)} |" for path, (a, b, c) in sorted(FACTS.items())]
+    rows = [
+        f"| `{path}` | {a} | {b} | {c} | {paper_seeds(path)} |" for path, (a, b, c) in sorted(FACTS.items())
+    ]
     return RECIPES_README + "\n".join(rows) + "\n"
 
 

@@ -66,23 +66,6 @@ from lightning_fedrep.callbacks import HeadFineTuning  # noqa: E402
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: E402
 from lightning_fedrep.models import MLPClassifier  # noqa: E402
 
-METHODS = (
-    "fedrep",
-    "fedper",
-    "fedavg_ft",
-    "fedavg",
-    "lg_fedavg",
-    "local",
-    "fedprox",
-    "fedprox_ft",
-    "scaffold",
-    "scaffold_ft",
-    "fed_mtl",
-    "per_fedavg",
-    "l2gd",
-    "apfl",
-    "ditto",
-)
 LABELS = {
     "fedrep": "FedRep",
     "fedper": "FedPer",
@@ -100,6 +83,8 @@ LABELS = {
     "apfl": "APFL",
     "ditto": "Ditto",
 }
+METHODS = tuple(LABELS)
+"""Every method, in the table's order."""
 PERSONALIZED = (
     "fedrep",
     "fedper",

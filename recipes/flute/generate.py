@@ -79,6 +79,31 @@ M_TR_NOTE = [
 """The header lines of the N=50 columns (FLUTE's and the baselines')."""
 
 
+def model_and_data(column: str) -> dict:
+    """The ``model`` and ``data`` sections of every recipe of ``column`` (FLUTE's and the baselines'): the CNN with
+    SGD (lr 0.01, momentum 0.5, weight decay 1e-4) and the column's N clients x S classes, batch 10."""
+    setting = COLUMNS[column]
+    data = DATA[setting.dataset]
+    return {
+        "model": {
+            "class_path": data.model_class,
+            "init_args": {"lr": 0.01, "momentum": 0.5, "weight_decay": 1e-4},
+        },
+        "data": {
+            "class_path": data.data_class,
+            "init_args": {
+                "num_clients": setting.n,
+                "classes_per_client": setting.s,
+                "batch_size": 10,
+                "seed": 0,
+                "root": "data",
+                "download": True,
+                "assignment": "official",  # sampling.py's shuffled multiset of class slots
+            },
+        },
+    }
+
+
 def recipe(column: str, variant: str) -> tuple[str, str]:
     setting = COLUMNS[column]
     dataset, n, s = setting.dataset, setting.n, setting.s
@@ -102,22 +127,7 @@ def recipe(column: str, variant: str) -> tuple[str, str]:
     config = {
         "seed_everything": 0,
         "trainer": trainer_section(f"flute/{column}", f"flute-{column}-{variant}", 100, strategy, [collapse]),
-        "model": {
-            "class_path": data.model_class,
-            "init_args": {"lr": 0.01, "momentum": 0.5, "weight_decay": 1e-4},
-        },
-        "data": {
-            "class_path": data.data_class,
-            "init_args": {
-                "num_clients": n,
-                "classes_per_client": s,
-                "batch_size": 10,
-                "seed": 0,
-                "root": "data",
-                "download": True,
-                "assignment": "official",  # sampling.py's shuffled multiset of class slots
-            },
-        },
+        **model_and_data(column),
     }
     label = "FLUTE" if variant == "flute" else "FLUTE*"
     schedule = (
@@ -346,22 +356,7 @@ def baseline_recipe(column: str, name: str) -> tuple[str, str]:
     config = {
         "seed_everything": 0,
         "trainer": trainer_section(f"flute/{column}", f"flute-{column}-{name}", 100, strategy, callbacks),
-        "model": {
-            "class_path": data.model_class,
-            "init_args": {"lr": 0.01, "momentum": 0.5, "weight_decay": 1e-4},
-        },
-        "data": {
-            "class_path": data.data_class,
-            "init_args": {
-                "num_clients": n,
-                "classes_per_client": s,
-                "batch_size": 10,
-                "seed": 0,
-                "root": "data",
-                "download": True,
-                "assignment": "official",
-            },
-        },
+        **model_and_data(column),
     }
     paper = PAPER_BASELINES[name][list(COLUMNS).index(column)]
     head = spec.head_epochs[dataset] if spec.head_epochs else 0
