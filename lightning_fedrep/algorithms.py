@@ -65,6 +65,7 @@ class Phase:
     """
 
     train: Part
+    """The part that trains: ``"head"``, ``"body"`` or ``"all"``."""
     epochs: int | None = None
     steps: int | None = None
     slot: str = "model"
@@ -143,7 +144,9 @@ class Algorithm:
         return len(self.shares) == 1
 
     def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
-        """Local phases when the user gives only the epoch shorthands (called at construction)."""
+        """Local phases when the user gives only the epoch shorthands (called at construction):
+        ``head_epochs`` and ``body_epochs`` for an algorithm that trains the head, then the body (FedRep),
+        ``local_epochs`` for one that trains everything in one phase (the default)."""
         return (Phase("all", epochs=local_epochs),)
 
     def aggregator(self, like: Mapping[str, Tensor]) -> Aggregator:
@@ -166,6 +169,11 @@ class Algorithm:
         round's :meth:`aggregator` after every client: with the default ``WeightedMean``, the running
         weighted sum of the participants' shared tensors. ``average.failures`` lists the clients left out
         (``ClientFault``). The default is the weighted mean (FedAvg's server step).
+
+        A v2 override ``aggregate(self, server, results, failures)`` (see :meth:`finish_client`) receives
+        ``server`` (the ``ServerState`` the round started from), ``results`` (the ``RoundResults``: the
+        round's reduction of the clients' uploads) and ``failures`` (the ``ClientFault`` of each client left
+        out), and returns the new ``ServerState`` and the round's history metrics.
         """
         return average.mean(global_state)
 
@@ -191,7 +199,7 @@ class Algorithm:
 
     def objective(self, phase: str) -> Objective:
         """The local objective of a phase training ``phase`` (``"head"``, ``"body"``, ``"all"``): loss terms
-        and step transforms (:mod:`lightning_fedrep.federation.objective`), run by both runners where they
+        and step transforms (``lightning_fedrep.federation.objective``), run by both runners where they
         are vmappable. Called once per fit and phase part, at ``setup``. The default adds nothing."""
         from lightning_fedrep.federation.objective import Objective
 
@@ -201,8 +209,8 @@ class Algorithm:
         """Deprecated (write :meth:`objective`, which also runs on the lockstep runner): an extra term for
         the live client's training loss, or ``None`` (called every local step; sequential runner only).
 
-        ``global_state`` maps shared tensor names to the round's starting global values (read-only).
-        Automatic optimization only.
+        ``module`` is the live module holding the client's tensors; ``global_state`` maps shared tensor
+        names to the round's starting global values (read-only). Automatic optimization only.
         """
         return None
 
@@ -252,7 +260,7 @@ class Algorithm:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore ``state``, what :meth:`state_dict` returned."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, shares={sorted(self.shares)})"
@@ -304,7 +312,29 @@ def on_register(listener: Callable[[Algorithm], None]) -> None:
 
 def register_algorithm(algorithm: Algorithm, *, override: bool = False) -> Algorithm:
     """Make ``algorithm`` available by name: ``FederatedStrategy(algorithm=algorithm.name)`` and, at any
-    time after ``import lightning_fedrep``, ``Trainer(strategy=algorithm.name)`` and ``"<name>_ddp"``."""
+    time after ``import lightning_fedrep``, ``Trainer(strategy=algorithm.name)`` and ``"<name>_ddp"``.
+
+    Args:
+        algorithm: the :class:`Algorithm` to register under ``algorithm.name``.
+        override: replace an algorithm registered under the same name (without it, that is an error).
+
+    Returns:
+        ``algorithm``, so a module can write ``MINE = register_algorithm(Mine())``.
+
+    Example:
+        An algorithm that averages only the heads and keeps each client's body, by name:
+
+        >>> import lightning_fedrep
+        >>> from lightning.pytorch.strategies import StrategyRegistry
+        >>> class HeadAverage(lightning_fedrep.Algorithm):
+        ...     def __init__(self):
+        ...         super().__init__("head_average", {"head"}, "average the heads, keep each body")
+        >>> algorithm = lightning_fedrep.register_algorithm(HeadAverage())
+        >>> lightning_fedrep.FederatedStrategy(algorithm="head_average", head="classifier").algorithm.name
+        'head_average'
+        >>> "head_average" in StrategyRegistry and "head_average_ddp" in StrategyRegistry
+        True
+    """
     if not isinstance(algorithm, Algorithm):
         raise TypeError(f"register_algorithm takes an Algorithm, got {type(algorithm).__name__}.")
     if algorithm.name in ALGORITHMS and not override:

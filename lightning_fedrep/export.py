@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ def personalized_state_dict(
     and whatever it fine-tuned (``HeadFineTuning``); or a slot, a mixture, the global model). ``algorithm``
     (an ``Algorithm`` or a registered name) is the one the checkpoint was written with; ``None`` looks up its
     recorded name among the registered algorithms. The result loads with ``MyModule(...).load_state_dict(...)``.
+    For an algorithm with its own ``EvaluationSpec.forward`` (FedCP) it is not the whole prediction (a warning
+    says so): ``strategy.client_model(client)`` is.
     """
     source = "(given as a dict)"
     if not isinstance(checkpoint, dict):
@@ -56,6 +59,15 @@ def personalized_state_dict(
     store.load_state_dict(state["clients"])
     personal = store.personal(client, state["local_names"])
     spec = None if client == -1 else _spec(state, store, algorithm, source)  # -1: a new client's model
+    if spec is not None and spec.forward is not None:
+        warnings.warn(
+            f"personalized_state_dict(..., {client}) holds the module's tensors only, but the checkpoint's algorithm "
+            "predicts with its own EvaluationSpec.forward over declared tensors too (not in a state_dict): "
+            "load the checkpoint into a strategy and use strategy.client_model(client) to predict as evaluation "
+            "scores.",
+            UserWarning,
+            stacklevel=2,
+        )
     if spec is not None:
         global_tensors = dict(zip(state["shared_names"], state["global"]))
         personal = scored_tensors(spec, client, global_tensors, personal, lambda: store.client_state(client))

@@ -44,6 +44,7 @@ class LiveStep:
     client: int
     phase: Part
     batch_idx: int
+    """Lightning's batch index of the step."""
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ class RoundSpec:
     aggregate: bool = True
     prefix: str = ""
     settings: Settings = ()
-    """Per-client settings (:data:`CLIENT_SETTINGS`), frozen; see :meth:`RoundPlan.replace`."""
+    """Per-client settings (``CLIENT_SETTINGS``), frozen; see :meth:`RoundPlan.replace`."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,7 @@ class ClientWork:
 
     client: int
     phases: tuple[tuple[Part, int], ...]
+    """``(part, steps)`` for each local phase, in order (``part``: ``"head"``, ``"body"`` or ``"all"``)."""
     settings: tuple[tuple[str, float], ...] = ()
 
     @property
@@ -144,11 +145,17 @@ class StepLocation:
 
     client: int
     work_index: int
+    """The client's position in the round's plan (``plan.work[work_index]``)."""
     phase_index: int
+    """The phase's position in the client's phases."""
     part: Part
+    """The part the phase trains: ``"head"``, ``"body"`` or ``"all"``."""
     client_step: int
+    """The client's step counter in the round (0 for its first step)."""
     first_of_client: bool
+    """Whether this is the client's first step of the round (it was just loaded)."""
     last_of_round: bool
+    """Whether this is the round's last step."""
 
 
 @dataclass(frozen=True)
@@ -162,8 +169,11 @@ class RoundPlan:
     round: int
     spec: RoundSpec
     work: tuple[ClientWork, ...]
+    """Each planned client's :class:`ClientWork`, in the order the round trains them."""
     client_sizes: tuple[int, ...] = field(repr=False)
+    """Every client's number of training samples (what epochs turn into steps with)."""
     batch_size: int = field(repr=False)
+    """The training batch size (what epochs turn into steps with)."""
     seed: int = field(default=0, repr=False)
     """The strategy's seed (what :meth:`generator` draws from)."""
     _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -233,7 +243,15 @@ class RoundPlan:
     ) -> RoundPlan:
         """This round with other clients, phases, aggregation, metric prefix or per-client settings (the
         rest unchanged). ``settings={client: {"lr_scale": 0.5}}`` updates those clients' settings; settings
-        of clients that leave the round are dropped."""
+        of clients that leave the round are dropped.
+
+        Args:
+            clients: the clients that train this round, in order.
+            phases: each client's local phases (``Phase`` objects or their dicts).
+            aggregate: whether the round ends with the server's aggregation (``False``: a local-only round).
+            prefix: the prefix of the round's logged metrics.
+            settings: per-client settings, ``{client: {"lr_scale": 0.5}}``.
+        """
         spec = replace(
             self.spec,
             **{
@@ -301,7 +319,7 @@ def plan_round(
 
     Epoch budgets become ``epochs * ceil(n_i / batch_size)`` steps for client ``i``; phases with a
     zero budget are dropped; a client left with no steps is skipped. ``settings`` are per-client
-    settings (:data:`CLIENT_SETTINGS`); ``seed`` is the strategy's (for :meth:`RoundPlan.generator`).
+    settings (``CLIENT_SETTINGS``); ``seed`` is the strategy's (for :meth:`RoundPlan.generator`).
     """
     clients = tuple(int(c) for c in clients)
     unknown = [c for c in clients if not 0 <= c < len(client_sizes)]
@@ -330,6 +348,7 @@ class RankShare:
     """The part of a round one process trains when the round is sharded over ranks."""
 
     rank: int
+    """The process's rank."""
     clients: tuple[int, ...]
     """Its clients, in the round plan's order."""
     steps: int

@@ -1212,8 +1212,8 @@ what it reproduces, which logged figure is the paper's number and where the reci
 rather than the paper's text. This table is written by `recipes/generate.py` from the same tables as the
 headers (`python recipes/generate.py --check` is run by the tests). The paper recipes need the data sets
 (CIFAR downloads with `--data.download true`; FEMNIST and Sent140 from LEAF, Sent140's GloVe vectors from
-Stanford, see the main README) and a GPU to finish in hours; only the digits and synthetic recipes were run
-to the end here (see the main README for their measured results and costs); every recipe is smoke-run by the
+Stanford, see `docs/recipes.md`) and a GPU to finish in hours; only the digits and synthetic recipes were run
+to the end here (see `docs/benchmarks.md` for their measured results and costs); every recipe is smoke-run by the
 test suite on generated files in the real formats.
 
 The last column is how many seeds (independent repeats, each with a new partition) the paper's number

@@ -110,6 +110,19 @@ def quiet_trainer(**kwargs) -> L.Trainer:
 # (inputs, not rules), and the collapse metrics (rewritten separately).
 
 
+def documented_pages() -> dict[str, str]:
+    """The text a user reads, by path relative to the repository: README.md and every page of the docs site
+    (``docs/**/*.md``; not the design notes in ``docs/design`` nor built output), for the tests that check a
+    documented figure or table against what the code prints."""
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md"] + sorted((root / "docs").rglob("*.md"))
+    return {
+        str(page.relative_to(root)): page.read_text()
+        for page in pages
+        if not {"design", "_build", "node_modules"} & set(page.relative_to(root).parts)
+    }
+
+
 def reference_generator(seed: int, *keys: int) -> torch.Generator:
     """The seeding rule of every draw (sampling, shuffles, validation splits), restated: start from
     ``seed mod 2**32``, fold in each key ``k`` as ``v -> (1_000_003 * v + k + 1) mod (2**61 - 1)``, and
@@ -123,7 +136,7 @@ def reference_generator(seed: int, *keys: int) -> torch.Generator:
 
 
 def reference_clients(num_clients: int, count: int | float, seed: int, round_index: int) -> list[int]:
-    """Client sampling as the README states it, restated: ``count`` of ``num_clients`` clients uniformly
+    """Client sampling as docs/concepts.md (*Rounds*) states it, restated: ``count`` of ``num_clients`` clients uniformly
     without replacement, seeded by ``(seed, round)`` — the first ``count`` entries of a random permutation
     drawn with ``reference_generator(seed, round)`` — in increasing order (all clients when ``count`` is
     all of them)."""

@@ -1,9 +1,9 @@
 """Every configuration the package refuses, with the argument its message must name.
 
 ``tests/test_refused.py`` runs each case (the error type and the argument in the message) and checks
-that the README's table is what this module prints:
+that the table in docs/faults.md is what this module prints:
 
-    python -m tests.refused    # the README table "Refused configurations", with the real messages
+    python -m tests.refused    # the table "Refused configurations" of docs/faults.md, with the real messages
 
 A case is Python code run with the names below: ``train``/``test`` are small data sets, ``fit(...)``
 runs one round of the tiny model on an 8-client federation (``strategy=``, ``datamodule=``,
@@ -38,6 +38,7 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     Ditto,
     DynamicExponential,
     EvaluationSpec,
+    FedCP,
     FederatedDataModule,
     FederatedDDPStrategy,
     FedMTL,
@@ -320,6 +321,14 @@ CASES = [
         "head",
         "set-up",
     ),
+    Refused("FedCP(lamda=-1.0)", ValueError, "lamda"),
+    Refused("FedCP(tau=0.0)", ValueError, "tau"),
+    Refused(
+        'fit(FedRepStrategy(head="classifier", algorithm=FedCP()), model=AdamNet())',
+        ValueError,
+        "forward_features",
+        "set-up",
+    ),
     Refused('Phase("all", epochs=1, slot="")', ValueError, "slot"),
     Refused(S + 'phases=[Phase("all", epochs=1, slot="personal")]))', ValueError, "slot", "set-up"),
     Refused('EvaluationSpec("best")', ValueError, "score"),
@@ -338,6 +347,14 @@ CASES = [
         S + 'algorithm=scoring(EvaluationSpec(adapt=Phase("all", steps=1)))))',
         ValueError,
         "fedrep_loss",
+        "set-up",
+    ),
+    Refused("EvaluationSpec(forward=3)", TypeError, "forward"),
+    Refused('EvaluationSpec(forward=max, adapt=Phase("all", steps=1))', ValueError, "forward"),
+    Refused(
+        S + "algorithm=scoring(EvaluationSpec(forward=max))), callbacks=[FineTunedEvaluation(epochs=1)])",
+        ValueError,
+        "FineTunedEvaluation",
         "set-up",
     ),
     Refused('FedRepStrategy(clients_per_round="0.5")', TypeError, "clients_per_round"),
@@ -549,7 +566,7 @@ def namespace() -> dict[str, Any]:
 def package_algorithms_only() -> Iterator[None]:
     """The algorithm registry as the package alone fills it: algorithms that tests register in this process
     (``tests/scripts/federated_run.py``'s ``fedrep_median``) would otherwise appear in messages that list the
-    registered names, and the README shows what a user sees."""
+    registered names, and docs/faults.md shows what a user sees."""
     saved = dict(ALGORITHMS)
     for name, algorithm in saved.items():
         if not type(algorithm).__module__.startswith("lightning_fedrep."):

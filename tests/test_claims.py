@@ -1,4 +1,4 @@
-"""The README's claims, each against an independent reference (issue 24, items 1, 2, 3 and 5).
+"""The documented claims (docs/concepts.md), each against an independent reference (issue 24, items 1, 2, 3 and 5).
 
 - ``weighting``: the body is the sample-weighted mean of the clients' bodies, or their plain mean under
   ``weighting="uniform"`` — told apart with clients of unequal sizes, each against a plain PyTorch loop;
@@ -58,7 +58,7 @@ def unequal_datamodule(sizes=SIZES, seed: int = 0) -> FederatedDataModule:
 
 
 def plain_fedrep(init, dm, rounds: int, per_round: int, seed: int, weighting: str, buffers: str):
-    """FedRep written out with the README's rules: each round, ``reference_clients`` train one head epoch
+    """FedRep written out with the documented rules (docs/concepts.md): each round, ``reference_clients`` train one head epoch
     (body frozen) then one body epoch (head frozen) with a fresh SGD; the server's body is the mean of the
     clients' bodies weighted by their training samples (``"samples"``) or equally (``"uniform"``);
     buffers go with the body (``"shared"``) or stay with each client (``"local"``).

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from lightning_fedrep.app.cli import build_cli
+from tests.fixtures import documented_pages
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -28,19 +29,26 @@ def test_recipes_match_their_generator():
 
 
 def readme_digits_example() -> tuple[dict[int, float], str]:
-    """The per-client val/acc values and the summary line the README prints for the digits recipe."""
-    text = (ROOT / "README.md").read_text()
-    block = text[text.index("Per-client val/acc (20 clients), summary in runs/digits") :]
-    block = block[: block.index("```")]
+    """The per-client val/acc values and the summary line that README.md and docs/getting-started.md print for
+    the digits recipe (every page that shows the example shows the same figures)."""
+    marker = "Per-client val/acc (20 clients), summary in runs/digits"
+    blocks = set()
+    for text in documented_pages().values():
+        if marker in text:
+            block = text[text.index(marker) :]
+            blocks.add(block[: block.index("```")])
+    assert len(blocks) == 1, f"the pages show {len(blocks)} different digits examples"
+    block = blocks.pop()
     shown = {int(c): float(v) for c, v in re.findall(r"#(\d+)\s+([\d.]+)", block)}
     line = next(line.strip() for line in block.splitlines() if line.strip().startswith("val/acc "))
     return shown, line
 
 
 def test_digits_fedrep_recipe_runs_as_shipped(tmp_path, monkeypatch, capsys):
-    """The README's CLI example: the whole recipe (30 rounds), offline, prints what the README shows, and its
+    """The documented CLI example (README.md, docs/getting-started.md): the whole recipe (30 rounds), offline,
+    prints what the pages show, and its
     summary restates per-client values (numpy: mean, sample-weighted mean, std, linear 10th percentile, min,
-    the mean of the last 10 rounds). Catches a change to the recipe's result that the README does not show
+    the mean of the last 10 rounds). Catches a change to the recipe's result that the pages do not show
     (e.g. ``alpha=weight`` -> ``alpha=1.0`` in ``WeightedAverage.add``), a summary figure computed another way
     (``std(correction=0)`` -> ``std()``) and ``last10`` over another number of rounds (``LAST_ROUNDS = 9``)."""
     monkeypatch.chdir(tmp_path)
@@ -55,7 +63,7 @@ def test_digits_fedrep_recipe_runs_as_shipped(tmp_path, monkeypatch, capsys):
     summary = json.loads(summary_files[0].read_text())
     assert summary["rounds_completed"] == 30 and summary["algorithm"] == "fedrep"
     shown, line = readme_digits_example()
-    assert len(shown) >= 10 and line in out  # the README's figures, as printed
+    assert len(shown) >= 10 and line in out  # the pages' figures, as printed
     per_client = {int(c): v for c, v in summary["per_client"]["val"]["val/acc"].items()}
     samples = {int(c): n for c, n in summary["per_client"]["val"]["samples"].items()}
     assert sorted(per_client) == sorted(samples) == list(range(20))

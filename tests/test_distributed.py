@@ -260,7 +260,7 @@ def test_a_sharded_store_refuses_callbacks_that_read_every_client(runs):
 
 
 def test_a_recipe_on_two_processes_through_the_command_writes_its_outputs_once(tmp_path):
-    """The README's command: a recipe run on 2 processes by naming the DDP class, W&B offline. One
+    """The command of docs/distributed.md: a recipe run on 2 processes by naming the DDP class, W&B offline. One
     ``summary.json`` and one W&B run (rank 0's), every client in the per-client table."""
     command = [
         sys.executable,

@@ -36,7 +36,7 @@ def test_process_group_timeout_is_seconds_or_a_timedelta():
 
 
 def test_a_recipe_runs_on_several_processes_by_naming_the_ddp_class():
-    """The README's multi-process command: the recipe's federated settings carry over to the DDP class."""
+    """The multi-process command of docs/distributed.md: the recipe's federated settings carry over to the DDP class."""
     cli = build_cli(
         [
             "--config",

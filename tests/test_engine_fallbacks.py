@@ -179,7 +179,7 @@ def test_label_smoothing_in_training_step_falls_back_and_trains_what_the_step_tr
 
 
 def first_batch(client: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Client ``client``'s first batch of round 0, as the README's seeding rule draws it (its first
+    """Client ``client``'s first batch of round 0, as the documented seeding rule (docs/concepts.md, *Rounds*) draws it (its first
     reshuffled pass; ``reference_generator`` restates the rule)."""
     x, y = clients()[client].tensors
     perm = torch.randperm(len(x), generator=reference_generator(3, 0, client, 0))[:8]

@@ -190,3 +190,19 @@ def test_a_second_fit_of_the_same_algorithm_starts_afresh():
     for client in range(NUM_CLIENTS):
         for name, value in first.client_tensors(client).items():
             torch.testing.assert_close(second.client_tensors(client)[name], value, msg=(client, name))
+
+
+def test_fed_mtl_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """Fed-MTL (``tests/scripts/algorithms_run.py``, strength 0.05, no blocks), 2 rounds, every client: every client's
+    model, the history and the validation accuracy on 2 processes equal the 1-process run, whose models the
+    regularizer moved. Fails when a process's regularizer reads only the weights of the clients it trained
+    (the others' columns left at the initial model: ``aggregate`` keeping only this rank's updates)."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch shared with other test files
+    single = singles["fed_mtl"]
+    assert single["global"] == {}
+    for held in (rank["fed_mtl"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held)

@@ -1,4 +1,4 @@
-"""The package's dependency rules (README, *Architecture*), checked by reading every module's imports.
+"""The package's dependency rules (docs/architecture.md), checked by reading every module's imports.
 
 The rules are data: :data:`GROUPS` puts modules into groups by dotted name (relative to the package),
 :data:`RULES` says which group must not import which, and :data:`PENDING` lists the violations that are

@@ -2,7 +2,7 @@
 FedRep code's ``main_l2gd.py``: full participation; each iteration draws ``u``; if ``u > p`` every client runs
 its local update (``local_epochs`` full-batch SGD steps on its own model), else the server averages the models
 (plain mean) and each moves ``w_i <- (1 - lr lam) w_i + lr lam w_bar`` with ``lr = alpha / (n (1 - p))``,
-one pull per iteration (no closed form). The coins are each round's stream (the README's seeding rule restated,
+one pull per iteration (no closed form). The coins are each round's stream (the seeding rule of docs/algorithms/adding.md restated,
 key ``crc32("l2gd")``): a round is a run of local iterations (the first one implied) followed by the
 aggregation iterations up to the next local coin. Evaluation scores each client's own model. The optimizer has
 no momentum: its state restarts once per round here, once per local iteration in the official code (the

@@ -1,4 +1,4 @@
-"""The README's quickstart (``make demo``) on the bundled digits data, shortened to a few rounds."""
+"""The quickstart of README.md and docs/getting-started.md (``make demo``) on the bundled digits data, shortened to a few rounds."""
 
 import json
 import subprocess
@@ -30,7 +30,7 @@ def test_quickstart_runs_and_writes_a_summary(tmp_path, capsys, monkeypatch):
     """The summary's per-client accuracies are each client's own model (FedRep: global body + its head;
     FedAvg: the one global model) scored here on the client's test split; ``test/acc`` is their mean,
     ``test/acc_weighted`` their sample-weighted mean; the printed difference is FedRep's minus FedAvg's,
-    and FedRep is ahead, as the README's run says (+0.066 after 30 rounds; 3 rounds here). Catches FedAvg
+    and FedRep is ahead, as the documented run says (docs/getting-started.md: +0.066 after 30 rounds; 3 rounds here). Catches FedAvg
     run as FedRep (``run("fedrep", ...)`` in ``quickstart.main``'s loop) and a summary of another metric
     (``per_client("test/loss")`` there)."""
     strategies = []
@@ -67,7 +67,7 @@ def test_quickstart_runs_and_writes_a_summary(tmp_path, capsys, monkeypatch):
 
 
 def test_readme_module_command_runs_the_quickstart():
-    """``python -m lightning_fedrep.quickstart`` (the README's command) still reaches the quickstart, which lives
+    """``python -m lightning_fedrep.quickstart`` (the command of README.md and docs/getting-started.md) still reaches the quickstart, which lives
     in ``lightning_fedrep.app.quickstart``. Catches the top-level entry point dropped or no longer calling
     ``main`` (its ``if __name__ == "__main__": main()`` removed)."""
     command = [sys.executable, "-m", "lightning_fedrep.quickstart", "--help"]

@@ -1,5 +1,5 @@
 """Every refused configuration (``tests/refused.py``) fails with its error type, at construction or at the
-fit's set-up before any training step, with a message naming the argument; the README lists them all."""
+fit's set-up before any training step, with a message naming the argument; docs/faults.md lists them all."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from tests.refused import CASES, Refused, message_of, table
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+FAULTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.code for case in CASES])
@@ -23,6 +23,7 @@ def test_at_least_forty_refused_configurations_are_listed():
     assert len({case.code for case in CASES}) == len(CASES)
 
 
-def test_the_readme_table_is_the_one_the_cases_print():
-    """Regenerate with ``python -m tests.refused`` when a case or a message changes."""
-    assert table() in README.read_text()
+def test_the_docs_table_is_the_one_the_cases_print():
+    """The table of docs/faults.md (*Refused configurations*); regenerate it with ``python -m tests.refused``
+    when a case or a message changes, and paste it over the old one."""
+    assert table() in FAULTS_PAGE.read_text()

@@ -56,8 +56,11 @@ class FineTuningOptimizer:
     tuned parameter names (``factory`` instead, for an optimizer the user declares as a callable)."""
 
     source: str
+    """Where the choice comes from, in words (for the log line that names it)."""
     optimizer_class: type[Optimizer] | None = None
+    """The optimizer class (``None`` with ``factory``)."""
     groups: tuple[tuple[dict[str, Any], tuple[str, ...]], ...] = ()
+    """``(hyper-parameters, tuned parameter names)`` for each parameter group."""
     factory: OptimizerFactory | None = None
 
     def build(self, head: dict[str, Tensor]) -> Optimizer:
@@ -240,7 +243,8 @@ class FineTunedEvaluation(FederatedCallback):
             self._fine_tune(trainer, pl_module)
 
     def tuned_names(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
-        """The parameter names each client fine-tunes: its local parameters, else the head."""
+        """The parameter names of ``pl_module`` each client fine-tunes (its local parameters in ``trainer``'s
+        federation, else the head)."""
         federation = self.federation(trainer)
         parameters = dict(pl_module.named_parameters())
         local = [n for n in federation.local_names if n in parameters]
@@ -414,7 +418,8 @@ class FineTunedEvaluation(FederatedCallback):
             self._loss(trainer, pl_module, self._client_state(trainer, pl_module, client, start), batch)
 
     def fine_tuning_optimizer(self, trainer: L.Trainer, pl_module: L.LightningModule) -> FineTuningOptimizer:
-        """The optimizer each client's head fine-tunes with (``optimizer``); a log line names it."""
+        """The optimizer each client's head fine-tunes with (``optimizer``; ``trainer`` and ``pl_module`` give the
+        training's learning rate where it needs one); a log line names it."""
         names = self.tuned_names(trainer, pl_module)
         if callable(self.optimizer):
             chosen = FineTuningOptimizer("optimizer=<callable>", factory=self.optimizer)

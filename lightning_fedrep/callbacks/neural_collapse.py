@@ -58,7 +58,7 @@ class NeuralCollapse(FederatedCallback):
         + ν ||φ(X)||_F^2                    only while the body trains (phases "body" and "all")
 
     with ``W_i`` the client's classifier weight (``K x k``, no bias), ``R`` FLUTE's ETF-Gram regulariser
-    (:func:`~lightning_fedrep.callbacks.neural_collapse_metrics.nc_regularizer`; the masked global
+    (``lightning_fedrep.callbacks.neural_collapse_metrics.nc_regularizer``; the masked global
     K-simplex target, not squared),
     ``e_i`` the classes present in the client's *training data* (read from the data module when fit
     starts), and ``φ(X)`` the classifier's input on the current batch, summed over the batch (the input of
@@ -74,7 +74,7 @@ class NeuralCollapse(FederatedCallback):
     (``RoundSpec(aggregate=False)``, e.g. ``HeadFineTuning``) get no server step.
 
     **Metrics** (logged after every ``metrics_every_n_rounds``-th round, after the server step, over
-    *all* clients' current classifiers; :mod:`lightning_fedrep.callbacks.neural_collapse_metrics` has the
+    *all* clients' current classifiers; ``lightning_fedrep.callbacks.neural_collapse_metrics`` has the
     formulas):
 
     * ``nc/global_nc2``: ``(1/N) sum_i R(W_i)``, the paper's Global NC2 (distance to the global optimum);
@@ -97,7 +97,7 @@ class NeuralCollapse(FederatedCallback):
         classifier: module name of the linear classifier; by default the one ``nn.Linear`` that owns
             the strategy's head parameters (``split.head``).
         features_module: module whose *input* is ``φ(X)``; by default the classifier. For
-            :class:`~lightning_fedrep.models.CIFAR100CNN` use ``"drop"`` to penalise the features before
+            ``lightning_fedrep.models.CIFAR100CNN`` use ``"drop"`` to penalise the features before
             its dropout, as the official code does.
         num_classes: ``K``; by default the classifier's number of rows.
         local_classes: ``S`` of the Local NC2 target (see above).
@@ -380,7 +380,8 @@ class NeuralCollapse(FederatedCallback):
 
     @torch.no_grad()
     def compute_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
-        """The NC metrics of the current state (what :meth:`on_train_epoch_end` logs)."""
+        """The NC metrics of the current state of ``trainer``'s federation, whose live module is
+        ``pl_module`` (what ``on_train_epoch_end`` logs)."""
         heads = self._all_heads(self.federation(trainer)).detach().double().cpu()
         masks = self.masks.double()
         metrics = {

@@ -42,6 +42,12 @@ class RunSummary(FederatedCallback):
     ``WandbLogger`` the per-client metrics go to W&B as a table and a histogram, the figures as images,
     and validation metrics are plotted against the round; with a ``TensorBoardLogger`` the figures go
     to TensorBoard.
+
+    Args:
+        dirpath: the folder the files go to (``None``: the Trainer's run folder).
+        filename: the summary's file name in that folder.
+        print_table: print the per-client table at the end of each stage.
+        figures: draw the figures (needs matplotlib).
     """
 
     def __init__(
@@ -68,7 +74,7 @@ class RunSummary(FederatedCallback):
         self.path: Path | None = None
 
     def summary(self, trainer: L.Trainer) -> dict[str, Any]:
-        """The summary as a dict (what the file holds)."""
+        """The summary of ``trainer``'s run as a dict (what the file holds)."""
         strategy = self.strategy(trainer)
         per_client = {}
         for stage, metrics in strategy.client_metrics.items():

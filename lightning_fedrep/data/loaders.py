@@ -28,6 +28,7 @@ class ClientData:
     """One client's samples: indices into a shared base data set (no copy of the data)."""
 
     dataset: Dataset
+    """The shared base data set."""
     indices: torch.Tensor
 
     def __len__(self) -> int:
@@ -69,6 +70,12 @@ class RoundLoader:
     then yields, for each planned step, a batch of the step's client. A client's batches in a round
     are consecutive passes over its data, each pass reshuffled by a generator seeded with
     ``(seed, round, client, pass)``, so data order is reproducible and independent of other clients.
+
+    Args:
+        clients: every client's training samples, by client id.
+        batch_size: the training batch size.
+        seed: the seed of the data order.
+        fetcher: how batches are loaded and collated (workers, pinned memory; the data module's).
     """
 
     def __init__(
@@ -217,11 +224,18 @@ class ClientChunk:
 
 class EvalLoader:
     """Every listed client's evaluation batches, client after client, in a fixed order; or, once
-    :meth:`chunk` was called, :class:`ClientChunk` items of many clients each (batched evaluation).
+    ``chunk`` was called, ``ClientChunk`` items of many clients each (batched evaluation).
 
-    On several processes (:meth:`shard`) each rank yields only its share of the clients, then idle items
-    (:data:`~lightning_fedrep.sharding.IDLE_STEP`) up to the longest rank's length, so every rank ends
-    the pass at the same batch."""
+    On several processes (``shard``) each rank yields only its share of the clients, then idle items
+    (``lightning_fedrep.sharding.IDLE_STEP``) up to the longest rank's length, so every rank ends
+    the pass at the same batch.
+
+    Args:
+        clients: every client's evaluation samples, by client id.
+        batch_size: the evaluation batch size.
+        stage: ``"val"``, ``"test"`` or ``"predict"``.
+        fetcher: how batches are loaded and collated (workers, pinned memory; the data module's).
+    """
 
     def __init__(
         self,
@@ -267,7 +281,7 @@ class EvalLoader:
         self._layout()
 
     def chunk(self, max_samples: int | None) -> None:
-        """Yield :class:`ClientChunk` items of consecutive clients holding at most ``max_samples``
+        """Yield ``ClientChunk`` items of consecutive clients holding at most ``max_samples``
         samples (a larger client alone); ``None`` goes back to one batch per step."""
         self._max_samples = max_samples
         self._layout()

@@ -45,12 +45,27 @@ class FederatedDataModule(L.LightningDataModule):
     carve a validation split off its training data (``val_fraction``); validation then runs on it,
     otherwise on the client's test split, as the papers do.
 
-    ``train_dataloader`` returns one :class:`RoundLoader` (the strategy drives it round by round) and
-    ``val_dataloader``/``test_dataloader`` one :class:`EvalLoader` over all clients.
+    ``train_dataloader`` returns one :class:`~lightning_fedrep.data.loaders.RoundLoader` (the strategy
+    drives it round by round) and ``val_dataloader``/``test_dataloader`` one
+    :class:`~lightning_fedrep.data.loaders.EvalLoader` over all clients.
 
     ``max_train_samples`` caps each client's training samples (after any validation split), keeping a
     seeded random subset of that size (the official code's ``m_tr``, default 500, which keeps the *first*
     ``m_tr`` samples of a client's shards in the order they were dealt); test splits are not capped.
+
+    Args:
+        train_set: a map-style data set of ``(input, integer label)`` samples, split over the clients.
+        test_set: the test data set, split over the same clients (each client gets its own classes'
+            samples); ``None``: no test split.
+        partitioner: how the data sets are split over clients (:class:`Partitioner`).
+        batch_size: the training batch size.
+        eval_batch_size: the batch size of validation and test.
+        val_fraction: the share of each client's training data kept for validation (0: none).
+        num_workers: ``DataLoader`` worker processes that load batches.
+        pin_memory: pin the batches' memory (faster host-to-GPU copies).
+        collate_fn: how samples become a batch (``None``: PyTorch's default collation).
+        seed: the seed of the partition, the validation splits and ``max_train_samples``' subsets.
+        max_train_samples: the cap on each client's training samples (``None``: no cap).
     """
 
     def __init__(
@@ -185,7 +200,8 @@ class FederatedDataModule(L.LightningDataModule):
     ) -> Iterator[Any]:
         """``client``'s samples of ``split`` in the given batches of positions (``0 .. n-1`` within the
         client), collated as this data module's own loaders collate them (``collate_fn``, workers, pinned
-        memory): for a callback that runs its own passes over a client's data (``FineTunedEvaluation``)."""
+        memory): for a callback that runs its own passes over a client's data (``FineTunedEvaluation``).
+        ``index_batches`` holds one tensor of positions per batch."""
         data = self.client_data(client, split)
         return self._fetcher.batches(data.dataset, [data.indices[b] for b in index_batches])
 
@@ -228,8 +244,9 @@ class FederatedDataModule(L.LightningDataModule):
         return pick(old), pick(new)
 
     def with_train_samples(self, samples: int, seed: int | None = None) -> FederatedDataModule:
-        """The same clients with at most ``samples`` training samples each (a seeded random subset),
-        test splits unchanged: the few-shot data of the new-client protocol."""
+        """The same clients with at most ``samples`` training samples each (a random subset drawn with
+        ``seed``, the data module's own when ``None``), test splits unchanged: the few-shot data of the
+        new-client protocol."""
         self._require_setup()
         if samples < 1:
             raise ValueError(f"samples must be >= 1, got {samples}.")

@@ -79,7 +79,13 @@ class Partitioner(Protocol):
     num_clients: int
 
     def split(self, train_labels: torch.Tensor, test_labels: torch.Tensor | None, seed: int) -> ClientSplit:
-        """Return the per-client train/test indices for these labels."""
+        """Return the per-client train/test indices for these labels.
+
+        Args:
+            train_labels: the train set's integer labels, one per sample (1-D).
+            test_labels: the test set's labels, or ``None`` when there is no test set.
+            seed: the seed of every random choice (the same seed gives the same split).
+        """
         ...
 
 
@@ -302,6 +308,10 @@ class ShardPartitioner(Partitioner):
         Entry ``[i, j]`` is a position in the sorted distinct train labels (not the label value itself);
         each row is sorted, and has no repeats unless ``assignment="official"``. Useful to inspect or log
         who holds which classes.
+
+        Args:
+            num_classes: how many distinct labels the train set has.
+            seed: the seed :meth:`split` is given.
         """
         if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}.")
@@ -603,7 +613,7 @@ class NaturalPartitioner(Partitioner):
     sample is assigned to no client, and a client whose group has no test sample gets an empty test split.
 
     :meth:`split` takes the same arguments as every :class:`Partitioner`, so
-    :meth:`FederatedDataModule.setup` works unchanged; the labels it is given are only checked to have
+    ``FederatedDataModule.setup`` works unchanged; the labels it is given are only checked to have
     one entry per sample (their values do not matter), and ``seed`` is unused (there is no randomness).
     """
 

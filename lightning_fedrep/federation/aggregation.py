@@ -29,7 +29,8 @@ class WeightedAverage:
 
     Sums are kept in float64 on the tensors' device so the mean does not depend on the order in which
     clients arrive beyond float64 rounding; integer tensors (e.g. BatchNorm's ``num_batches_tracked``)
-    are averaged and rounded back.
+    are averaged and rounded back. ``like``: tensors of the shapes and devices to sum (the round's
+    starting values).
     """
 
     def __init__(self, like: list[Tensor]):
@@ -93,6 +94,7 @@ class ClientFault:
     step: int
     """Its local steps in the round when the fault was found (an error: the step that raised)."""
     reason: str
+    """What went wrong, in words (the error, or the non-finite values found)."""
 
 
 @dataclass(frozen=True)
@@ -108,14 +110,16 @@ class ClientUpdate:
     round: int
     weight: float
     num_samples: int
+    """The client's training samples."""
     steps: int
+    """The local steps it ran this round."""
     upload: Mapping[str, Tensor]
     metrics: Mapping[str, float] = field(default_factory=dict)
     """Per-client values reported with the update (empty for the built-in clients)."""
 
 
 class Aggregator:
-    """Reduces a round's :class:`ClientUpdate`s as they arrive (a Flower-like aggregation step).
+    """Reduces a round's :class:`ClientUpdate` objects as they arrive (a Flower-like aggregation step).
 
     The federation calls :meth:`add` once per surviving client, :meth:`failed` once per client left out
     (at the round's close, in plan order, on every process), :meth:`reduce` once across processes, then
@@ -136,7 +140,8 @@ class Aggregator:
         raise NotImplementedError
 
     def failed(self, fault: ClientFault) -> None:
-        """A client left out of the round (non-finite values, an error): it contributes no update."""
+        """A client left out of the round (non-finite values, an error; ``fault`` says which and why): it
+        contributes no update."""
         self.failures.append(fault)
 
     def expect(self, clients: int) -> None:
@@ -151,7 +156,8 @@ class Aggregator:
         return self.weight == 0.0
 
     def reduce(self, collective: Collective) -> None:
-        """Combine every process's updates, so that every process holds the whole round's."""
+        """Combine every process's updates over ``collective`` (the processes' communication), so that every
+        process holds the whole round's."""
         raise NotImplementedError
 
     def result(self) -> dict[str, Tensor]:
@@ -163,7 +169,7 @@ class Aggregator:
         raise NotImplementedError
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore ``state``, what :meth:`state_dict` returned."""
         raise NotImplementedError
 
 

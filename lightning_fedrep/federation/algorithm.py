@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterable, Mapping
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,17 +37,24 @@ __all__ = [
     "ClientTensors",
     "EvaluationSpec",
     "RoundResults",
+    "ScoredForward",
     "ServerState",
     "ServerTensors",
     "declared_names",
     "declared_templates",
     "evaluation_spec",
     "scored_tensors",
+    "scoring_forward",
     "uses_results",
 ]
 
-Init = Literal["zeros", "module"]
-"""``"zeros"``, or the module's values at fit start (only with ``like``)."""
+Init = Literal["zeros", "module"] | Callable[[str, Tensor, torch.Generator], Tensor]
+"""``"zeros"``, the module's values at fit start (only with ``like``), or a callable
+``init(name, template, generator) -> Tensor`` (see :class:`ClientTensors`)."""
+Shapes = Mapping[str, tuple[int, ...]] | tuple[int, ...]
+ShapesOf = Callable[[Mapping[str, Mapping[str, tuple[int, ...]]]], Shapes]
+"""``shapes(groups) -> shapes``: ``groups`` maps each group (``"shared"``, ``"local"``, ``"model"``, ``"body"``,
+``"head"``) to its tensors' shapes by name."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +64,21 @@ class ClientTensors:
     ``like`` is ``"shared"`` (the tensors the server aggregates), ``"local"`` (those each client keeps),
     ``"model"`` (both: a per-client slot a ``Phase(slot=name)`` can train, Ditto's ``"personal"``),
     ``"body"`` or ``"head"``: one tensor ``"<name>.<tensor name>"`` per tensor of it. ``shapes`` is a
-    tuple (one tensor named ``name``) or a mapping ``key -> shape`` (tensors ``"<name>.<key>"``).
+    tuple (one tensor named ``name``) or a mapping ``key -> shape`` (tensors ``"<name>.<key>"``), or a
+    callable ``shapes(groups)`` returning one of those from the groups' shapes (FedCP's policy network,
+    sized by the head's input).
+
+    ``init``: ``"zeros"``, ``"module"`` (a copy of the ``like`` tensor at fit start), or a callable
+    ``init(name, template, generator) -> Tensor`` run once per tensor when the federation first snapshots
+    its state (fit start, after Lightning's seeding; a resumed run loads the checkpoint instead):
+    ``template`` is the tensor's zeros (the ``like`` tensor's values with ``like=``), ``generator`` a CPU
+    ``torch.Generator`` seeded from the strategy's ``seed`` and ``name``, so every process and every run with
+    the same seed draws the same values (a random initialization, FedCP's ``nn.Linear``-like policy network).
     """
 
     name: str
     like: str | None = None
-    shapes: Mapping[str, tuple[int, ...]] | tuple[int, ...] | None = None
+    shapes: Shapes | ShapesOf | None = None
     init: Init = "zeros"
     dtype: torch.dtype | None = None
     """``None``: the dtype of the ``like`` tensors (float32 for ``shapes``)."""
@@ -86,13 +104,16 @@ class ClientEnd:
     client: int
     round: int
     num_samples: int
+    """The client's training samples."""
     steps: int
+    """The local steps it ran this round."""
     lr: float | None
     start: Mapping[str, Tensor]
     end: Mapping[str, Tensor]
     client_state: Mapping[str, Tensor]
     server: Mapping[str, Tensor]
     shared_names: tuple[str, ...] = ()
+    """The names of ``start``/``end`` the server shares (what :meth:`shared` returns)."""
     slots: Mapping[str, Tensor] = field(default_factory=dict)
 
     def shared(self) -> dict[str, Tensor]:
@@ -113,6 +134,7 @@ class ClientOutcome:
 
     upload: Mapping[str, Tensor]
     client_state: Mapping[str, Tensor] = field(default_factory=dict)
+    """New values of some of the client's declared tensors, by name."""
     metrics: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -175,33 +197,59 @@ def _names(spec: ClientTensors, groups: Mapping[str, Mapping[str, Tensor]]) -> d
                 f"{sorted(groups)}."
             )
         return {f"{spec.name}.{n}": t for n, t in groups[spec.like].items()}
-    if spec.init != "zeros":
+    if spec.init == "module":
         raise ValueError(f"{type(spec).__name__} {spec.name!r}: init={spec.init!r} needs like=, not shapes=.")
-    if isinstance(spec.shapes, Mapping):
-        return {f"{spec.name}.{k}": tuple(s) for k, s in spec.shapes.items()}
-    return {spec.name: tuple(spec.shapes)}
+    shapes = spec.shapes
+    if callable(shapes):
+        shapes = shapes(
+            {g: {n: tuple(getattr(t, "shape", ())) for n, t in named.items()} for g, named in groups.items()}
+        )
+    if isinstance(shapes, Mapping):
+        return {f"{spec.name}.{k}": tuple(s) for k, s in shapes.items()}
+    return {spec.name: tuple(shapes)}
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    """The CPU generator of a callable ``init``: seeded from the strategy's ``seed`` and the tensor's name."""
+    return torch.Generator().manual_seed(
+        ((seed & 0xFFFFFFFF) * 1_000_003 + zlib.crc32(name.encode())) % (2**61 - 1)
+    )
 
 
 def declared_templates(
-    specs: Iterable[ClientTensors], groups: Mapping[str, Mapping[str, Tensor]]
+    specs: Iterable[ClientTensors], groups: Mapping[str, Mapping[str, Tensor]], seed: int = 0
 ) -> dict[str, Tensor]:
     """The initial values of declared tensors by name, from ``groups`` (group name -> the module's tensors
-    by name at fit start). A bad declaration is an error naming it."""
+    by name at fit start); ``seed`` (the strategy's) seeds a callable ``init``. A bad declaration is an error
+    naming it."""
     out: dict[str, Tensor] = {}
     for spec in specs:
-        if spec.init not in ("zeros", "module"):
+        if not callable(spec.init) and spec.init not in ("zeros", "module"):
             raise ValueError(
-                f"{type(spec).__name__} {spec.name!r}: init must be 'zeros' or 'module', got {spec.init!r}."
+                f"{type(spec).__name__} {spec.name!r}: init must be 'zeros', 'module' or a callable "
+                f"(name, template, generator) -> Tensor, got {spec.init!r}."
             )
         for name, like in _names(spec, groups).items():
             if name in out:
                 raise ValueError(f"Two declared tensors are named {name!r}; give them different names.")
             if isinstance(like, Tensor):
-                value = like.detach().clone() if spec.init == "module" else torch.zeros_like(like)
-                out[name] = value if spec.dtype is None else value.to(spec.dtype)
+                value = like.detach().clone() if spec.init != "zeros" else torch.zeros_like(like)
+                value = value if spec.dtype is None else value.to(spec.dtype)
             else:
-                out[name] = torch.zeros(like, dtype=spec.dtype or torch.float32)
+                value = torch.zeros(like, dtype=spec.dtype or torch.float32)
+            out[name] = _initialized(spec, name, value, seed) if callable(spec.init) else value
     return out
+
+
+def _initialized(spec: ClientTensors, name: str, template: Tensor, seed: int) -> Tensor:
+    """A callable ``init``'s value of ``name``, checked to be a tensor of the template's shape."""
+    value = spec.init(name, template, _generator(seed, name))  # type: ignore[operator]
+    if not isinstance(value, Tensor) or value.shape != template.shape:
+        raise ValueError(
+            f"{type(spec).__name__} {spec.name!r}: init({name!r}, ...) must return a tensor of shape "
+            f"{tuple(template.shape)}, got {getattr(value, 'shape', value)!r}."
+        )
+    return value.detach().to(template.dtype)
 
 
 def declared_names(specs: Iterable[ClientTensors], groups: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -220,6 +268,8 @@ Score = Literal["personal", "global", "slot", "mixture"]
 SCORES: tuple[str, ...] = ("personal", "global", "slot", "mixture")
 Mix = Callable[[Mapping[str, Tensor], Mapping[str, Tensor], int], Mapping[str, Tensor]]
 """``mix(global tensors, the client's slot tensors, client) -> the tensors evaluation scores``."""
+Forward = Callable[..., Any]
+"""``forward(module, client_state, server, *args, **kwargs) -> output`` (``EvaluationSpec.forward``)."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +289,21 @@ class EvaluationSpec:
     data for this phase (``Phase("all", epochs=5)``: Per-FedAvg; ``Phase("all", steps=1)``: HF-MAML) with
     plain SGD (no momentum, no weight decay) at ``adapt_lr`` (``None``: the module optimizer's learning
     rate); the stored state does not change.
+
+    ``forward``: how the scored model predicts, for algorithms whose prediction is not the module's own
+    ``forward`` with some tensors (FedCP's policy network and global head). ``forward(module, client_state,
+    server, *args, **kwargs)`` is called in place of ``module.forward(*args, **kwargs)`` wherever client ``c``'s
+    model is scored or handed out (validation, test, ``trainer.predict``, ``strategy.client_model(c)``): the
+    user's ``validation_step`` calling ``self(x)`` gets ``forward(module, client_state_c, server, x)``.
+    ``module`` holds the tensors ``score`` selects for ``c`` (as without ``forward``); ``client_state`` is
+    ``c``'s declared client tensors by name (``"<name>.<tensor>"`` / ``"<name>"``, as ``StepView.client_state``;
+    the templates for a client that never trained), ``server`` the declared server tensors by name (as
+    ``ServerState.tensors``); both are views: do not modify them. It must be a pure function of its inputs
+    (no random numbers), and must not call ``module(...)`` or ``module.forward`` (that is itself): call the
+    class's method, ``type(module).forward(module, x)``, or ``module.forward_features``/``forward_head``.
+    A module-level function (or a picklable callable) keeps ``client_model(c)`` picklable. Not combined with
+    ``adapt`` (refused here) nor with ``FineTunedEvaluation`` (refused at set-up); the lockstep runner
+    evaluates such a spec per batch (``strategy.runner_report.evaluation`` says so).
     """
 
     score: Score = "personal"
@@ -247,6 +312,7 @@ class EvaluationSpec:
     adapt: Any = None
     """A ``Phase`` (``lightning_fedrep.Phase``; typed loosely: the algorithms module imports this one)."""
     adapt_lr: float | None = None
+    forward: Forward | None = None
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
@@ -273,6 +339,21 @@ class EvaluationSpec:
                 f"EvaluationSpec.mix must be a callable (global, slot, client) -> tensors, got {self.mix!r}."
             )
         self._check_adapt()
+        self._check_forward()
+
+    def _check_forward(self) -> None:
+        if self.forward is None:
+            return
+        if not callable(self.forward):
+            raise TypeError(
+                "EvaluationSpec.forward must be a callable (module, client_state, server, *args, **kwargs) -> "
+                f"output (the scored model's prediction) or None, got {self.forward!r}."
+            )
+        if self.adapt is not None:
+            raise ValueError(
+                "EvaluationSpec.forward and adapt= cannot be combined: the adaptation trains the module's own "
+                f"forward, not forward={self.forward!r} with the declared tensors; drop adapt= (or forward=)."
+            )
 
     def _check_adapt(self) -> None:
         if self.adapt is not None:
@@ -344,3 +425,79 @@ def scored_tensors(
             f"some of {sorted(model)}."
         )
     return {**personal, **{n: t.detach() for n, t in mixed.items()}}
+
+
+class ScoredForward:
+    """A client's scored model's ``forward`` (``EvaluationSpec.forward``), set as the module's instance
+    attribute ``forward``: calling it calls ``forward(module, client_state, server, *args, **kwargs)``.
+
+    A plain picklable object (when ``forward`` is): ``copy.deepcopy`` and ``torch.save`` of a module holding
+    one keep it. ``client_state`` and ``server`` are moved to the device of the module's first parameter at
+    each call (nothing moves when they are there already), so a handed-out model may be moved with ``.to()``.
+    """
+
+    def __init__(
+        self,
+        forward: Forward,
+        module: torch.nn.Module,
+        client_state: Mapping[str, Tensor],
+        server: Mapping[str, Tensor],
+    ):
+        self.forward = forward
+        self.module = module
+        self.client_state = dict(client_state)
+        self.server = dict(server)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        parameter = next(self.module.parameters(), None)
+        client_state, server = self.client_state, self.server
+        if parameter is not None:
+            device = parameter.device
+            client_state = {n: t.to(device) for n, t in client_state.items()}
+            server = {n: t.to(device) for n, t in server.items()}
+        return self.forward(self.module, client_state, server, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"ScoredForward({self.forward!r}, client_state={sorted(self.client_state)}, server={sorted(self.server)})"
+
+
+def set_forward(module: torch.nn.Module, forward: ScoredForward | None) -> Any:
+    """Make ``forward`` the module's instance ``forward`` (``None``: remove it); returns what was there
+    (a value for :func:`restore_forward`)."""
+    previous = module.__dict__.get("forward", _ABSENT)
+    if forward is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = forward
+    return previous
+
+
+def restore_forward(module: torch.nn.Module, previous: Any) -> None:
+    """Put back the instance ``forward`` :func:`set_forward` returned (or none, the class's method)."""
+    if previous is _ABSENT:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = previous
+
+
+_ABSENT = object()
+
+
+@contextmanager
+def scoring_forward(
+    module: torch.nn.Module,
+    spec: EvaluationSpec,
+    client_state: Callable[[], Mapping[str, Tensor]],
+    server: Mapping[str, Tensor],
+) -> Iterator[None]:
+    """While the block runs, ``module.forward`` is ``spec.forward`` for a client (``client_state()``: its
+    declared tensors; ``server``: the declared server tensors); restored afterwards, also on an exception.
+    Does nothing without ``spec.forward``."""
+    if spec.forward is None:
+        yield
+        return
+    previous = set_forward(module, ScoredForward(spec.forward, module, client_state(), server))
+    try:
+        yield
+    finally:
+        restore_forward(module, previous)

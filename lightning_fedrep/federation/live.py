@@ -7,12 +7,19 @@ masks, per-client optimizer state, and the evaluation swaps.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor, nn
 
 from lightning_fedrep.algorithms import PART_GROUPS, Part
-from lightning_fedrep.federation.algorithm import EvaluationSpec, evaluation_spec, scored_tensors
+from lightning_fedrep.federation.algorithm import (
+    EvaluationSpec,
+    ScoredForward,
+    evaluation_spec,
+    scored_tensors,
+    scoring_forward,
+)
 from lightning_fedrep.federation.round import _LiveClient
 from lightning_fedrep.federation.store import OptimizerState
 
@@ -124,6 +131,24 @@ class LiveModule:
             self.store.personal(client, self.local_names),
             lambda: self.store.client_state(client),
         )
+
+    def scoring(self, module: nn.Module, client: int) -> AbstractContextManager:
+        """While the block runs, ``module.forward`` predicts as ``client``'s scored model: the algorithm's
+        ``EvaluationSpec.forward`` with the client's declared tensors and the server tensors (restored after;
+        nothing changes without one). ``-1``: a client that never trained (the templates)."""
+        return scoring_forward(
+            module, self.evaluation_spec, lambda: self.store.client_state(client), self.server_tensors
+        )
+
+    def scored_forward(self, module: nn.Module, client: int) -> ScoredForward | None:
+        """A standalone ``forward`` for ``module`` predicting as ``client``'s scored model, over copies of
+        its declared tensors and the server tensors (``None`` without ``EvaluationSpec.forward``)."""
+        forward = self.evaluation_spec.forward
+        if forward is None:
+            return None
+        state = {n: t.detach().clone() for n, t in self.store.client_state(client).items()}
+        server = {n: t.detach().clone() for n, t in self.server_tensors.items()}
+        return ScoredForward(forward, module, state, server)
 
     def evaluation_tensors(self, client: int) -> dict[str, Tensor]:
         """What makes ``client``'s model its own in the current evaluation (not copies: do not modify):

@@ -126,8 +126,11 @@ class GradTransform:
     """Maps the client's gradients (of its trained tensors, by name) before its optimizer step."""
 
     fn: Callable[[Mapping[str, Tensor], StepView], Mapping[str, Tensor]]
+    """``fn(grads, view) -> grads``: the new gradients by name (a name left out keeps its gradient)."""
     name: str
+    """The transform's name in reports and errors."""
     vmappable: bool = True
+    """Whether ``fn`` runs inside the lockstep runner's ``vmap`` (``False`` keeps ``engine="auto"`` sequential)."""
 
 
 @dataclass(frozen=True)
@@ -139,8 +142,11 @@ class ParamTransform:
     """
 
     fn: Callable[[Mapping[str, Tensor], StepView], Mapping[str, Tensor]]
+    """``fn(tensors, view) -> tensors``: the new trained tensors by name (a name left out keeps its value)."""
     name: str
+    """The transform's name in reports and errors."""
     vmappable: bool = True
+    """Whether ``fn`` runs inside the lockstep runner's ``vmap`` (``False`` keeps ``engine="auto"`` sequential)."""
     needs_before: bool = False
 
 
@@ -151,7 +157,7 @@ module's own), its declared per-sample loss averaged over the real rows (``mask`
 
 
 def pure_loss(module: torch.nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> PureLoss:
-    """The :data:`PureLoss` of ``module`` with its declared per-sample loss ``loss_fn`` (``fedrep_loss``)."""
+    """The ``PureLoss`` of ``module`` with its declared per-sample loss ``loss_fn`` (``fedrep_loss``)."""
 
     def loss(tensors: Mapping[str, Tensor], x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
         per_sample = loss_fn(torch.func.functional_call(module, dict(tensors), (x,)), y)
@@ -184,7 +190,7 @@ class StepRule:
     """Replaces "loss of the batch -> backward" of a local step by a program over the declared pure loss.
 
     Args:
-        fn: ``fn(loss, view, x, y) -> StepOutcome``: ``loss`` is the module's :data:`PureLoss`, ``view`` the
+        fn: ``fn(loss, view, x, y) -> StepOutcome``: ``loss`` is the module's ``PureLoss``, ``view`` the
             step's :class:`StepView` (its tensors detached: differentiate with ``torch.func.grad``), ``(x, y)``
             the step's batch. The user's ``training_step`` does not run.
         name: names the rule in the runner report and in errors.
@@ -212,8 +218,11 @@ class Objective:
     """
 
     terms: tuple[LossTerm, ...] = ()
+    """Scalars added to every local step's loss."""
     grad_transforms: tuple[GradTransform, ...] = ()
+    """Maps of the gradients before the optimizer step, in order."""
     param_transforms: tuple[ParamTransform, ...] = ()
+    """Maps of the trained tensors after the optimizer step, in order."""
     step: StepRule | None = None
 
     def __post_init__(self) -> None:

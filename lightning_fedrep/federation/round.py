@@ -67,7 +67,9 @@ class RoundResult:
     round: int
     plan: RoundPlan
     clients: tuple[ClientResult, ...]
+    """What each client that trained did (:class:`ClientResult`), on several processes every rank's."""
     aggregated: bool
+    """Whether the shared state was replaced by the aggregate (``False``: a local-only round, or none survived)."""
     weight: float = 0.0
     """The total aggregation weight of the participants (samples, or their count when uniform)."""
     faults: tuple[ClientFault, ...] = ()
@@ -143,7 +145,7 @@ class RoundTransaction:
     def open_round(self, plan: RoundPlan) -> None:
         """Start training round ``plan.round``."""
         self._require_state()
-        aggregator = self._new_aggregator(plan) if self.shared_names and plan.aggregate else None
+        aggregator = self._new_aggregator(plan) if plan.aggregate else None
         self._before_round = _RoundStart(self.round_index, torch.get_rng_state(), dict(self.store.finetuned))
         self.round_index = plan.round
         self.round_open = True
@@ -155,14 +157,17 @@ class RoundTransaction:
         self._local_average = self._new_local_average(plan.aggregate)
         self._finished = []
 
-    def _new_aggregator(self, plan: RoundPlan) -> Aggregator:
-        """The algorithm's aggregator for the round (``WeightedMean`` unless it chooses another)."""
+    def _new_aggregator(self, plan: RoundPlan) -> Aggregator | None:
+        """The algorithm's aggregator for the round (``WeightedMean`` unless it chooses another), or ``None``
+        when it receives nothing (no shared tensors and no names of the algorithm's own: Local)."""
         aggregator = self.algorithm.aggregator(self.global_view())
         if not isinstance(aggregator, Aggregator):
             raise TypeError(
                 f"{type(self.algorithm).__name__}.aggregator() must return an Aggregator (e.g. WeightedMean or "
                 f"Stacked from lightning_fedrep.federation.aggregation), got {type(aggregator).__name__}."
             )
+        if not aggregator.names:
+            return None
         aggregator.expect(len(plan.clients))
         return aggregator
 

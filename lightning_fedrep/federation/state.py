@@ -29,7 +29,10 @@ STATE_VERSION = 3
 
 @dataclass(frozen=True)
 class FederationConfig:
-    """The settings of a federation that do not depend on the model (checked at construction)."""
+    """The settings of a federation that do not depend on the model (checked at construction): ``phases``,
+    ``clients_per_round``, ``weighting``, ``client_optimizer_state``, ``seed``, ``on_nonfinite`` and
+    ``on_client_error`` are the strategy's settings of the same names
+    (:class:`~lightning_fedrep.lightning.strategy.FederatedStrategyMixin`)."""
 
     phases: tuple[Phase, ...]
     clients_per_round: float | int = 0.1
@@ -211,8 +214,9 @@ class FederationState:
             self.global_state = [t.detach().clone() for t in self._tensors(self.shared_names)]
             self.store = ClientStore(self._tensors(self.local_names))
             groups = self._declared_groups({n: t for n, t in self._named.items()})
-            self.store.declare(declared_templates(self.algorithm.client_tensors, groups))
-            self.server_tensors = declared_templates(self.algorithm.server_tensors, groups)
+            seed = self.config.seed
+            self.store.declare(declared_templates(self.algorithm.client_tensors, groups, seed))
+            self.server_tensors = declared_templates(self.algorithm.server_tensors, groups, seed)
             self._check_slots()
         else:
             self.global_state = [t.to(device) for t in self.global_state]
@@ -264,10 +268,11 @@ class FederationState:
                 groups[group][name] = named[name]
         return groups
 
-    def declared_names(self) -> tuple[list[str], list[str]]:
-        """The names of the algorithm's declared client and server tensors in this layout."""
-        names = dict.fromkeys(self.shared_names + self.local_names)
-        groups = self._declared_groups(names)
+    def declared_names(self, named: Mapping[str, Any] | None = None) -> tuple[list[str], list[str]]:
+        """The names of the algorithm's declared client and server tensors in this layout (``named``: the
+        model's tensors by name, whose shapes size a ``shapes=callable``; default: the attached module's)."""
+        named = self._named if named is None else named
+        groups = self._declared_groups({n: named.get(n) for n in self.shared_names + self.local_names})
         return (
             list(declared_templates_names(self.algorithm.client_tensors, groups)),
             list(declared_templates_names(self.algorithm.server_tensors, groups)),
@@ -276,7 +281,11 @@ class FederationState:
     def check_declared(self, state: Mapping[str, Any], path: Any) -> None:
         """Refuse a checkpoint that lacks declared tensors this run's algorithm needs (e.g. a version-2 file,
         which holds none), naming them and what to do."""
-        client, server = self.declared_names()
+        saved = zip(
+            [*state.get("shared_names", []), *state.get("local_names", [])],
+            [*state.get("global", []), *state.get("clients", {}).get("template", [])],
+        )
+        client, server = self.declared_names({**dict(saved), **self._named})
         saved_client = list(state.get("clients", {}).get("tensor_names", []))
         saved_server = list(state.get("server", {}))
         missing = {

@@ -1,5 +1,5 @@
 """The public API of the federated strategies: accessors over the federation and the run (documented in
-the README's *API* section). A mixin of :class:`~lightning_fedrep.lightning.strategy.FederatedStrategyMixin`,
+the API reference, docs/api/strategies.md). A mixin of :class:`~lightning_fedrep.lightning.strategy.FederatedStrategyMixin`,
 kept apart from its Lightning hooks."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import Tensor
 from lightning_fedrep.checkpoint_payload import CHECKPOINT_KEY
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.federation import ClientFault, Federation, federation_fingerprint, fingerprint_changes
+from lightning_fedrep.federation.algorithm import set_forward
 from lightning_fedrep.lightning import loading
 from lightning_fedrep.plan import RankShare, RoundPlan, shard_round
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
@@ -51,7 +52,7 @@ class StrategyAPI:
     @property
     def runner_report(self) -> RunnerReport | None:
         """Which runner runs this fit's training steps (``"lockstep"``, the vectorized engine, or
-        ``"sequential"``: :attr:`RunnerReport.runner`), why, decided when, and how each phase kind runs
+        ``"sequential"``: ``RunnerReport.engine``), why, decided when, and how each phase kind runs
         (:class:`~lightning_fedrep.runners.report.RunnerReport`); ``None`` before the first fit's ``setup``."""
         return self._selection.report
 
@@ -116,26 +117,27 @@ class StrategyAPI:
         return self.federation.history.results() if self.federation is not None else {}
 
     def round_plan(self, round_index: int) -> RoundPlan:
-        """The frozen plan of a round (sampled clients, in order, their phases' step counts), after
-        every federated callback's ``configure_round``."""
+        """The frozen plan of round ``round_index`` (sampled clients, in order, their phases' step counts),
+        after every federated callback's ``configure_round``."""
         self.require_federation()
         return self._run.plan(round_index)
 
     def round_shares(self, round_index: int | None = None) -> tuple[RankShare, ...]:
-        """How a round's clients (the current round's by default) are dealt to the processes: each
-        rank's clients and their local steps, balanced by steps (one share on one process)."""
+        """How round ``round_index``'s clients (the current round's by default) are dealt to the processes:
+        each rank's clients and their local steps, balanced by steps (one share on one process)."""
         r = self.lightning_module.trainer.current_epoch if round_index is None else round_index
         return shard_round(self.round_plan(r), self.collective.world_size)
 
     def rank_steps(self, round_index: int | None = None) -> tuple[int, ...]:
-        """The Lightning steps each process trains in a round (the current one by default) before it
-        idles, by rank: every rank runs the largest count, the others pad with idle steps."""
+        """The Lightning steps each process trains in round ``round_index`` (the current one by default)
+        before it idles, by rank: every rank runs the largest count, the others pad with idle steps."""
         r = self.lightning_module.trainer.current_epoch if round_index is None else round_index
         self.require_federation()
         return self._run.schedule(r).lengths
 
     def client_for(self, batch_idx: int, round_index: int | None = None) -> int:
-        """The client that trains on the ``batch_idx``-th batch of a round (the current one by default).
+        """The client that trains on the ``batch_idx``-th batch of round ``round_index`` (the current one by
+        default).
 
         A callback's or the module's ``on_train_batch_start`` runs before the strategy switches clients.
         """
@@ -158,11 +160,13 @@ class StrategyAPI:
         """Overwrite some of ``client``'s local tensors (e.g. a server step on the heads)."""
         self.require_federation().update_client(client, tensors)
 
-    def client_state_dict(self, client: int) -> dict[str, Tensor]:
+    def client_state_dict(self, client: int, warn_forward: bool = True) -> dict[str, Tensor]:
         """A ``state_dict`` of the user's module personalized for ``client`` (global shared part, its
         local part, and what it fine-tuned; what evaluation scores, ``Algorithm.evaluation()``). Load it into a
         fresh instance of the module to predict. With ``EvaluationSpec.adapt`` it is the model before the
-        adaptation (evaluation adapts it on the client's training data first; a warning says so)."""
+        adaptation (evaluation adapts it on the client's training data first; a warning says so). With an
+        ``EvaluationSpec.forward`` it is not the whole prediction (a warning says so unless
+        ``warn_forward=False``): use :meth:`client_model`."""
         federation = self.require_federation()
         adapt = federation.evaluation_spec.adapt
         if adapt is not None and client != -1:
@@ -171,13 +175,29 @@ class StrategyAPI:
                 f"runs first ({adapt!r} on the client's training data, EvaluationSpec.adapt of "
                 f"{self.algorithm.name!r})."
             )
+        if federation.evaluation_spec.forward is not None and warn_forward:
+            rank_zero_warn(
+                f"client_state_dict({client}) holds the module's tensors only, but {self.algorithm.name!r} predicts "
+                f"with its own EvaluationSpec.forward over declared tensors too: use strategy.client_model({client}) "
+                "for a module that predicts as evaluation scores."
+            )
         return federation.personalized_state(self.lightning_module.state_dict(), client)
 
     def client_model(self, client: int) -> L.LightningModule:
-        """A copy of the user's module holding ``client``'s personalized model (for prediction or export)."""
-        state = self.client_state_dict(client)
+        """A copy of the user's module holding ``client``'s personalized model (for prediction or export).
+
+        With the algorithm's ``EvaluationSpec.forward`` (an algorithm whose prediction is not the module's own
+        forward, e.g. FedCP) the copy's instance attribute ``forward`` is a
+        ``ScoredForward`` over copies of ``client``'s declared
+        tensors and the server tensors, so ``model(x)`` predicts as evaluation scores, standalone; the class's
+        own forward stays ``type(model).forward``. ``copy.deepcopy`` and ``torch.save(model)`` keep it when the
+        algorithm's ``forward`` is picklable (a module-level function); its ``state_dict`` alone does not hold
+        the declared tensors (``client_state_dict`` warns)."""
+        state = self.client_state_dict(client, warn_forward=False)
         module = copy.deepcopy(self.lightning_module)
+        set_forward(module, None)  # the class's forward (Lightning may leave a bound method there)
         module.load_state_dict(state)
+        set_forward(module, self.require_federation().scored_forward(module, client))
         return module
 
     def new_client_model(self) -> L.LightningModule:
@@ -203,7 +223,7 @@ class StrategyAPI:
         are loaded, answered before anything runs (the command asks it before it writes anything).
 
         Raises:
-            FederationMismatch: they differ and ``allow_new_federation`` is not set.
+            ~lightning_fedrep.federation.FederationMismatch: they differ and ``allow_new_federation`` is not set.
         """
         saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("federation")
         if not saved or not isinstance(datamodule, FederatedDataModule):

@@ -108,7 +108,13 @@ class FederatedCallback(Callback):
 
     # ------------------------------------------------------------------ federated hooks
     def configure_round(self, trainer: L.Trainer, plan: RoundPlan) -> RoundPlan:
-        """Return the round's plan, changed or not (once per round, before it starts)."""
+        """Return the round's plan, changed or not (once per round, before it starts).
+
+        Args:
+            trainer: the Lightning ``Trainer`` running the federation.
+            plan: the round's :class:`~lightning_fedrep.RoundPlan` as the algorithm and the callbacks before
+                this one left it; return it or ``plan.replace(clients=..., phases=..., aggregate=...)``.
+        """
         return plan
 
     def objective(self, trainer: L.Trainer, pl_module: L.LightningModule, phase: str) -> Objective:
@@ -119,7 +125,13 @@ class FederatedCallback(Callback):
         sequential (naming it) and is refused by ``engine="vectorized"``.
 
         The default adapts the deprecated :meth:`loss_term` (the sequential runner's form) and
-        :meth:`vectorized_loss_term` (the lockstep runner's form; without one the term is not vmappable)."""
+        :meth:`vectorized_loss_term` (the lockstep runner's form; without one the term is not vmappable).
+
+        Args:
+            trainer: the Lightning ``Trainer`` running the federation.
+            pl_module: the ``LightningModule`` being trained (the live client's tensors are loaded in it).
+            phase: the phase's part, ``"head"``, ``"body"`` or ``"all"``.
+        """
         if not adds_loss_term(self):
             return Objective()
         warnings.warn(
@@ -152,7 +164,14 @@ class FederatedCallback(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step: LiveStep
     ) -> Tensor | None:
         """Deprecated (write :meth:`objective`): a term to add to the live client's training loss, or
-        ``None`` (every local step)."""
+        ``None`` (every local step).
+
+        Args:
+            trainer: the Lightning ``Trainer`` running the federation.
+            pl_module: the ``LightningModule`` being trained (the live client's tensors are loaded in it).
+            batch: the step's batch, as ``training_step`` received it.
+            step: where the step is (:class:`LiveStep`: round, client, phase, batch index).
+        """
         return None
 
     def vectorized_loss_term(
@@ -166,27 +185,57 @@ class FederatedCallback(Callback):
         :class:`VectorizedLossTerm` inside its ``vmap``, once per client per lockstep step; it must add
         exactly what :meth:`loss_term` adds. ``None`` (the default) sends a run whose callbacks add a
         :meth:`loss_term` to the sequential path (``engine="auto"``), or refuses it
-        (``engine="vectorized"``). A plain callable is taken as ``VectorizedLossTerm(fn)``."""
+        (``engine="vectorized"``). A plain callable is taken as ``VectorizedLossTerm(fn)``.
+
+        Args:
+            trainer: the Lightning ``Trainer`` running the federation.
+            pl_module: the ``LightningModule`` being trained (the live client's tensors are loaded in it).
+        """
         return None
 
     def on_round_start(self, trainer: L.Trainer, pl_module: L.LightningModule, plan: RoundPlan) -> None:
-        """Before the round's first step."""
+        """Before the round's first step.
+
+        Args:
+            trainer: the Lightning ``Trainer`` running the federation.
+            pl_module: the ``LightningModule`` being trained (the live client's tensors are loaded in it).
+            plan: the round's :class:`~lightning_fedrep.RoundPlan` (after every ``configure_round``).
+        """
 
     def on_client_start(self, trainer: L.Trainer, pl_module: L.LightningModule, client: int) -> None:
         """After ``client`` was loaded into the module, before its first step of the round (on several
-        processes: only on the rank that trains it)."""
+        processes: only on the rank that trains it).
+
+        Args:
+            trainer: the Lightning ``Trainer`` running the federation.
+            pl_module: the ``LightningModule`` being trained (the live client's tensors are loaded in it).
+            client: the client's index.
+        """
 
     def on_client_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: ClientResult) -> None:
         """After a client's last step of the round, once its state is stored (on several processes:
-        only on the rank that trained it; decide from :meth:`on_round_end`'s result, which every rank sees)."""
+        only on the rank that trained it; decide from :meth:`on_round_end`'s result, which every rank sees).
+
+        Args:
+            trainer: the Lightning ``Trainer`` running the federation.
+            pl_module: the ``LightningModule`` being trained (the live client's tensors are loaded in it).
+            result: the client's :class:`~lightning_fedrep.ClientResult` (round, client, steps, seconds).
+        """
 
     def on_round_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: RoundResult) -> None:
         """After the round's aggregation, before validation and checkpoints. On several processes
-        ``result.clients`` holds every rank's clients and every rank holds every client's state."""
+        ``result.clients`` holds every rank's clients and every rank holds every client's state.
+
+        Args:
+            trainer: the Lightning ``Trainer`` running the federation.
+            pl_module: the ``LightningModule`` being trained (the live client's tensors are loaded in it).
+            result: the round's :class:`~lightning_fedrep.RoundResult` (its plan, its clients' results,
+                whether it aggregated).
+        """
 
     # ------------------------------------------------------------------ helpers
     def strategy(self, trainer: L.Trainer) -> FederatedStrategyAPI:
-        """The Trainer's federated strategy (a clear error if it has none)."""
+        """The federated strategy of ``trainer`` (the Lightning ``Trainer``; a clear error if it has none)."""
         strategy = trainer.strategy
         if not isinstance(strategy, FederatedStrategyAPI):
             raise TypeError(
@@ -196,11 +245,13 @@ class FederatedCallback(Callback):
         return strategy
 
     def federation(self, trainer: L.Trainer) -> Federation:
-        """The run's federation: read-only views of the split and the tensors, and explicit updates."""
+        """The federation ``trainer`` (the Lightning ``Trainer``) runs: read-only views of the split and the
+        tensors, and explicit updates."""
         return self.strategy(trainer).require_federation()
 
     def record(self, trainer: L.Trainer, **values: float) -> None:
-        """Add ``values`` as columns of the current round's history row (``strategy.history``, summaries)."""
+        """Add ``values`` as columns of the current round's history row (``strategy.history``, summaries)
+        of the federation ``trainer`` (the Lightning ``Trainer``) runs."""
         self.federation(trainer).record(**values)
 
 

@@ -33,7 +33,7 @@ _LOST_PEER = re.compile(r"Connection (closed|reset) by peer|timed out|Timeout|Br
 class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
     """Personalized federated learning on several processes: one round's clients sharded over ranks.
 
-    Takes every federated setting of :class:`~lightning_fedrep.lightning.strategy.FederatedStrategyMixin`
+    Takes every federated setting of :class:`~lightning_fedrep.FederatedStrategy`
     (``head``, ``algorithm``, ``clients_per_round``, ``head_epochs``, ``body_epochs``, ``phases``,
     ``engine``, ...) and Lightning's DDP process settings:
 
@@ -42,7 +42,7 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
             rank; every callback works as on one process). ``"sharded"``: each rank holds its own clients
             (client ``c`` on rank ``c % N``; memory: 1/N of the store); callbacks that read every client
             (``needs_every_client``, e.g. ``NeuralCollapse``) are refused, and after ``fit`` a client is
-            read on the rank holding it, or everywhere after :meth:`gather_clients`.
+            read on the rank holding it, or everywhere after ``gather_clients()``.
         timeout: seconds (or a ``timedelta``) a collective waits for the other processes before failing:
             a process that died makes the others fail with an error after at most this long.
         process_group_backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs); by default Lightning's choice for

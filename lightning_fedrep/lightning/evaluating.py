@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_fedrep.callbacks.evaluation_finetuning import EvaluationAdaptation
+from lightning_fedrep.callbacks.evaluation_finetuning import EvaluationAdaptation, FineTunedEvaluation
 from lightning_fedrep.data.loaders import ClientChunk
 from lightning_fedrep.evaluation import EvaluationPass
 from lightning_fedrep.evaluation_records import gather_pass, non_finite_note, partial_pass_note, pass_values
@@ -28,8 +28,16 @@ PREDICTION_MODES = {
 
 def setup(strategy: Any, trainer: Any) -> None:
     """At the strategy's ``setup``: the adaptation the algorithm's ``EvaluationSpec.adapt`` asks for, its
-    module and data checked now (``None`` without one)."""
+    module and data checked now (``None`` without one). A ``FineTunedEvaluation`` is refused with an
+    algorithm's own ``EvaluationSpec.forward`` (its heads would be fine-tuned for the module's forward)."""
     spec = strategy.federation.evaluation_spec
+    if spec.forward is not None and any(isinstance(c, FineTunedEvaluation) for c in trainer.callbacks):
+        raise ValueError(
+            f"FineTunedEvaluation fine-tunes each client's head through the module's own forward, but algorithm "
+            f"{strategy.algorithm.name!r} scores its clients with its own prediction function "
+            f"(EvaluationSpec.forward={spec.forward!r}), so the fine-tuned heads would not be what it scores: "
+            "remove the FineTunedEvaluation callback."
+        )
     strategy._adaptation = None
     if spec.adapt is not None:
         adaptation = EvaluationAdaptation(strategy.algorithm.name, spec.adapt, spec.adapt_lr)
@@ -76,7 +84,8 @@ def step(strategy: Any, user_step: Callable[..., Any], args: tuple, kwargs: dict
     elif not isinstance(batch, IdleStep):  # an idle step: this process has evaluated all its clients
         client = strategy._eval_loader.client_of(batch_idx)
         strategy.federation.evaluate_client(client)
-        output = evaluation.step(module, lambda: user_step(*args, **kwargs), batch, client, context)
+        with strategy.federation.scoring(module, client):  # the algorithm's forward, if it has one
+            output = evaluation.step(module, lambda: user_step(*args, **kwargs), batch, client, context)
     if internals.evaluation_ends_now(module.trainer):
         log(strategy, evaluation)
     return output
@@ -154,3 +163,15 @@ def prediction_client(strategy: Any, args: tuple, kwargs: dict) -> None:
     if strategy.prediction_mode == "personalized" and client != strategy._predicting_client:
         strategy.require_federation().load_personalized(client)
         strategy._predicting_client = client
+
+
+def predict(strategy: Any, user_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """One predicted batch: on its client's model (``predict="personalized"``) or a new client's, with the
+    algorithm's ``EvaluationSpec.forward`` in place of the module's where it has one."""
+    prediction_client(strategy, args, kwargs)
+    federation = strategy.federation
+    if federation is None or not federation.has_state:
+        return user_step(*args, **kwargs)
+    client = strategy._predicting_client if strategy.prediction_mode == "personalized" else -1
+    with federation.scoring(strategy.lightning_module, client):
+        return user_step(*args, **kwargs)

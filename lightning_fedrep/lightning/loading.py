@@ -97,7 +97,8 @@ def bind_evaluation_loader(strategy: Any, dataloader: EvalLoader) -> EvalLoader:
         dataloader.shard(collective.rank, collective.world_size, by_owner=sharded)
     strategy._batched_evaluation = None
     module = strategy.lightning_module
-    if strategy.engine != "sequential" and strategy.headline_metrics and federation is not None:
+    batched = federation is not None and federation.evaluation_spec.forward is None  # else per batch
+    if strategy.engine != "sequential" and strategy.headline_metrics and batched:
         strategy._batched_evaluation = batched_evaluation(
             module,
             federation,

@@ -63,7 +63,7 @@ from lightning_fedrep.split import HeadSpec, resolve_layout
 
 class FederatedStrategyMixin(StrategyAPI):
     """The federated hooks shared by :class:`FederatedStrategy` (one device) and
-    :class:`~lightning_fedrep.distributed.FederatedDDPStrategy` (several processes): put before a
+    :class:`~lightning_fedrep.FederatedDDPStrategy` (several processes): put before a
     Lightning strategy class in the bases.
 
     Args:
@@ -238,7 +238,7 @@ class FederatedStrategyMixin(StrategyAPI):
     def setup(self, trainer: L.Trainer) -> None:
         """Called after the module's ``setup`` (and a checkpoint's model state): check the Trainer's
         settings (fit), create the optimizers, snapshot the global and initial local state, then choose
-        the runner (fit: :mod:`lightning_fedrep.runners.selection`, which says why in one line)."""
+        the runner (fit: ``lightning_fedrep.runners.selection``, which says why in one line)."""
         fit = trainer.state.fn == "fit"
         if trainer.training or fit:
             check_trainer_flags(trainer)
@@ -369,8 +369,7 @@ class FederatedStrategyMixin(StrategyAPI):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Called for each predicted batch: with ``predict="personalized"`` and a federated data module, on
         the batch's client's own model."""
-        evaluating.prediction_client(self, args, kwargs)
-        return super().predict_step(*args, **kwargs)
+        return evaluating.predict(self, super().predict_step, args, kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -579,7 +578,7 @@ class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
     """Personalized federated learning (FedRep and its family) on one device: a whole federated training
     inside one ``Trainer.fit``, one Lightning epoch per communication round.
 
-    Takes every federated setting of :class:`FederatedStrategyMixin` (``head``, ``algorithm``,
+    Takes every federated setting of :class:`~lightning_fedrep.lightning.strategy.FederatedStrategyMixin` (``head``, ``algorithm``,
     ``clients_per_round``, ``head_epochs``, ``body_epochs``, ``local_epochs``, ``phases``, ``weighting``,
     ``client_optimizer_state``, ``first_state``, ``evaluate_clients``, ``buffers``, ``allow_frozen``, ``seed``, ``headline_metrics``, ``engine``,
     ``engine_width``, ``engine_memory``), and:
@@ -587,7 +586,7 @@ class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
     Args:
         device: the device to train on; by default the one the Trainer's accelerator picks.
 
-    For several processes (GPUs, nodes) use :class:`~lightning_fedrep.distributed.FederatedDDPStrategy`
+    For several processes (GPUs, nodes) use :class:`~lightning_fedrep.FederatedDDPStrategy`
     (``strategy="fedrep_ddp"``, ...).
     """
 

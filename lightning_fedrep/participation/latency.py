@@ -147,8 +147,8 @@ class DynamicExponential(LatencyModel):
         self._rates: dict[int, Tensor] = {}
 
     def rates(self, num_clients: int, round_index: int | None = None) -> Tensor:
-        """The clients' rates ``lambda_i``: drawn once from the seed, or with ``resample`` drawn again for
-        round ``round_index``."""
+        """The ``num_clients`` clients' rates ``lambda_i``: drawn once from the seed, or with ``resample``
+        drawn again for round ``round_index``."""
         if self.resample and round_index is not None:
             return self._draw_rates(num_clients, round_generator(self.seed, round_index, num_clients))
         if num_clients not in self._rates:
@@ -195,7 +195,7 @@ class TwoClassExponential(LatencyModel):
         self.dynamic = bool(dynamic)
 
     def stragglers(self, num_clients: int) -> list[int]:
-        """The clients of the slow class (a seeded random subset, fixed for the run)."""
+        """The clients of the slow class among ``num_clients`` (a seeded random subset, fixed for the run)."""
         count = int(round(self.straggler_fraction * num_clients))
         perm = torch.randperm(num_clients, generator=round_generator(self.seed, _ONCE, num_clients))
         return sorted(perm[:count].tolist())

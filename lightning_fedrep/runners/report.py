@@ -14,6 +14,9 @@ DecidedAt = Literal["setup", "first loader", "checkpoint"]
 PHASE_PARTS = ("head", "body", "all")
 SEQUENTIAL = "sequential: one client step per Lightning step, the module's own training_step"
 LOCKSTEP = "vectorized: clients in lockstep under torch.func"
+PER_BATCH_FORWARD = (
+    "per batch on each client's model with the algorithm's EvaluationSpec.forward (not batched over clients)"
+)
 
 
 @dataclass(frozen=True)
@@ -29,26 +32,31 @@ class RunnerReport:
             provisional: the first training loader may still send the fit to the sequential path.
         phases: how each kind of phase (``"head"``, ``"body"``, ``"all"``) runs, where it differs: under the
             vectorized engine head phases may run on cached body features.
+        evaluation: how validation and test run where the vectorized engine does not batch them (``None``:
+            as the engine decides): an algorithm's ``EvaluationSpec.forward`` is evaluated per batch
+            (``PER_BATCH_FORWARD``).
     """
 
     engine: Engine
     reason: str
     decided_at: DecidedAt
     phases: Mapping[str, str] = field(default_factory=dict)
+    evaluation: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "phases", MappingProxyType(dict(self.phases)))
 
     @classmethod
     def sequential(cls, reason: str, decided_at: DecidedAt) -> RunnerReport:
-        """The sequential path for every phase."""
+        """The sequential path for every phase, chosen for ``reason`` (in words) when ``decided_at`` says."""
         return cls("sequential", reason, decided_at, dict.fromkeys(PHASE_PARTS, SEQUENTIAL))
 
     @classmethod
     def vectorized(
         cls, reason: str, decided_at: DecidedAt, cached: Iterable[str] = (), how: str = ""
     ) -> RunnerReport:
-        """The vectorized engine; the phase kinds in ``cached`` train on cached features (``how``: the split)."""
+        """The vectorized engine, chosen for ``reason`` (in words) when ``decided_at`` says; the phase kinds in
+        ``cached`` train on cached features (``how``: the split)."""
         cached = set(cached)
         phases = {
             p: f"{LOCKSTEP}, on cached features ({how})" if p in cached else LOCKSTEP for p in PHASE_PARTS

@@ -11,7 +11,7 @@ facts as :class:`~lightning_fedrep.runners.constraints.Constraints` and prints t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -20,6 +20,7 @@ from torch import nn
 from lightning_fedrep.algorithms import PART_GROUPS, Algorithm
 from lightning_fedrep.collective import Collective
 from lightning_fedrep.federation import Federation
+from lightning_fedrep.federation.algorithm import evaluation_spec
 from lightning_fedrep.federation.run import PHASE_PARTS, FederatedRun, local_objective
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import Constraints
@@ -28,7 +29,7 @@ from lightning_fedrep.runners.lockstep.engine import LockstepEngine
 from lightning_fedrep.runners.lockstep.probe import vectorize_problem
 from lightning_fedrep.runners.lockstep.runner import LockstepRunner
 from lightning_fedrep.runners.lockstep.validity import federation_reasons, module_reasons, trainer_reasons
-from lightning_fedrep.runners.report import RunnerReport
+from lightning_fedrep.runners.report import PER_BATCH_FORWARD, RunnerReport
 from lightning_fedrep.runners.sequential import SequentialRunner
 from lightning_fedrep.runners.sharded import Sharded
 from lightning_fedrep.untouched import untouched_random_state
@@ -252,6 +253,8 @@ class RunnerSelection:
         """The user's optimizers (the sequential runner scales their lrs by a client's ``lr_scale``)."""
         self.loss_fn: Any = None
         """The module's declared per-sample loss where a step rule needs it (the sequential runner's)."""
+        self.evaluation: str | None = None
+        """How evaluation runs where the engine does not batch it (``RunnerReport.evaluation``)."""
 
     def _lr(self) -> float | None:
         groups = self.optimizer.param_groups if self.optimizer is not None else ()
@@ -277,9 +280,13 @@ class RunnerSelection:
 
     def _take(self, decision: Decision) -> str | None:
         self.engine = decision.engine
+        line = decision.line
         if decision.report is not None:
             self.report = decision.report
-        return decision.line
+            if self.report.engine == "vectorized" and self.evaluation is not None:
+                self.report = replace(self.report, evaluation=self.evaluation)
+                line = None if line is None else f"{line} Evaluation: {self.evaluation}."
+        return line
 
     def setup(
         self,
@@ -296,6 +303,7 @@ class RunnerSelection:
         self.optimizers = tuple(constraints.optimizers)
         line = None
         self.loss_fn = None
+        self.evaluation = PER_BATCH_FORWARD if evaluation_spec(algorithm).forward is not None else None
         if fit:
             callbacks = run.bus.callbacks
             objectives = {phase: local_objective(algorithm, run.bus, phase) for phase in PHASE_PARTS}

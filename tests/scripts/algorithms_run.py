@@ -1,4 +1,4 @@
-"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL and FedRoD, each fitted on 1 or N CPU processes (gloo) in ONE launch.
+"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL and FedCP, each fitted on 1 or N CPU processes (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
 share this launch: Lightning's launcher re-runs this script for every extra rank once, at the first ``fit``; the
@@ -24,24 +24,44 @@ sys.path.insert(0, str(REPOSITORY))  # the repository, when run from a checkout
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_fedrep import FederatedDDPStrategy, FederatedStrategy  # noqa: E402
+from lightning_fedrep import FederatedDDPStrategy, FederatedStrategy, FedMTL  # noqa: E402
 from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
 from tests.scripts.federated_run import Net, client_data, holdings  # noqa: E402
 from tests.scripts.launcher import run_script  # noqa: E402
 
-ALGORITHMS = ("fedprox", "scaffold", "fedrep_median", "ditto", "l2gd", "apfl", "fedrod")
+ALGORITHMS = ("fedprox", "scaffold", "fedrep_median", "ditto", "l2gd", "apfl", "fedrod", "fed_mtl", "fedcp")
 """Fitted on 2 processes; the 1-process reference also fits ``fedavg`` (FedProx must differ from it)."""
+VARIANTS = {"fed_mtl": lambda: FedMTL(chunk=None, strength=0.05)}
+"""Names fitted with an algorithm object instead: Fed-MTL's official strength (1e-5 here) moves the weights
+by less than the comparison's tolerance, and its 4000-row blocks drop every row of this small model (the
+trace, which reads the other clients' columns, would vanish): a regularizer reading the wrong columns would pass
+unseen."""
 ROUNDS = 2
+
+
+class SplitNet(Net):
+    """``Net`` with its feature split declared (FedCP gates the head's input)."""
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        return self.classifier(features)
+
+
+MODELS = {"fedcp": SplitNet}
+"""Names fitted on another module than ``Net``."""
 TIMEOUT = 600  # seconds for the whole 2-process launch; ~15 s on 2 idle cores
 
 
 def fit(devices: int, algorithm: str) -> dict[str, Any]:
     """``federated_run.py --devices <devices> --algorithm <algorithm> --rounds 2``: what this process holds."""
     torch.manual_seed(0)  # the module's initialization (the data and the sampling have their own seeds)
+    chosen = VARIANTS[algorithm]() if algorithm in VARIANTS else algorithm
     settings = dict(
-        algorithm=algorithm,
+        algorithm=chosen,
         clients_per_round=1.0,
-        **epoch_settings(algorithm, head_epochs=2, body_epochs=1, local_epochs=2),
+        **epoch_settings(chosen, head_epochs=2, body_epochs=1, local_epochs=2),
         engine="sequential",
         seed=3,
     )
@@ -60,7 +80,7 @@ def fit(devices: int, algorithm: str) -> dict[str, Any]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(Net(), datamodule=client_data())
+    trainer.fit(MODELS.get(algorithm, Net)(), datamodule=client_data())
     return holdings(strategy, trainer, ROUNDS)
 
 

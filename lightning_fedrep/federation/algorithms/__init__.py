@@ -25,6 +25,7 @@ from lightning_fedrep.federation.algorithms.hf_maml import HFMAML
 from lightning_fedrep.federation.algorithms.l2gd import L2GD
 from lightning_fedrep.federation.algorithms.fed_mtl import FedMTL
 from lightning_fedrep.federation.algorithms.fedrod import FedRoD
+from lightning_fedrep.federation.algorithms.fedcp import FedCP
 
 # isort: on
 
@@ -36,6 +37,7 @@ __all__ = [
     "FedPer",
     "FedProx",
     "FedRep",
+    "FedCP",
     "FedRoD",
     "HFMAML",
     "L2GD",

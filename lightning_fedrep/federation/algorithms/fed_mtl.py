@@ -17,22 +17,35 @@ module's own here; the official extra round T+1 over all clients (which fails th
 and ``I`` is undefined) is not run; on Sent140 the official ``W`` leaves out the embedding (``net_keys[1:]``),
 which restarts from the initial model every round, while here every trained tensor is in ``W`` and kept.
 Never-trained clients' columns are the initial model, as the official ``w_locals``, whatever ``first_state``.
+On several processes each client's end weights travel to every process once per round (one all-gather of the
+round's uploads).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_fedrep.algorithms import Algorithm, register_algorithm
 from lightning_fedrep.arguments import check_optional_int, check_real
-from lightning_fedrep.federation.algorithm import ClientEnd, ClientOutcome, ServerState, ServerTensors
+from lightning_fedrep.federation.aggregation import Aggregator, ClientFault, Stacked
+from lightning_fedrep.federation.algorithm import (
+    ClientEnd,
+    ClientOutcome,
+    RoundResults,
+    ServerState,
+    ServerTensors,
+)
 from lightning_fedrep.federation.objective import LossTerm, Objective, StepView
 
 __all__ = ["FedMTL"]
+
+UPLOAD = "fed_mtl.weights"
+"""The name of a client's upload: its flattened end weights (no tensor of the module is shared)."""
 
 
 class FedMTL(Algorithm):
@@ -43,12 +56,14 @@ class FedMTL(Algorithm):
         strength: the regularizer's weight; ``None`` (the official) is ``10^-f`` with ``f = int(log10(d) + 1) + 1``.
 
     The other sampled clients' round-start weights live in no declared tensor (a client sees the server,
-    never another client): the algorithm keeps every client's latest flattened weights itself (from
-    ``finish_client``; never-trained clients hold the initial model, the declared server tensor ``init``),
-    saved with the federation (``state_dict``), and learns the round's clients in ``configure_round``
-    (``scales_lr = False``). The term reads per-round tables indexed by ``view.client``, so both runners
-    train it (in lockstep inside the ``vmap``). One process only: ``fed_mtl_ddp`` is refused at set-up (a
-    process sees only its own clients' weights). Phases other than ``"all"`` train without the term.
+    never another client): each client uploads its flattened end weights (``Stacked``: every upload reaches
+    :meth:`aggregate`, on every process), and the algorithm keeps every client's latest weights itself
+    (never-trained clients hold the initial model, the declared server tensor ``init``), saved with the
+    federation (``state_dict``), and learns the round's clients in ``configure_round`` (``scales_lr =
+    False``). The kept weights change only when a round closes, so every client of a round reads the others'
+    round-start weights, whichever trains first and on whichever process. The term reads per-round tables
+    indexed by ``view.client``, so both runners train it (in lockstep inside the ``vmap``), on one process or
+    several (``fed_mtl_ddp``). Phases other than ``"all"`` train without the term.
 
     ``Trainer(strategy="fed_mtl")`` uses ``FedMTL()``.
     """
@@ -61,19 +76,27 @@ class FedMTL(Algorithm):
         self.chunk = check_optional_int("chunk", chunk, 1, owner="FedMTL")
         self.strength = None if strength is None else check_real("strength", strength, 0.0, owner="FedMTL")
         self._loaded = False
+        self._template = torch.empty(0)
+        self._names: list[str] = []  # the flattened parameters, in the module's order
         self._reset()
 
     def _reset(self) -> None:
-        self._names: list[str] = []  # the flattened parameters, in the module's order
-        self._bank: dict[int, tuple[int, Tensor, Tensor]] = {}  # client -> (last round trained, start, end)
+        self._bank: dict[int, Tensor] = {}  # client -> its flattened weights at its last round's end
         self._clients: dict[int, tuple[tuple[int, ...], int]] = {}  # round -> (its clients, federation size)
         self._tables: tuple[int, int, dict[str, Tensor]] | None = (
             None  # (round, m, tables), at its first step
         )
 
+    def setup(self, module: nn.Module, split: Any, datamodule: Any) -> None:
+        """The flattened parameters: the module's trainable ones, in its order (``W``'s rows)."""
+        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in trainable]
+        numel = sum(p.numel() for _, p in trainable)
+        like = trainable[0][1] if trainable else torch.empty(0)
+        self._template = torch.empty(numel, dtype=like.dtype, device=like.device)
+
     def configure_round(self, plan: Any, server: ServerState) -> Any:
         """Records the round's clients (a new fit forgets the last one's weights); the plan is unchanged."""
-        _one_process()
         if plan.round == 0 and not self._loaded:
             self._reset()
         self._loaded = False
@@ -81,12 +104,9 @@ class FedMTL(Algorithm):
         self._clients[plan.round] = (tuple(plan.clients), server.num_clients)
         return plan
 
-    def _start(self, client: int, round_index: int, init: Tensor) -> Tensor:
-        """``client``'s flattened weights at the start of round ``round_index``."""
-        if client not in self._bank:
-            return init
-        trained, start, end = self._bank[client]
-        return start if trained == round_index else end
+    def aggregator(self, like: Mapping[str, Tensor]) -> Aggregator:
+        """Every client's flattened end weights, kept (``Stacked``; nothing of the module is averaged)."""
+        return Stacked({**like, UPLOAD: self._template})
 
     def _round_tables(self, view: StepView) -> tuple[int, int, dict[str, Tensor]]:
         """``(round, m, tables)``: per sampled client the sum of the others' round-start columns and of their
@@ -94,11 +114,9 @@ class FedMTL(Algorithm):
         if self._tables is not None and self._tables[0] == view.round:
             return self._tables
         clients, n = self._clients.get(view.round, ((), 0))
-        self._names = self._names or [
-            k[5:] for k in view.server if k.startswith("init.") and k[5:] in view.trained
-        ]
+        self._check_names(view)
         init = torch.cat([view.server[f"init.{k}"].reshape(-1) for k in self._names])
-        cols = torch.stack([self._start(c, view.round, init) for c in clients] or [init])
+        cols = torch.stack([self._bank.get(c, init).to(init) for c in clients] or [init])
         rows = self._rows(init.numel())
         others = cols.sum(0) - cols
         square, block = cols.square().sum(1), cols[:, :rows].square().sum(1)
@@ -115,6 +133,13 @@ class FedMTL(Algorithm):
             return view.round, 1, tables
         self._tables = (view.round, len(clients), tables)
         return self._tables
+
+    def _check_names(self, view: StepView) -> None:
+        if not self._names or set(self._names) != set(view.trained):
+            raise RuntimeError(
+                f"FedMTL flattens the module's trainable parameters {self._names[:4]}... (read at setup) but "
+                f"the phase trains {sorted(view.trained)[:4]}...: keep requires_grad as it was when fit began."
+            )
 
     def _rows(self, d: int) -> int:
         return d if self.chunk is None else d // self.chunk * self.chunk
@@ -134,43 +159,40 @@ class FedMTL(Algorithm):
         return tables["member"][client] * strength * (square + trace)
 
     def objective(self, phase: str) -> Objective:
-        """The regularizer, in the phases that train everything (asked at set-up: several processes are refused)."""
-        _one_process()
+        """The regularizer, in the phases that train everything."""
         return Objective(
             terms=(LossTerm(self._regularizer, "Fed-MTL regularizer", phases=frozenset({"all"})),)
         )
 
     def finish_client(self, end: ClientEnd) -> ClientOutcome:
-        """Keeps the client's end weights (and its round-start ones, which the round's later clients read)."""
-        if self._names:
-            init = torch.cat([end.server[f"init.{k}"].reshape(-1) for k in self._names])
-            flat = torch.cat([end.end[n].detach().reshape(-1) for n in self._names]).clone()
-            self._bank[end.client] = (end.round, self._start(end.client, end.round, init), flat)
-        return ClientOutcome(upload=end.shared())
+        """Uploads the client's flattened end weights (kept by :meth:`aggregate` when the round closes)."""
+        flat = torch.cat([end.end[n].detach().reshape(-1) for n in self._names])
+        return ClientOutcome(upload={**end.shared(), UPLOAD: flat})
+
+    def aggregate(
+        self, server: ServerState, results: RoundResults, failures: Sequence[ClientFault]
+    ) -> tuple[ServerState, dict[str, float]]:
+        """Keeps every surviving client's end weights (the next rounds' columns); the server is unchanged."""
+        for update in results.updates:
+            self._bank[update.client] = update.upload[UPLOAD].detach().clone()
+        return server, {}
 
     def state_dict(self) -> dict[str, Any]:
         """The clients' kept weights and the planned rounds' clients."""
         return {"names": self._names, "bank": self._bank, "clients": self._clients}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (a checkpoint of an earlier version, which kept
+        ``(round, start, end)`` per client, keeps the end weights)."""
         self._reset()
-        self._names = list(state.get("names", []))
-        self._bank = {int(c): tuple(v) for c, v in state.get("bank", {}).items()}
+        self._names = list(state.get("names", [])) or self._names
+        bank = {int(c): v for c, v in state.get("bank", {}).items()}
+        self._bank = {c: (v[2] if isinstance(v, tuple | list) else v) for c, v in bank.items()}
         self._clients = {int(r): (tuple(c), int(n)) for r, (c, n) in state.get("clients", {}).items()}
         self._loaded = True
 
     def __repr__(self) -> str:
         return f"FedMTL(chunk={self.chunk}, strength={self.strength})"
-
-
-def _one_process() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_world_size() > 1:
-            raise ValueError(
-                "FedMTL (fed_mtl) keeps every client's weights on one process, which sees only its own clients "
-                "on several: run it on one process (strategy='fed_mtl', devices=1)."
-            )
 
 
 register_algorithm(FedMTL())

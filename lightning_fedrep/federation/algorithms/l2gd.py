@@ -75,7 +75,7 @@ class L2GD(Algorithm):
         self._num_clients = 0
 
     def lr(self, num_clients: int) -> float:
-        """The official ``lr = α / (n (1 - p))``."""
+        """The official ``lr = α / (n (1 - p))`` for ``num_clients`` clients (``n``)."""
         return self.alpha / (num_clients * (1.0 - self.p))
 
     def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
@@ -84,7 +84,8 @@ class L2GD(Algorithm):
 
     def coins(self, plan) -> tuple[int, int]:
         """The round's ``(local iterations, aggregation iterations)``: a run of local coins (at least one),
-        then the aggregation coins up to the next local one (which opens the next round)."""
+        then the aggregation coins up to the next local one (which opens the next round), drawn from the
+        round ``plan``'s generator."""
         generator, local, pulls = plan.generator("l2gd"), 1, 0
         while True:
             aggregate = bool(torch.rand((), generator=generator, dtype=torch.float64) <= self.p)
