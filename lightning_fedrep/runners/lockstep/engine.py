@@ -31,9 +31,6 @@ from lightning_fedrep.untouched import untouched_random_state
 SMOKE_GROUP = 4
 """Clients per group in a smoke run (``fast_dev_run``: one lockstep step is the whole run)."""
 
-MEASURED_CLIENTS = 8
-"""Clients whose steps ``engine="auto"`` times to choose lockstep or one client at a time."""
-
 FEATURE_CHUNK = 1024
 """Samples per forward pass when a client's features are cached."""
 
@@ -317,9 +314,11 @@ class LockstepEngine:
         return sizing.group_width(budget, per_client)
 
     def _measure_lanes(self, plan: RoundPlan, device: torch.device) -> None:
-        """Decide ``lane_width`` (1 or the group's) by timing the first uncached phase on the first
-        :data:`MEASURED_CLIENTS` clients: one lockstep step of them against their steps one by one."""
-        width = min(self.group_width, len(plan.work), MEASURED_CLIENTS)
+        """Decide ``lane_width`` (1 or the group's) by timing the first uncached phase at the width that will
+        run (the first group: every client of the first round, up to the memory bound): one lockstep step of
+        them against their steps one by one (:func:`~lightning_fedrep.runners.lockstep.sizing.faster_lane_width`).
+        A few clients' timing does not tell: on a CPU lockstep can win at 8 clients and lose by 1.7x at 100."""
+        width = min(self.group_width, len(plan.work))
         wide_plan = lockstep_plan(plan, width, cache_head=self.caching)
         wide = next((s for s in wide_plan.segments if s.group == 0 and not s.cached), None)
         if wide is None or len(wide.clients) < 2:

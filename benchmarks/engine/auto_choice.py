@@ -1,0 +1,150 @@
+"""Does ``engine="auto"`` pick the faster path? The cross-device workload, ``auto`` run 5 times.
+
+1,000 clients of 50 samples each (random tensors of CIFAR-10's or digits' shape, 10 classes), 100 clients per
+round, batch 10, SGD lr 0.01 momentum 0.5; the CIFAR-10 CNN (``CIFAR10CNN``) and the digits MLP
+(``MLPClassifier``); FedAvg (1 local epoch) and FedRep (10 head + 1 body epochs, the official epochs). Each
+setting fits 2 rounds with ``engine="sequential"``, ``engine="vectorized"`` and ``engine="auto"`` (``--runs``
+times), and takes the median of the rounds after the first (the first pays the fit's start-up and ``auto``'s
+one-time timing, reported apart): 2 more rounds of the CNN, 8 of the MLP, whose rounds of 0.05-0.3 s a passing
+hiccup (a garbage collection) would otherwise decide. A row says which path ``auto`` chose in each run (``seq``: the sequential runner, ``lock``: lockstep,
+``lock/1``: lockstep with the uncached phases one client at a time), its round time over the faster path's
+(the issue's bar: at most 1.10 in every run) and whether the choice was the same in every run.
+
+Usage (alone on the machine: timings)::
+
+    .venv/bin/python benchmarks/engine/auto_choice.py              # CNN and MLP, FedAvg and FedRep, 5 runs
+    .venv/bin/python benchmarks/engine/auto_choice.py --small      # 200 clients, 20 per round, 2 runs (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import make_trainer, quiet  # noqa: E402
+
+from lightning_fedrep import FederatedDataModule, FederatedStrategy, IIDPartitioner  # noqa: E402
+from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
+from lightning_fedrep.models import CIFAR10CNN, MLPClassifier  # noqa: E402
+
+SAMPLES, BATCH, HEAD_EPOCHS, BODY_EPOCHS = 50, 10, 10, 1
+ROUNDS = {"cnn": 3, "mlp": 9}
+MODELS = {"cnn": ((3, 32, 32), lambda: CIFAR10CNN(lr=0.01)), "mlp": ((64,), lambda: MLPClassifier(lr=0.01))}
+
+
+class RoundClock(L.Callback):
+    """Wall-clock seconds of each training epoch (one round)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def make_data(model: str, clients: int) -> FederatedDataModule:
+    """``clients`` clients of :data:`SAMPLES` random samples of the model's input shape (iid labels)."""
+    shape, _ = MODELS[model]
+    generator = torch.Generator().manual_seed(0)
+    n = clients * SAMPLES
+    x = torch.randn(n, *shape, generator=generator)
+    y = torch.randint(0, 10, (n,), generator=generator)
+    data = FederatedDataModule(
+        TensorDataset(x, y),
+        TensorDataset(x[:100], y[:100]),
+        IIDPartitioner(clients),
+        batch_size=BATCH,
+        seed=0,
+    )
+    data.setup("fit")
+    return data
+
+
+def fit(model: str, data: FederatedDataModule, algorithm: str, engine: str, per_round: int) -> dict[str, Any]:
+    """:data:`ROUNDS` rounds: the first round's seconds, the later rounds' median and the path the run took."""
+    torch.manual_seed(0)
+    strategy = FederatedStrategy(
+        algorithm=algorithm,
+        clients_per_round=per_round,
+        **epoch_settings(algorithm, head_epochs=HEAD_EPOCHS, body_epochs=BODY_EPOCHS, local_epochs=1),
+        engine=engine,
+        seed=0,
+    )
+    clock = RoundClock()
+    make_trainer(ROUNDS[model], strategy=strategy, callbacks=[clock]).fit(MODELS[model][1](), datamodule=data)
+    report = strategy.runner_report
+    path = "seq" if report.engine == "sequential" else "lock"
+    if path == "lock" and strategy.runner_settings.get("lane_width") == 1:
+        path = "lock/1"
+    return {"first": clock.seconds[0], "round": statistics.median(clock.seconds[1:]), "path": path}
+
+
+def setting(model: str, algorithm: str, clients: int, per_round: int, runs: int) -> dict[str, Any]:
+    """One row: the sequential and vectorized rounds and ``runs`` runs of ``auto``."""
+    data = make_data(model, clients)
+    sequential = fit(model, data, algorithm, "sequential", per_round)
+    vectorized = fit(model, data, algorithm, "vectorized", per_round)
+    autos = [fit(model, data, algorithm, "auto", per_round) for _ in range(runs)]
+    faster = min(sequential["round"], vectorized["round"])
+    return {
+        "model": model,
+        "algorithm": algorithm,
+        "sequential": sequential["round"],
+        "vectorized": vectorized["round"],
+        "auto": [a["round"] for a in autos],
+        "auto_first": statistics.median(a["first"] for a in autos),
+        "paths": [a["path"] for a in autos],
+        "ratios": [a["round"] / faster for a in autos],
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="200 clients, 20 per round, 2 runs (tests)")
+    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    quiet(args.threads)
+    clients, per_round = (200, 20) if args.small else (1000, 100)
+    runs = args.runs or (2 if args.small else 5)
+    print(
+        f"{clients} clients x {SAMPLES} samples, {per_round} per round, batch {BATCH}, cpu, "
+        f"{torch.get_num_threads()} threads; seconds per round (median of the rounds after the first: "
+        f"{ROUNDS['cnn'] - 1} of the CNN, {ROUNDS['mlp'] - 1} of the MLP); auto run {runs} times"
+    )
+    print(
+        "  model | algorithm | sequential | vectorized | auto (each run)                  | auto's first round "
+        "| auto / faster (max) | choices        | same"
+    )
+    rows = []
+    for model in args.models:
+        for algorithm in ("fedavg", "fedrep"):
+            row = setting(model, algorithm, clients, per_round, runs)
+            rows.append(row)
+            autos = " ".join(f"{s:5.2f}" for s in row["auto"])
+            print(
+                f"  {model:5s} | {algorithm:9s} | {row['sequential']:10.2f} | {row['vectorized']:10.2f} | "
+                f"{autos:32s} | {row['auto_first']:18.2f} | {max(row['ratios']):19.2f} | "
+                f"{','.join(row['paths']):14s} | {'yes' if len(set(row['paths'])) == 1 else 'NO'}",
+                flush=True,
+            )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
