@@ -379,6 +379,10 @@ CASES = [
     Refused('FedRepStrategy(engine="fast")', ValueError, "engine"),
     Refused("FedRepStrategy(engine_width=0)", ValueError, "engine_width"),
     Refused("FedRepStrategy(engine_memory=-5)", ValueError, "engine_memory"),
+    Refused("FedRepStrategy(engine_steps_per_call=0)", ValueError, "engine_steps_per_call"),
+    Refused(
+        'FedRepStrategy(engine="sequential", engine_steps_per_call=4)', ValueError, "engine_steps_per_call"
+    ),
     Refused('FedRepStrategy(phases=[{"train": "neck", "epochs": 1}])', ValueError, "phases"),
     Refused('FedRepStrategy(phases=[{"train": "head", "epochs": 1, "steps": 2}])', ValueError, "phases"),
     Refused('FedRepStrategy(phases=[{"train": "head", "epoch": 1}])', TypeError, "phases"),
@@ -410,6 +414,12 @@ CASES = [
     ),
     Refused(S + 'engine="vectorized"), model=SmoothingNet())', ValueError, "engine", "set-up"),
     Refused(S + 'engine="vectorized"), model=LSTMNet())', ValueError, "engine", "set-up"),
+    Refused(
+        S + "engine_steps_per_call=4), model=AdamNet(), max_steps=3)",
+        ValueError,
+        "engine_steps_per_call",
+        "set-up",
+    ),
     Refused(
         S + 'engine="vectorized", algorithm=UnbatchedProx()), model=SmoothingNet())',
         ValueError,

@@ -446,8 +446,9 @@ def test_groups_of_two_over_five_clients_equal_sequential(optimizer):
 
 
 def test_global_step_counts_lockstep_steps():
+    """Unfused (``engine_steps_per_call=1``); fused calls: tests/test_engine_fused.py."""
     sequential, seq_trainer = fit("sequential")
-    vectorized, vec_trainer = fit("vectorized")
+    vectorized, vec_trainer = fit("vectorized", engine_steps_per_call=1)
     engine = vectorized.lockstep_engine
     assert vec_trainer.global_step == sum(engine.schedule(vectorized.round_plan(r)).length for r in range(3))
     assert seq_trainer.global_step == sum(sequential.round_plan(r).length for r in range(3))

@@ -9,7 +9,6 @@ import pytest
 from lightning_fedrep.app.cli import build_cli
 from tests.fixtures import leaf_user, write_cifar10, write_cifar100, write_leaf_file
 from tests.test_datasets import write_emnist
-from tests.test_recipes_flute_srpfl import smoke_twins
 from tests.test_sent140 import write_glove, write_sent140
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -43,7 +42,6 @@ RECIPE_FILES = sorted(
     for d in ("cifar10", "cifar100", "femnist", "flute", "sent140", "srpfl")
     for p in (RECIPES / d).glob("*.yaml")
     if not p.name.startswith("digits_")  # the digits SRPFL demos run in test_cli.py
-    and str(p.relative_to(RECIPES)) not in smoke_twins()  # equal to a smoked twin but for N, S, n0, FT
 )
 
 

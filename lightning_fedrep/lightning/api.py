@@ -65,7 +65,8 @@ class StrategyAPI:
     def runner_settings(self) -> dict[str, Any]:
         """The lockstep runner's decided settings: ``group_width`` and ``lane_width`` (``None``: a round's
         clients, the group's), ``client_bytes`` (one client's estimated bytes), ``caching`` and ``split`` (how
-        head phases run on cached features); ``{}`` on the sequential runner."""
+        head phases run on cached features), ``steps_per_call`` (lockstep steps per Lightning step, ``None``: a
+        whole phase of a group); ``{}`` on the sequential runner."""
         engine = self._selection.engine
         if engine is None:
             return {}
@@ -75,6 +76,7 @@ class StrategyAPI:
             "client_bytes": engine.client_bytes,
             "caching": engine.caching,
             "split": engine.split.how if engine.split is not None else None,
+            "steps_per_call": engine.steps_per_call,
         }
 
     @property

@@ -57,6 +57,7 @@ from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.checks import check_optimizers_cover_split, check_trainer_flags
 from lightning_fedrep.lightning.constraints import constraints_of
 from lightning_fedrep.runners.lockstep.evaluation import BatchedEvaluation
+from lightning_fedrep.runners.lockstep.fusion import check_steps_per_call
 from lightning_fedrep.runners.selection import RunnerSelection
 from lightning_fedrep.split import HeadSpec, resolve_layout
 
@@ -111,9 +112,8 @@ class FederatedStrategyMixin(StrategyAPI):
             gradient clipping (an error lists what is missing). ``"sequential"``: one client step per
             Lightning step, the user's ``training_step`` as is. ``"auto"``: vectorized where exact,
             else sequential with a one-line message saying why.
-            ``"auto"`` also times, once per fit, whether a phase that cannot use cached features (FedRep's
-            body epoch) is faster in lockstep or one client at a time (the choice is logged and
-            checkpointed), and runs sequentially where the engine would gain nothing.
+            ``"auto"`` also times once per fit whether an uncached phase (FedRep's body epoch) is faster in
+            lockstep or one client at a time (logged, checkpointed); sequential where nothing is gained.
         engine_width: at most this many clients train together; ``None``: a round's clients, as many as
             ``engine_memory`` allows.
         predict: whose model ``trainer.predict`` runs: ``"personalized"``, each batch's client's own model
@@ -125,6 +125,9 @@ class FederatedStrategyMixin(StrategyAPI):
         engine_memory: bytes a lockstep group may take (tensors, gradients, optimizer state, one step's
             activations, cached features, per client); ``None``: half a GPU's free memory, a quarter of
             the host's RAM.
+        engine_steps_per_call: lockstep steps per Lightning step (``global_step`` counts calls). ``"auto"``: a
+            group's whole phase, or one where something needs a step per local step (docs: Fused lockstep);
+            an int: at most that many (``1``: unfused; more is refused where something needs one).
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class FederatedStrategyMixin(StrategyAPI):
         engine_width: int | None = None,
         engine_memory: int | None = None,
         predict: Literal["auto", "new_client", "personalized"] = "auto",
+        engine_steps_per_call: int | Literal["auto"] = "auto",
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -158,8 +162,9 @@ class FederatedStrategyMixin(StrategyAPI):
             head, head_epochs, body_epochs, local_epochs, allow_frozen, headline_metrics, seed, predict
         )
         _check_evaluation_and_engine_settings(
-            allow_new_federation, first_state, evaluate_clients, buffers, engine, engine_width, engine_memory
-        )
+            allow_new_federation, first_state, evaluate_clients, buffers, engine, engine_width, engine_memory,
+            engine_steps_per_call,
+        )  # fmt: skip
         resolved = get_algorithm(algorithm)
         # a registered algorithm is shared by name: each strategy gets its own copy of its server state
         self.algorithm: Algorithm = copy.deepcopy(resolved) if isinstance(algorithm, str) else resolved
@@ -175,7 +180,7 @@ class FederatedStrategyMixin(StrategyAPI):
         )
         self.engine, self.engine_width, self.engine_memory = engine, engine_width, engine_memory
         self.allow_frozen, self.headline_metrics = allow_frozen, headline_metrics
-        self.allow_new_federation = allow_new_federation
+        self.allow_new_federation, self.engine_steps_per_call = allow_new_federation, engine_steps_per_call
         self.prediction_mode: str | None = None
         """Whose model the last ``trainer.predict`` ran: ``"personalized"`` or ``"new_client"``."""
         self.prediction_clients: list[int] = []
@@ -200,7 +205,7 @@ class FederatedStrategyMixin(StrategyAPI):
         self.collective: Collective = Collective()
         """The processes a round's clients are sharded over (one here; several on the DDP strategy)."""
         self._run: FederatedRun | None = None
-        self._selection = RunnerSelection(engine, engine_width, engine_memory)
+        self._selection = RunnerSelection(engine, engine_width, engine_memory, engine_steps_per_call)
         self._callbacks: list[FederatedCallback] = []
         self._evaluation: EvaluationPass | None = None
         self._eval_loader: EvalLoader | None = None
@@ -542,6 +547,7 @@ def _check_evaluation_and_engine_settings(
     engine: Any,
     engine_width: Any,
     engine_memory: Any,
+    engine_steps_per_call: Any,
 ) -> None:
     """Refuse bad strategy arguments at construction (the rest of :func:`_check_settings`)."""
     check_bool("allow_new_federation", allow_new_federation)
@@ -556,6 +562,7 @@ def _check_evaluation_and_engine_settings(
     _check_positive_or_none(
         "engine_memory", engine_memory, "a number of bytes", "half a GPU's free memory, a quarter of the RAM"
     )
+    check_steps_per_call(engine_steps_per_call, engine)
 
 
 def _check_head(head: Any) -> None:
@@ -581,7 +588,7 @@ class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
     Takes every federated setting of :class:`~lightning_fedrep.lightning.strategy.FederatedStrategyMixin` (``head``, ``algorithm``,
     ``clients_per_round``, ``head_epochs``, ``body_epochs``, ``local_epochs``, ``phases``, ``weighting``,
     ``client_optimizer_state``, ``first_state``, ``evaluate_clients``, ``buffers``, ``allow_frozen``, ``seed``, ``headline_metrics``, ``engine``,
-    ``engine_width``, ``engine_memory``), and:
+    ``engine_width``, ``engine_memory``, ``engine_steps_per_call``), and:
 
     Args:
         device: the device to train on; by default the one the Trainer's accelerator picks.

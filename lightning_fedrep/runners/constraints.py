@@ -34,6 +34,8 @@ class Constraints:
         convert_input: what Lightning does to a training batch before the step (precision).
         to_device: how Lightning moves a batch to a device.
         smoke: a ``fast_dev_run`` (no timing; one batch a pass).
+        per_step_needs: what needs a Lightning step per local step (a per-batch callback or module hook,
+            ``max_steps``, mid-round validation or checkpoints): the engine then runs unfused.
     """
 
     precision: str = "32-true"
@@ -45,3 +47,4 @@ class Constraints:
     convert_input: Callable[[Any], Any] = field(default=lambda batch: batch)
     to_device: Callable[[Any, torch.device], Any] = move_to_device
     smoke: bool = False
+    per_step_needs: tuple[str, ...] = ()

@@ -26,6 +26,7 @@ from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import Constraints
 from lightning_fedrep.runners.lockstep.contract import declared_loss
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
+from lightning_fedrep.runners.lockstep.fusion import StepsPerCall, resolve_steps_per_call
 from lightning_fedrep.runners.lockstep.probe import vectorize_problem
 from lightning_fedrep.runners.lockstep.runner import LockstepRunner
 from lightning_fedrep.runners.lockstep.validity import federation_reasons, module_reasons, trainer_reasons
@@ -56,9 +57,12 @@ def build_engine(
     callbacks: Sequence[Any],
     width: int | None,
     objectives: dict[str, Any] | None = None,
+    steps_per_call: StepsPerCall = "auto",
 ) -> Decision:
     """The lockstep engine for this fit, or the sequential runner (``mode="auto"`` where the engine would
-    not be exact); raises for ``mode="vectorized"`` where it would not be exact."""
+    not be exact); raises for ``mode="vectorized"`` where it would not be exact. The engine runs
+    ``steps_per_call`` lockstep steps per Lightning step (:func:`~lightning_fedrep.runners.lockstep.fusion.resolve_steps_per_call`:
+    refused here where something needs a Lightning step per local step)."""
     if mode == "sequential":
         return Decision(None, RunnerReport.sequential("engine='sequential'", "setup"))
     objectives = objectives or {}
@@ -89,6 +93,7 @@ def build_engine(
             )
         report = RunnerReport.sequential("; ".join(reasons), "setup")
         return Decision(None, report, f"lightning_fedrep: sequential engine ({'; '.join(reasons)}).")
+    calls, calls_line = resolve_steps_per_call(steps_per_call, constraints.per_step_needs, constraints.smoke)
     report = RunnerReport.vectorized(
         "nothing at setup keeps it sequential; the first loader decides", "setup"
     )
@@ -102,6 +107,7 @@ def build_engine(
         convert_input=constraints.convert_input,
         to_device=constraints.to_device,
     )
+    engine.steps_per_call, engine.calls_line = calls, calls_line
     return Decision(engine, report)
 
 
@@ -238,12 +244,16 @@ class RunnerSelection:
         mode: the strategy's ``engine=`` setting.
         width: ``engine_width`` (clients per lockstep group at most).
         memory: ``engine_memory`` (bytes a lockstep group may take).
+        steps_per_call: ``engine_steps_per_call`` (lockstep steps per Lightning step).
     """
 
-    def __init__(self, mode: EngineMode, width: int | None, memory: int | None):
+    def __init__(
+        self, mode: EngineMode, width: int | None, memory: int | None, steps_per_call: StepsPerCall = "auto"
+    ):
         self.mode = mode
         self.width = width
         self.memory = memory
+        self.steps_per_call = steps_per_call
         self.report: RunnerReport | None = None
         """Which runner runs this fit's training steps and why (``None`` before the first fit's ``setup``)."""
         self.engine: LockstepEngine | None = None
@@ -309,7 +319,15 @@ class RunnerSelection:
             objectives = {phase: local_objective(algorithm, run.bus, phase) for phase in PHASE_PARTS}
             self.loss_fn = _step_rule_loss(objectives, module)
             decision = build_engine(
-                self.mode, constraints, module, run.federation, algorithm, callbacks, self.width, objectives
+                self.mode,
+                constraints,
+                module,
+                run.federation,
+                algorithm,
+                callbacks,
+                self.width,
+                objectives,
+                self.steps_per_call,
             )
             line = self._take(decision)
         self.install(run, algorithm, collective)

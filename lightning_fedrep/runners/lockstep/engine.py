@@ -25,7 +25,7 @@ from lightning_fedrep.runners.lockstep import sizing
 from lightning_fedrep.runners.lockstep.contract import FeatureSplit, LossFn, find_feature_split, same_tensor
 from lightning_fedrep.runners.lockstep.group import ClientGroup
 from lightning_fedrep.runners.lockstep.probe import loss_label, probe_problem
-from lightning_fedrep.runners.lockstep.schedule import LockstepPlan, Segment, lockstep_plan
+from lightning_fedrep.runners.lockstep.schedule import FusedBatches, LockstepPlan, Segment, lockstep_plan
 from lightning_fedrep.untouched import untouched_random_state
 
 SMOKE_GROUP = 4
@@ -118,6 +118,8 @@ class LockstepEngine:
         self._schedules: dict[int, LockstepPlan] = {}
         self._pending: dict[str, Any] | None = None
         self._declared_cache: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+        self._segment_tensors: dict[Any, Tensor] = {}
+        """Small tensors made once per segment (client ids, lane indices, active masks)."""
         self._rule_state: dict[str, Tensor] = {}
         """The last step rule's new declared tensors, stacked by lane (written after the step)."""
         self.step_rules = [o.step.name for o in self.objectives.values() if o.step is not None]
@@ -127,6 +129,14 @@ class LockstepEngine:
         """Clients per group after the memory bound (``None``: a round's clients)."""
         self.lane_width: int | None = None
         """Clients per lockstep step in phases without cached features (``None``: the group's)."""
+        self.steps_per_call: int | None = 1
+        """Lockstep steps per Lightning step (``None``: a whole phase of a group; decided by the runner
+        selection: :func:`~lightning_fedrep.runners.selection.build_engine`)."""
+        self._resumed_calls: tuple[int, int | None] | None = None
+        """(round, steps per call) of a checkpoint's open round: it resumes with the calls it was saved with."""
+        self._saved_steps_per_call: int | None = 1
+        self.calls_line = "one lockstep step per Lightning step"
+        """How many lockstep steps a Lightning step runs, in words (the engine's log line)."""
         self._sized = False
         self.client_bytes = 0
         """Estimated bytes one client of a lockstep group takes."""
@@ -271,7 +281,7 @@ class LockstepEngine:
             if self.lane_width == 1
             else "the other phases in lockstep"
         )
-        return f"{groups}; {lanes}{self._timing}"
+        return f"{groups}; {lanes}{self._timing}; {self.calls_line}"
 
     def gains(self, plan: RoundPlan) -> bool:
         """Whether the engine does anything the sequential path does not in rounds like ``plan``: a
@@ -280,14 +290,21 @@ class LockstepEngine:
         return cached or self.lane_width != 1
 
     def settings(self) -> dict[str, int]:
-        """The widths decided for this run (checkpointed: a resumed run keeps them)."""
-        return {"group_width": self.group_width or 0, "lane_width": self.lane_width or 0}
+        """The widths decided for this run (checkpointed: a resumed run keeps them) and its lockstep steps per
+        Lightning step (``0``: a whole phase; a resumed open round keeps them)."""
+        return {
+            "group_width": self.group_width or 0,
+            "lane_width": self.lane_width or 0,
+            "steps_per_call": self.steps_per_call or 0,
+        }
 
     def load_settings(self, settings: dict[str, int] | None) -> None:
-        """Keep the widths of the run a checkpoint was saved from."""
+        """Keep the widths of the run a checkpoint was saved from (and, for its open round, its calls:
+        :meth:`load_state_dict`)."""
         if settings:
             self.group_width = settings["group_width"] or None
             self.lane_width = settings["lane_width"] or None
+            self._saved_steps_per_call = settings.get("steps_per_call", 1) or None  # absent: written unfused
             self._sized = True
             self._timing = " (widths as in the checkpoint)"
             self._schedules = {}
@@ -370,9 +387,13 @@ class LockstepEngine:
         return schedule
 
     def build_schedule(self, plan: RoundPlan) -> LockstepPlan:
-        """``plan`` as lockstep segments with this run's widths (not cached: another rank's part)."""
+        """``plan`` as lockstep segments with this run's widths, cut into its calls (not cached: another
+        rank's part). A checkpoint's open round keeps the calls it was saved with (its loader position
+        counts them)."""
         width = min(self.group_width or len(plan.work), max(1, len(plan.work)))
-        return lockstep_plan(plan, width, self.caching, self.lane_width)
+        resumed = self._resumed_calls
+        calls = resumed[1] if resumed is not None and resumed[0] == plan.round else self.steps_per_call
+        return lockstep_plan(plan, width, self.caching, self.lane_width, calls)
 
     def use_widths(self, settings: dict[str, int]) -> None:
         """Take the widths another process decided (:meth:`settings`), so every rank schedules alike."""
@@ -382,7 +403,8 @@ class LockstepEngine:
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, schedule: LockstepPlan, batch_idx: int) -> list[int]:
-        """Before a Lightning step: open its group and phase; returns the clients that start now."""
+        """Before a Lightning step: open its group and phase (a fused call: its first lockstep step);
+        returns the clients that start now."""
         segment, step = schedule.locate(batch_idx)
         started: list[int] = []
         if self.group is None or self._group_index != segment.group:
@@ -393,6 +415,24 @@ class LockstepEngine:
         self._step = step
         self._active = segment.active(step)
         return started
+
+    def fused_loss(self, batches: FusedBatches) -> Tensor:
+        """A fused call: every lockstep step but the last runs here (loss, backward, every client's step: as
+        :meth:`loss` and :meth:`end_step` would one Lightning step each); returns the last step's :meth:`loss`,
+        which Lightning backpropagates before :meth:`end_step`, as for an unfused step. A call never ends a
+        segment early, so no client finishes inside it."""
+        device = next(iter(self.group.stacked.values())).device
+        last = len(batches) - 1
+        for i, batch in enumerate(batches):
+            if i:
+                self._step += 1
+                self._active = self.segment.active(self._step)
+            batch = self._as_stepped(batch, device)
+            if i == last:
+                return self.loss(batch)
+            self.loss(batch).backward()
+            self.end_step()
+        raise ValueError(f"{batches!r} holds no lockstep step.")
 
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
         """The sum over the segment's clients of each one's mean loss on its batch (padding masked out)
@@ -411,9 +451,9 @@ class LockstepEngine:
         shared = self._view_fields(server)
 
         if self.segment.cached:
-            k = torch.arange(mask.shape[0], device=mask.device)[:, None]
+            lanes = self._lane_indices(mask.device)[:, None]
             positions = batch["positions"]
-            inputs, targets = self._features[k, positions], self._labels[k, positions]
+            inputs, targets = self._features[lanes, positions], self._labels[lanes, positions]
 
             def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor | None]:
                 return split.head(tensors, x), x
@@ -459,10 +499,9 @@ class LockstepEngine:
                     loss = loss + extra
             return loss
 
-        clients = torch.tensor(self.segment.clients, device=mask.device)
+        clients = self._segment_clients(mask.device)
         losses = torch.func.vmap(client_loss)(trained, frozen, inputs, targets, mask, clients, states)
-        active = torch.tensor(self._active, dtype=losses.dtype, device=losses.device)
-        losses = losses * active
+        losses = losses * self._active_weights(losses.dtype, losses.device)
         self.last_losses = losses.detach()
         return losses.sum()
 
@@ -491,11 +530,11 @@ class LockstepEngine:
 
         own = {n: t.detach() for n, t in trained.items()}
         rest = {n: t.detach() for n, t in frozen.items()}
-        clients = torch.tensor(self.segment.clients, device=mask.device)
+        clients = self._segment_clients(mask.device)
         grads, losses, new_state = torch.func.vmap(client_step)(
             own, rest, inputs, targets, mask, clients, states
         )
-        active = torch.tensor(self._active, dtype=losses.dtype, device=losses.device)
+        active = self._active_weights(losses.dtype, losses.device)
         self.last_losses = (losses * active).detach()
         self._rule_state = {n: t.detach() for n, t in new_state.items()}
         surrogate = None
@@ -508,6 +547,29 @@ class LockstepEngine:
                 f"The step rule {rule.name!r} returned no gradients: it must move a trained tensor."
             )
         return surrogate
+
+    def _segment_clients(self, device: torch.device) -> Tensor:
+        """The segment's client ids as a tensor (what a :class:`StepView` reads as ``client``), made once per
+        segment."""
+        key = ("clients", device)
+        if key not in self._segment_tensors:
+            self._segment_tensors[key] = torch.tensor(self.segment.clients, device=device)
+        return self._segment_tensors[key]
+
+    def _lane_indices(self, device: torch.device) -> Tensor:
+        """``0 .. lanes - 1`` (the rows of the cached features), made once per segment."""
+        key = ("lanes", device)
+        if key not in self._segment_tensors:
+            self._segment_tensors[key] = torch.arange(len(self.segment.clients), device=device)
+        return self._segment_tensors[key]
+
+    def _active_weights(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """1 for the lanes that step now, 0 for those done with the phase (made once per pattern: it changes
+        only when a client finishes its steps)."""
+        key = (tuple(self._active), dtype, device)
+        if key not in self._segment_tensors:
+            self._segment_tensors[key] = torch.tensor(self._active, dtype=dtype, device=device)
+        return self._segment_tensors[key]
 
     @torch.no_grad()
     def _write_rule_state(self) -> None:
@@ -580,7 +642,7 @@ class LockstepEngine:
             return value
 
         new = torch.func.vmap(apply)(values, own, rest, clients, states)
-        active = torch.tensor(self._active, device=device)
+        active = self._active_weights(torch.bool, device)
         for name, value in new.items():
             keep = active.reshape(-1, *([1] * (value.dim() - 1)))
             if grads:
@@ -651,6 +713,7 @@ class LockstepEngine:
         self._trained = {n for n in self.trainable if split.group(n) in groups}
         self._lane_tensors = self.group.lanes(segment.lanes, self._trained)
         self.segment = segment
+        self._segment_tensors = {}
         self._declared_cache = None
         self._features = self._labels = None
         if segment.cached:
@@ -701,9 +764,12 @@ class LockstepEngine:
         return None if self.group is None else self.group.state_dict()
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Resume inside a group: it is rebuilt from ``state`` at the next step (features recomputed)."""
+        """Resume inside a round (``state``: its open group, ``None`` between groups): the group is rebuilt
+        from ``state`` at the next step (features recomputed), and the round keeps the calls it was saved with."""
         self.group, self.segment, self._group_index = None, None, -1
         self._pending = state
+        self._resumed_calls = (self.federation.round_index, self._saved_steps_per_call)
+        self._schedules = {}
 
 
 def _first_problem(problem: str | None, gather: Callable[[Any], list[Any]] | None) -> str | None:

@@ -9,11 +9,12 @@ from typing import Any
 from lightning_fedrep.federation.run import Notify
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
-from lightning_fedrep.runners.lockstep.schedule import LockstepPlan
+from lightning_fedrep.runners.lockstep.schedule import FusedBatches, LockstepPlan
 
 
 class LockstepRunner:
-    """A round's clients trained in groups, one local step of every client per Lightning step.
+    """A round's clients trained in groups, one local step of every client per Lightning step (or, fused,
+    several: :attr:`LockstepEngine.steps_per_call <lightning_fedrep.runners.lockstep.engine.LockstepEngine.steps_per_call>`).
 
     Args:
         engine: the lockstep engine (decided and sized by :mod:`lightning_fedrep.runners.selection`).
@@ -43,6 +44,8 @@ class LockstepRunner:
             self.notify("on_client_start", client)
 
     def loss(self, batch: Any, batch_idx: int, user_step: Callable[[], Any]) -> Any:
+        if isinstance(batch, FusedBatches):
+            return self.engine.fused_loss(batch)
         return self.engine.loss(batch)  # the user's step does not run: the declared loss does
 
     def logged_loss(self) -> Callable[[], Any]:

@@ -7,11 +7,15 @@ out once it is done). A phase that does not run on cached features may use narro
 group (``uncached_width``: where one wide step costs more than several narrow ones, e.g. convolutions
 on a CPU); its lanes then run one after another. Every client sees exactly its sequential batches, in
 the same order: its data position is its local step count, continued across phases.
+
+A Lightning step runs one *call*: by default one lockstep step (``steps_per_call=1``); a fused schedule
+(``steps_per_call`` > 1, or ``None`` for a whole segment) runs several lockstep steps of one segment in one
+call, never across a segment's end, and its batch is a :class:`FusedBatches` that draws the stacked batches
+of those steps as the engine iterates it.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -61,34 +65,104 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Call:
+    """One Lightning step of a lockstep schedule: ``count`` lockstep steps of ``segment`` from its ``first``."""
+
+    segment: Segment
+    first: int
+    count: int
+
+    @property
+    def last(self) -> int:
+        """The segment's step index of the call's last lockstep step."""
+        return self.first + self.count - 1
+
+
+class FusedBatches:
+    """The batch of a fused call: its lockstep steps' stacked batches (each as :class:`LockstepPlan`'s
+    unfused batches), drawn from the round's loader when iterated. Lightning hands it to the step as is
+    (it holds no tensor); the engine converts and moves each stacked batch itself."""
+
+    __slots__ = ("loader", "round", "call")
+
+    def __init__(self, loader: RoundLoader, round_index: int, call: Call):
+        self.loader = loader
+        self.round = round_index
+        self.call = call
+
+    def __len__(self) -> int:
+        return self.call.count
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        call = self.call
+        return _segment_batches(self.loader, self.round, call.segment, call.first, call.last + 1)
+
+    def __repr__(self) -> str:
+        call = self.call
+        return (
+            f"FusedBatches(round={self.round}, group={call.segment.group}, steps={call.first}..{call.last})"
+        )
+
+
+@dataclass(frozen=True)
 class LockstepPlan:
-    """A round plan as lockstep segments; the training ``RoundLoader`` iterates its batches."""
+    """A round plan as lockstep segments, cut into calls (one per Lightning step); the training
+    ``RoundLoader`` iterates its batches.
+
+    ``steps_per_call``: lockstep steps per Lightning step, at most a segment's (``None``: a whole segment).
+    """
 
     plan: RoundPlan
     segments: tuple[Segment, ...]
-    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    steps_per_call: int | None = 1
+    calls: tuple[Call, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_starts", tuple(s.start for s in self.segments))
+        calls = []
+        for segment in self.segments:
+            size = segment.length if self.steps_per_call is None else self.steps_per_call
+            for first in range(0, segment.length, size):
+                calls.append(Call(segment, first, min(size, segment.length - first)))
+        object.__setattr__(self, "calls", tuple(calls))
 
     @property
     def round(self) -> int:
         return self.plan.round
 
     @property
+    def fused(self) -> bool:
+        """Whether a Lightning step may run more than one lockstep step."""
+        return self.steps_per_call != 1
+
+    @property
     def length(self) -> int:
-        """Lightning steps in the round."""
-        return self.segments[-1].start + self.segments[-1].length if self.segments else 0
+        """Lightning steps (calls) in the round."""
+        return len(self.calls)
+
+    @property
+    def lockstep_steps(self) -> int:
+        """Lockstep steps in the round (the sum of its segments' lengths)."""
+        return sum(segment.length for segment in self.segments)
+
+    def call(self, index: int) -> Call:
+        """The round's ``index``-th Lightning step."""
+        if not 0 <= index < self.length:
+            raise IndexError(f"step {index} is outside round {self.round} of {self.length} lockstep calls.")
+        return self.calls[index]
 
     def locate(self, step: int) -> tuple[Segment, int]:
-        """The segment of the round's ``step``-th Lightning step and the step's index inside it."""
-        if not 0 <= step < self.length:
-            raise IndexError(f"step {step} is outside round {self.round} of {self.length} lockstep steps.")
-        segment = self.segments[bisect.bisect_right(self._starts, step) - 1]
-        return segment, step - segment.start
+        """The segment of the round's ``step``-th Lightning step and the index inside it of its (first)
+        lockstep step."""
+        call = self.call(step)
+        return call.segment, call.first
 
-    def batches(self, loader: RoundLoader, start: int = 0) -> Iterator[dict[str, Any]]:
-        """The Lightning batches from step ``start``: per step every group client's next batch, stacked."""
+    def batches(self, loader: RoundLoader, start: int = 0) -> Iterator[Any]:
+        """The Lightning batches from call ``start``: per lockstep step every lane's next batch, stacked;
+        in a fused schedule one :class:`FusedBatches` per call."""
+        if self.fused:
+            for call in self.calls[start:]:
+                yield FusedBatches(loader, self.round, call)
+            return
         for segment in self.segments:
             if segment.start + segment.length <= start:
                 continue
@@ -97,12 +171,19 @@ class LockstepPlan:
 
 
 def lockstep_plan(
-    plan: RoundPlan, width: int, cache_head: bool, uncached_width: int | None = None
+    plan: RoundPlan,
+    width: int,
+    cache_head: bool,
+    uncached_width: int | None = None,
+    steps_per_call: int | None = 1,
 ) -> LockstepPlan:
     """Cut ``plan``'s clients into groups of at most ``width`` and each group's work into phase segments;
-    phases not on cached features run in lanes of at most ``uncached_width`` clients (default ``width``)."""
+    phases not on cached features run in lanes of at most ``uncached_width`` clients (default ``width``);
+    each Lightning step runs ``steps_per_call`` lockstep steps of a segment (``None``: the whole segment)."""
     if width < 1 or (uncached_width is not None and uncached_width < 1):
         raise ValueError(f"The engine's widths must be >= 1, got {width} and {uncached_width}.")
+    if steps_per_call is not None and steps_per_call < 1:
+        raise ValueError(f"The engine's steps per call must be >= 1 (or None), got {steps_per_call}.")
     work = [w.client for w in plan.work]
     segments: list[Segment] = []
     start = 0
@@ -127,15 +208,17 @@ def lockstep_plan(
             last = i == len(group_segments) - 1
             segments.append(Segment(g, clients, lanes, p, part, steps, offs, start, cached, last))
             start += max(steps)
-    return LockstepPlan(plan, tuple(segments))
+    return LockstepPlan(plan, tuple(segments), steps_per_call)
 
 
 def _segment_batches(
-    loader: RoundLoader, round_index: int, segment: Segment, first: int
+    loader: RoundLoader, round_index: int, segment: Segment, first: int, stop: int | None = None
 ) -> Iterator[dict[str, Any]]:
+    """The stacked batches of ``segment``'s steps ``first .. stop - 1`` (``None``: to its end)."""
     k = len(segment.clients)
     batch_size = loader.batch_size
-    remaining = [max(0, n - first) for n in segment.steps]
+    stop = segment.length if stop is None else stop
+    remaining = [max(0, min(n, stop) - first) for n in segment.steps]
     if segment.cached:
         positions = [
             loader.client_positions(c, round_index, o + first, r) if r else []
@@ -146,7 +229,7 @@ def _segment_batches(
             iter(loader.client_batches(c, round_index, o + first, r)) if r else iter(())
             for c, o, r in zip(segment.clients, segment.offsets, remaining)
         ]
-    for step in range(first, segment.length):
+    for step in range(first, stop):
         active = [step < n for n in segment.steps]
         mask = torch.zeros(k, batch_size)
         if segment.cached:
@@ -156,10 +239,10 @@ def _segment_batches(
                     taken = positions[i][step - first]
                     rows[i, : len(taken)] = taken
                     mask[i, : len(taken)] = 1.0
-            yield {"positions": rows, "mask": mask, "active": torch.tensor(active)}
+            yield {"positions": rows, "mask": mask}
             continue
         pairs = [next(sources[i]) if active[i] else None for i in range(k)]
-        yield {**_stack_pairs(pairs, batch_size, mask), "mask": mask, "active": torch.tensor(active)}
+        yield {**_stack_pairs(pairs, batch_size, mask), "mask": mask}
 
 
 def _stack_pairs(pairs: list[Any], batch_size: int, mask: Tensor) -> dict[str, Tensor]:

@@ -1,0 +1,181 @@
+"""Fused lockstep (``engine_steps_per_call``): one Lightning step runs several lockstep steps of a phase.
+
+The reference is the unfused engine (``engine_steps_per_call=1``: one lockstep step per Lightning step) on
+the same batches, itself checked against the sequential path and plain loops in ``test_engine.py`` and the
+algorithms' golden tests: fused calls must give the same tensors bit for bit, the same logged loss and the
+same kept optimizer state, with ``global_step`` counting calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Timer
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_fedrep.runners.lockstep import sizing
+from tests.test_engine import Net, assert_kept_states_equal, assert_same, fit
+
+FUSED_CASES = {
+    "fedrep": dict(algorithm="fedrep"),  # head epochs on cached features, then the body epoch
+    "fedrep-groups-of-2": dict(algorithm="fedrep", engine_width=2),
+    "fedrep-keep-adam": dict(algorithm="fedrep", client_optimizer_state="keep", model="adam"),
+    "fedavg": dict(algorithm="fedavg"),
+    "lg_fedavg": dict(algorithm="lg_fedavg"),
+    "fedprox": dict(algorithm="fedprox"),  # a loss term inside the vmap
+    "scaffold": dict(algorithm="scaffold"),  # declared tensors, gradient transforms
+    "per_fedavg": dict(algorithm="per_fedavg"),  # a step rule writing client state each step
+}
+
+
+def fused_fit(steps_per_call, case, **kwargs):
+    settings = dict(case)
+    optimizer = settings.pop("model", "sgd")
+    return fit(
+        "vectorized",
+        model=lambda: Net(optimizer=optimizer),
+        engine_steps_per_call=steps_per_call,
+        **settings,
+        **kwargs,
+    )
+
+
+def assert_same_run(expected, expected_trainer, got, got_trainer):
+    assert_same(expected, got, exact=True)
+    assert_kept_states_equal(expected, got)
+    assert torch.equal(
+        got_trainer.callback_metrics["train/loss"], expected_trainer.callback_metrics["train/loss"]
+    )
+    assert [r["clients"] for r in got.history] == [r["clients"] for r in expected.history]
+
+
+@pytest.mark.parametrize("steps_per_call", ["auto", 3])
+@pytest.mark.parametrize("case", sorted(FUSED_CASES))
+def test_fused_calls_equal_one_lockstep_step_per_lightning_step(case, steps_per_call):
+    """Catches a fused call that skips or repeats a lockstep step, steps a client in a call's last step twice,
+    masks the wrong clients after the first step of a call, or draws another batch than the unfused step."""
+    unfused, unfused_trainer = fused_fit(1, FUSED_CASES[case])
+    fused, fused_trainer = fused_fit(steps_per_call, FUSED_CASES[case])
+    assert_same_run(unfused, unfused_trainer, fused, fused_trainer)
+
+    engine = fused.lockstep_engine
+    schedules = [engine.schedule(fused.round_plan(r)) for r in range(3)]
+    lengths = [s.length for s in schedules]
+    if steps_per_call == "auto":
+        assert fused.runner_settings["steps_per_call"] is None
+        assert lengths == [len(s.segments) for s in schedules]  # one call per phase of a group
+    else:
+        assert lengths == [sum(math.ceil(g.length / 3) for g in s.segments) for s in schedules]
+    assert fused_trainer.global_step == sum(lengths)
+    assert unfused_trainer.global_step == sum(s.lockstep_steps for s in schedules)
+
+
+def test_fused_calls_of_one_client_at_a_time_equal_unfused(monkeypatch):
+    """``auto``'s one-client lanes (uncached phases one client at a time, fused per lane). Catches a call
+    that runs past its lane's segment into the next client's."""
+    monkeypatch.setattr(sizing, "faster_lane_width", lambda *args, **kwargs: (False, 2.0, 1.0))
+    unfused, unfused_trainer = fit("auto", engine_steps_per_call=1)
+    fused, fused_trainer = fit("auto")
+    assert fused.runner_settings["lane_width"] == 1 and fused.runner_settings["steps_per_call"] is None
+    assert_same_run(unfused, unfused_trainer, fused, fused_trainer)
+    plans = [fused.round_plan(r) for r in range(3)]
+    # one call for the group's head epochs on cached features, then one per client's body epoch
+    assert fused_trainer.global_step == sum(1 + len(p.work) for p in plans)
+
+
+class BatchCounter(L.Callback):
+    def __init__(self):
+        self.batches = 0
+
+    def on_train_batch_end(self, *args):
+        self.batches += 1
+
+
+class BatchHookNet(Net):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        pass
+
+
+PER_STEP_NEEDS = {
+    "max_steps": (dict(trainer=dict(max_steps=1000)), "max_steps=1000 counts Lightning steps"),
+    "val_check_interval": (
+        dict(trainer=dict(val_check_interval=0.5, limit_val_batches=None)),
+        "val_check_interval=0.5 validates inside a round",
+    ),
+    "step checkpoints": (
+        dict(trainer=dict(enable_checkpointing=True, callbacks=[ModelCheckpoint(every_n_train_steps=50)])),
+        "ModelCheckpoint saves inside a round (every 50)",
+    ),
+    "a per-batch callback": (
+        dict(trainer=dict(callbacks=[BatchCounter()])),
+        "BatchCounter acts per training step (on_train_batch_end)",
+    ),
+    "a per-batch module hook": (dict(model=BatchHookNet), "BatchHookNet acts per training step"),
+}
+
+
+@pytest.mark.parametrize("need", sorted(PER_STEP_NEEDS))
+def test_what_acts_per_step_keeps_auto_unfused_and_refuses_a_fused_count(need, caplog, tmp_path):
+    """Catches fusing where something counts or hooks Lightning steps as local steps (it would see one call
+    for a whole phase), and a silently ignored explicit count."""
+    kwargs, reason = PER_STEP_NEEDS[need]
+    kwargs = {**kwargs, "trainer": {"default_root_dir": tmp_path, **kwargs.get("trainer", {})}}
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        strategy, trainer = fit("vectorized", **kwargs)
+    assert strategy.runner_settings["steps_per_call"] == 1
+    assert f"one lockstep step per Lightning step ({reason}" in " ".join(caplog.messages)
+    engine = strategy.lockstep_engine
+    assert trainer.global_step == sum(
+        engine.schedule(strategy.round_plan(r)).lockstep_steps for r in range(3)
+    )
+    with pytest.raises(ValueError, match=f"engine_steps_per_call=4 runs 4 lockstep steps.*{reason[:20]}"):
+        fit("vectorized", engine_steps_per_call=4, **kwargs)
+
+
+def test_display_clock_and_lr_callbacks_and_epoch_checkpoints_leave_auto_fused(tmp_path):
+    """The progress bar, ``Timer``, ``LearningRateMonitor`` and a round-end ``ModelCheckpoint`` do not count
+    local steps: ``auto`` fuses with them. Catches a too-wide per-step check (every callback overriding a
+    batch hook)."""
+    callbacks = [Timer(duration="00:01:00:00"), LearningRateMonitor(), ModelCheckpoint(dirpath=tmp_path)]
+    logger = CSVLogger(tmp_path)
+    trainer = dict(callbacks=callbacks, enable_checkpointing=True, enable_progress_bar=True, logger=logger)
+    strategy, _ = fit("vectorized", trainer=trainer)
+    assert strategy.runner_settings["steps_per_call"] is None
+
+
+def test_a_smoke_run_is_never_fused():
+    strategy, trainer = fit("vectorized", engine_steps_per_call=4, trainer=dict(fast_dev_run=True))
+    assert strategy.runner_settings["steps_per_call"] == 1 and trainer.global_step == 1
+
+
+RESUME = dict(algorithm="fedrep", client_optimizer_state="keep")
+
+
+def test_a_fused_run_resumes_at_a_round_end_as_the_uninterrupted_one(tmp_path):
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    fit("vectorized", trainer=dict(enable_checkpointing=True, callbacks=[saver]), rounds=1, **RESUME)
+    resumed, _ = fit("vectorized", ckpt_path=tmp_path / "epoch=0.ckpt", **RESUME)
+    whole, _ = fit("vectorized", **RESUME)
+    assert resumed.runner_settings["steps_per_call"] is None
+    assert_same(whole, resumed, exact=True)
+    assert_kept_states_equal(whole, resumed)
+
+
+def test_a_mid_round_unfused_checkpoint_resumes_its_round_unfused_then_fuses(tmp_path):
+    """A checkpoint written inside a round by an unfused run (its loader position counts lockstep steps)
+    resumed by a run that fuses: the open round keeps one lockstep step per Lightning step, later rounds
+    fuse. Catches resuming the open round with fused calls (the position would skip most of the round)."""
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1, filename="{step}")
+    fit("vectorized", trainer=dict(enable_checkpointing=True, callbacks=[saver], max_steps=5), **RESUME)
+    resumed, trainer = fit("vectorized", ckpt_path=tmp_path / "step=5.ckpt", **RESUME)
+    whole, _ = fit("vectorized", **RESUME)
+    assert_same(whole, resumed, exact=True)
+    assert_kept_states_equal(whole, resumed)
+    engine = resumed.lockstep_engine
+    schedules = [engine.schedule(resumed.round_plan(r)) for r in range(3)]
+    assert not schedules[0].fused and schedules[1].fused and schedules[2].fused
+    assert trainer.global_step == schedules[0].lockstep_steps + schedules[1].length + schedules[2].length
