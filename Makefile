@@ -1,8 +1,9 @@
 # The two set-up commands of the README:
 #   make demo   creates .venv if missing, installs everything and runs the offline quickstart recipe
 #   make test   creates .venv if missing, installs everything and runs the test suite
-#   make docs   also installs the [docs] extra, builds the site (docs/_build/html) and runs its examples
-#   make docs-check  checks the built site: internal links and anchors, and pages in a headless browser
+#   make docs   also installs the [docs] extra, builds the site (docs/_build/html), runs its examples and
+#               checks its internal links and anchors
+#   make docs-check  also renders pages in a headless browser
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -34,9 +35,9 @@ test: $(STAMP)
 docs: $(DOCS_STAMP)
 	WANDB_MODE=disabled $(SPHINX) -n -b html docs docs/_build/html
 	WANDB_MODE=disabled $(SPHINX) -b doctest docs docs/_build/doctest
+	$(BIN)/python scripts/check_docs_links.py docs/_build/html
 
 docs-check: docs
-	$(BIN)/python scripts/check_docs_links.py docs/_build/html
 	cd docs/browser-check && (test -d node_modules || npm ci --no-audit --no-fund) && node check.mjs ../_build/html
 
 lint: $(STAMP)

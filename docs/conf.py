@@ -100,11 +100,26 @@ def exported_constant_docstring(name: str) -> list[str] | None:
 
 
 def _constant_docstring(app, what, name, obj, options, lines) -> None:  # noqa: ANN001
-    """autodoc shows a re-exported constant's type's docstring (``dict``'s, ``str``'s); show its own."""
+    """autodoc shows a re-exported constant's type's docstring (``dict``'s, ``str``'s); show its own (none:
+    the type's lines are dropped, and :func:`_require_docstring` fails the build)."""
     if what == "data" and name.startswith("lightning_fedrep.") and name.count(".") == 1:
         docs = exported_constant_docstring(name.split(".", 1)[1])
-        if docs:
-            lines[:] = docs
+        lines[:] = docs or []
+
+
+DOCUMENTED_KINDS = ("class", "exception", "function", "data", "method", "property", "attribute")
+
+
+def _require_docstring(app, what, name, obj, options, lines) -> None:  # noqa: ANN001
+    """A public name of the package shown on a page without a docstring of its own is a warning, so the
+    ``-W`` build fails on it (``tests/test_docs_api.py`` also checks that each argument is described)."""
+    public = name.startswith("lightning_fedrep.") and not any(p.startswith("_") for p in name.split("."))
+    if public and what in DOCUMENTED_KINDS and not any(line.strip() for line in lines):
+        from sphinx.util import logging as sphinx_logging
+
+        sphinx_logging.getLogger(__name__).warning(
+            f"{name} has no docstring: say what it is for and when it runs (a public name needs one)"
+        )
 
 
 def _factory_defaults(app, what, name, obj, options, signature, return_annotation):  # noqa: ANN001
@@ -151,5 +166,6 @@ def _skip_lightning_hooks(app, what, name, obj, skip, options):  # noqa: ANN001
 
 def setup(app) -> None:  # noqa: ANN001
     app.connect("autodoc-process-docstring", _constant_docstring)
+    app.connect("autodoc-process-docstring", _require_docstring)
     app.connect("autodoc-process-signature", _factory_defaults)
     app.connect("autodoc-skip-member", _skip_lightning_hooks)
