@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Ti
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_fedrep.runners.lockstep import sizing
-from tests.test_engine import Net, assert_kept_states_equal, assert_same, fit
+from tests.test_engine import DeclaredNet, Net, assert_kept_states_equal, assert_same, fit
 
 FUSED_CASES = {
     "fedrep": dict(algorithm="fedrep"),  # head epochs on cached features, then the body epoch
@@ -179,3 +179,29 @@ def test_a_mid_round_unfused_checkpoint_resumes_its_round_unfused_then_fuses(tmp
     schedules = [engine.schedule(resumed.round_plan(r)) for r in range(3)]
     assert not schedules[0].fused and schedules[1].fused and schedules[2].fused
     assert trainer.global_step == schedules[0].lockstep_steps + schedules[1].length + schedules[2].length
+
+
+class HeadReadsBodyNet(Net):
+    """A declared split whose head also reads a body tensor."""
+
+    def forward_features(self, x):
+        return self.body(x)
+
+    def forward_head(self, features):
+        return self.classifier(features) + self.body[0].bias.sum()
+
+    def forward(self, x):
+        return self.forward_head(self.forward_features(x))
+
+
+@pytest.mark.parametrize("model", ["declared", "head_reads_body"])
+def test_a_cached_head_step_hands_the_head_only_what_it_reads(model):
+    """A cached head step passes the head only the tensors it was seen to read on the probe (fewer tensors
+    batched); a head that reads the body gets every tensor. Catches trusting a declared ``forward_head`` to
+    read only the head (its body term would then come from the live module, not the client's rows)."""
+    net = DeclaredNet if model == "declared" else HeadReadsBodyNet
+    sequential, _ = fit("sequential", model=net)
+    vectorized, _ = fit("vectorized", model=net)
+    reads = vectorized.lockstep_engine.split.head_reads
+    assert reads == (frozenset({"classifier.weight", "classifier.bias"}) if model == "declared" else None)
+    assert_same(sequential, vectorized)

@@ -51,6 +51,9 @@ class FeatureSplit:
     features: Callable[[dict[str, Tensor], Tensor], Tensor]
     head: Callable[[dict[str, Tensor], Tensor], Tensor]
     how: str
+    head_reads: frozenset[str] | None = None
+    """The only tensors ``head`` reads (verified on the probe: :func:`find_feature_split`), so a cached head
+    step may hand it just these; ``None``: it may read any."""
 
 
 def find_feature_split(module: nn.Module, head_names: tuple[str, ...], probe: Tensor) -> FeatureSplit | None:
@@ -74,7 +77,26 @@ def find_feature_split(module: nn.Module, head_names: tuple[str, ...], probe: Te
         if declared and _features_read(split, tensors, head_names, probe, features):
             return None
         got = split.head(tensors, features)
-    return split if same_tensor(got, expected) else None
+        if not same_tensor(got, expected):
+            return None
+        if not _head_reads_others(split, tensors, head_names, features, got):
+            split.head_reads = frozenset(head_names) | {
+                n for n, t in tensors.items() if not t.is_floating_point()
+            }
+    return split
+
+
+def _head_reads_others(
+    split: FeatureSplit,
+    tensors: dict[str, Tensor],
+    head_names: tuple[str, ...],
+    features: Tensor,
+    got: Tensor,
+) -> bool:
+    """Whether ``split.head`` reads a floating-point tensor outside ``head_names`` (shifting them all changes
+    its output on the probe's features)."""
+    shifted = {n: t + 1.0 if t.is_floating_point() and n not in head_names else t for n, t in tensors.items()}
+    return not same_tensor(split.head(shifted, features), got)
 
 
 def _features_read(

@@ -454,6 +454,9 @@ class LockstepEngine:
             lanes = self._lane_indices(mask.device)[:, None]
             positions = batch["positions"]
             inputs, targets = self._features[lanes, positions], self._labels[lanes, positions]
+            if split.head_reads is not None and not terms:  # the head reads nothing else: batch no more
+                frozen = {n: t for n, t in frozen.items() if n in split.head_reads}
+                fixed = {n: t for n, t in fixed.items() if n in split.head_reads}
 
             def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor | None]:
                 return split.head(tensors, x), x
