@@ -10,6 +10,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path[:0] = [str(BENCHMARKS / "engine"), str(BENCHMARKS)]
 
+import auto_choice  # noqa: E402
 import cifar_round  # noqa: E402
 import evaluation  # noqa: E402
 import overhead  # noqa: E402
@@ -88,3 +89,13 @@ def test_store_memory_fills_one_head_per_client():
 def test_benchmark_runs_at_a_reduced_size(module, argv, expected, capsys):
     module.main(argv)
     assert expected in capsys.readouterr().out
+
+
+def test_auto_choice_runs_and_reports_each_runs_path():
+    """``benchmarks/engine/auto_choice.py`` at a reduced size: every row names the path ``auto`` took in each
+    run and compares it with the paired vectorized run (a smoke check of the script, not of its timings)."""
+    rows = auto_choice.main(["--small", "--models", "mlp", "--runs", "1", "--threads", "1"])
+    assert [(r["model"], r["algorithm"]) for r in rows] == [("mlp", "fedavg"), ("mlp", "fedrep")]
+    for row in rows:
+        assert len(row["auto"]) == len(row["ratios"]) == 1
+        assert set(row["paths"]) <= {"seq", "lock", "lock/1"}
