@@ -29,13 +29,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import make_trainer, quiet  # noqa: E402
+from scaling import make_data as clients_data  # noqa: E402
 
-from lightning_fedrep import FederatedDataModule, FederatedStrategy, IIDPartitioner  # noqa: E402
+from lightning_fedrep import FederatedDataModule, FederatedStrategy  # noqa: E402
 from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
 from lightning_fedrep.models import CIFAR10CNN, MLPClassifier  # noqa: E402
 
@@ -60,20 +60,7 @@ class RoundClock(L.Callback):
 
 def make_data(model: str, clients: int) -> FederatedDataModule:
     """``clients`` clients of :data:`SAMPLES` random samples of the model's input shape (iid labels)."""
-    shape, _ = MODELS[model]
-    generator = torch.Generator().manual_seed(0)
-    n = clients * SAMPLES
-    x = torch.randn(n, *shape, generator=generator)
-    y = torch.randint(0, 10, (n,), generator=generator)
-    data = FederatedDataModule(
-        TensorDataset(x, y),
-        TensorDataset(x[:100], y[:100]),
-        IIDPartitioner(clients),
-        batch_size=BATCH,
-        seed=0,
-    )
-    data.setup("fit")
-    return data
+    return clients_data(clients, shape=MODELS[model][0])
 
 
 def fit(model: str, data: FederatedDataModule, algorithm: str, engine: str, per_round: int) -> dict[str, Any]:

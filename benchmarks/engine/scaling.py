@@ -42,10 +42,11 @@ from lightning_fedrep.models.optim import fedrep_sgd  # noqa: E402
 SAMPLES, BATCH, HEAD_EPOCHS, BODY_EPOCHS = 50, 10, 5, 1
 
 
-def make_data(clients: int, seed: int = 0) -> FederatedDataModule:
+def make_data(clients: int, seed: int = 0, shape: tuple[int, ...] = (64,)) -> FederatedDataModule:
+    """``clients`` iid clients of :data:`SAMPLES` random samples of ``shape`` (10 classes), set up."""
     g = torch.Generator().manual_seed(seed)
     n = clients * SAMPLES
-    x = torch.randn(n, 64, generator=g)
+    x = torch.randn(n, *shape, generator=g)
     y = torch.randint(0, 10, (n,), generator=g)
     dm = FederatedDataModule(
         TensorDataset(x, y),

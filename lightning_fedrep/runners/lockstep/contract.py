@@ -79,24 +79,25 @@ def find_feature_split(module: nn.Module, head_names: tuple[str, ...], probe: Te
         got = split.head(tensors, features)
         if not same_tensor(got, expected):
             return None
-        if not _head_reads_others(split, tensors, head_names, features, got):
+        others = tuple(n for n in tensors if n not in head_names)
+        if not _reads(split.head, tensors, others, features, got):
             split.head_reads = frozenset(head_names) | {
                 n for n, t in tensors.items() if not t.is_floating_point()
             }
     return split
 
 
-def _head_reads_others(
-    split: FeatureSplit,
+def _reads(
+    fn: Callable[[dict[str, Tensor], Tensor], Tensor],
     tensors: dict[str, Tensor],
-    head_names: tuple[str, ...],
-    features: Tensor,
-    got: Tensor,
+    names: tuple[str, ...],
+    x: Tensor,
+    output: Tensor,
 ) -> bool:
-    """Whether ``split.head`` reads a floating-point tensor outside ``head_names`` (shifting them all changes
-    its output on the probe's features)."""
-    shifted = {n: t + 1.0 if t.is_floating_point() and n not in head_names else t for n, t in tensors.items()}
-    return not same_tensor(split.head(shifted, features), got)
+    """Whether ``fn(tensors, x)`` (which gave ``output``) reads any floating-point tensor among ``names``:
+    shifting them all changes its output."""
+    shifted = {**tensors, **{n: tensors[n] + 1.0 for n in names if tensors[n].is_floating_point()}}
+    return not same_tensor(fn(shifted, x), output)
 
 
 def _features_read(
@@ -107,9 +108,8 @@ def _features_read(
     features: Tensor,
 ) -> bool:
     """Whether the declared ``forward_features`` reads any of ``head_names`` (then they are not the head of this
-    split: LG-FedAvg's local part is the body). Checked by shifting those tensors and comparing the features."""
-    shifted = {**tensors, **{n: tensors[n] + 1.0 for n in head_names if tensors[n].is_floating_point()}}
-    return not same_tensor(split.features(shifted, probe), features)
+    split: LG-FedAvg's local part is the body)."""
+    return _reads(split.features, tensors, head_names, probe, features)
 
 
 def same_tensor(a: object, b: object) -> bool:
