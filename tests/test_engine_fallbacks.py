@@ -27,6 +27,7 @@ from lightning_fedrep.collective import Collective
 from lightning_fedrep.engine import declared_loss, find_feature_split
 from lightning_fedrep.engine.probe import loss_label, probe_problem, vectorize_problem
 from lightning_fedrep.engine.selection import start_engine
+from lightning_fedrep.runners.lockstep import sizing
 from tests.fixtures import quiet_trainer, reference_generator
 
 SIZES = (24, 17, 30, 9)
@@ -386,9 +387,11 @@ def test_zero_epochs_are_refused_at_set_up_on_every_engine(engine):
 # ----------------------------------------------------------------------------- item 8: messages
 
 
-def test_no_head_phase_is_not_called_head_phases_on_cached_features(caplog):
+def test_no_head_phase_is_not_called_head_phases_on_cached_features(caplog, monkeypatch):
     """Catches "head phases on cached features" for FedPer, which has no head phase (fails when
-    ``start_engine`` keeps ``bind_loader``'s line whatever the plan)."""
+    ``start_engine`` keeps ``bind_loader``'s line whatever the plan). ``auto``'s timing is pinned to lockstep
+    (a loaded machine could send this tiny run to the sequential runner, whose line says nothing of a cache)."""
+    monkeypatch.setattr(sizing, "faster_lane_width", lambda *args, **kwargs: (True, 1.0, 2.0))
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, _ = fit("auto", algorithm="fedper", local_epochs=1)
     (line,) = engine_lines(caplog)
