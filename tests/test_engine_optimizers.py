@@ -15,12 +15,14 @@ SGD_SETTINGS = [
 ]
 
 
-def run_both(make_optimizer, steps=6, clients=4):
-    """Per client a real torch optimizer; the stacked version with some clients idle in some steps."""
+def run_both(make_optimizer, steps=9, clients=4):
+    """Per client a real torch optimizer; the stacked version with some clients idle in some steps (every
+    client steps in the first two and the last two: the first steps and the in-place update of clients
+    that all have momentum)."""
     g = torch.Generator().manual_seed(0)
     start = {"w": torch.randn(clients, 3, 2, generator=g), "b": torch.randn(clients, 2, generator=g)}
     grads = [{n: torch.randn(t.shape, generator=g) for n, t in start.items()} for _ in range(steps)]
-    active = [[(s + k) % 3 != 0 for k in range(clients)] for s in range(steps)]
+    active = [[s < 2 or s >= steps - 2 or (s + k) % 3 != 0 for k in range(clients)] for s in range(steps)]
 
     reference = []
     for k in range(clients):

@@ -138,6 +138,7 @@ class StackedSGD:
         self.sync(user_optimizer)
         self.buffers: dict[str, Tensor] = {}
         self.has_buffer: dict[str, Tensor] = {}
+        self._full: dict[str, tuple[int, int]] = {}
 
     def sync(self, user_optimizer: torch.optim.Optimizer) -> None:
         """Take the user optimizer's current hyper-parameters (an LR scheduler changes them per round)."""
@@ -159,27 +160,54 @@ class StackedSGD:
             if leaf.grad is None:
                 continue
             h = self.hyper[self.group_of[name]]
+            if isinstance(rows, slice):
+                self._step_rows(name, leaf.grad, rows, h)
+                continue
             param = self.stacked[name]
-            grad = leaf.grad[chosen.to(leaf.grad.device) if isinstance(chosen, Tensor) else chosen]
-            rows_here = rows.to(param.device) if isinstance(rows, Tensor) else rows
+            rows_here = rows.to(param.device)
+            grad = leaf.grad[chosen.to(leaf.grad.device)]
             p = param[rows_here]
-            if h["maximize"]:
-                grad = -grad
-            if h["weight_decay"] != 0:
-                grad = grad.add(p, alpha=h["weight_decay"])
-            momentum = h["momentum"]
-            if momentum != 0:
-                buffers, has = self._buffers(name)
-                first = ~has[rows_here]
-                updated = buffers[rows_here].mul(momentum).add(grad, alpha=1 - h["dampening"])
-                buf = torch.where(first.view(-1, *([1] * (grad.dim() - 1))), grad, updated)
-                buffers[rows_here] = buf
-                has[rows_here] = True
-                grad = grad.add(buf, alpha=momentum) if h["nesterov"] else buf
-            if isinstance(rows_here, slice):
-                p.add_(grad, alpha=-h["lr"])
-            else:
-                param[rows_here] = p.add(grad, alpha=-h["lr"])
+            grad = self._direction(name, _decayed(grad, p, h), rows_here, h)
+            param[rows_here] = p.add(grad, alpha=-h["lr"])
+
+    def _step_rows(self, name: str, grad: Tensor, rows: slice, h: dict[str, Any]) -> None:
+        """The step of the consecutive ``rows`` (every lane steps): in place on views of the stacked rows
+        and, once each of them has a momentum buffer, of its buffers (torch's SGD's own in-place update)."""
+        p = self.stacked[name][rows]
+        grad = _decayed(grad, p, h)
+        momentum = h["momentum"]
+        if momentum != 0 and not h["nesterov"] and self._all_have_buffers(name, rows):
+            buf = self.buffers[name][rows]
+            buf.mul_(momentum).add_(grad, alpha=1 - h["dampening"])
+            p.add_(buf, alpha=-h["lr"])
+            return
+        p.add_(self._direction(name, grad, rows, h), alpha=-h["lr"])
+
+    def _direction(self, name: str, grad: Tensor, rows: slice | Tensor, h: dict[str, Any]) -> Tensor:
+        """The update direction of ``rows`` from their (decayed) gradient, updating their momentum buffers."""
+        momentum = h["momentum"]
+        if momentum == 0:
+            return grad
+        buffers, has = self._buffers(name)
+        first = ~has[rows]
+        updated = buffers[rows].mul(momentum).add(grad, alpha=1 - h["dampening"])
+        buf = torch.where(first.view(-1, *([1] * (grad.dim() - 1))), grad, updated)
+        buffers[rows] = buf
+        has[rows] = True
+        self._full.pop(name, None)
+        return grad.add(buf, alpha=momentum) if h["nesterov"] else buf
+
+    def _all_have_buffers(self, name: str, rows: slice) -> bool:
+        """Whether every row of ``rows`` has a momentum buffer (remembered per tensor once true: buffers
+        are only ever added, until :meth:`clear`)."""
+        known = self._full.get(name)
+        if known is not None and known[0] <= rows.start and rows.stop <= known[1]:
+            return True
+        has = self.has_buffer.get(name)
+        if has is None or not bool(has[rows].all()):
+            return False
+        self._full[name] = (rows.start, rows.stop)
+        return True
 
     def _buffers(self, name: str) -> tuple[Tensor, Tensor]:
         if name not in self.buffers:
@@ -205,7 +233,16 @@ class StackedSGD:
                 has[k] = True
 
     def clear(self) -> None:
-        self.buffers, self.has_buffer = {}, {}
+        self.buffers, self.has_buffer, self._full = {}, {}, {}
+
+
+def _decayed(grad: Tensor, p: Tensor, h: Mapping[str, Any]) -> Tensor:
+    """SGD's gradient of parameters ``p`` before momentum: negated (``maximize``), plus weight decay."""
+    if h["maximize"]:
+        grad = -grad
+    if h["weight_decay"] != 0:
+        grad = grad.add(p, alpha=h["weight_decay"])
+    return grad
 
 
 def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:

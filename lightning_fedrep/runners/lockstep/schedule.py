@@ -220,29 +220,39 @@ def _segment_batches(
     stop = segment.length if stop is None else stop
     remaining = [max(0, min(n, stop) - first) for n in segment.steps]
     if segment.cached:
-        positions = [
-            loader.client_positions(c, round_index, o + first, r) if r else []
-            for c, o, r in zip(segment.clients, segment.offsets, remaining)
-        ]
-    else:
-        sources = [
-            iter(loader.client_batches(c, round_index, o + first, r)) if r else iter(())
-            for c, o, r in zip(segment.clients, segment.offsets, remaining)
-        ]
+        rows, mask = _cached_positions(loader, round_index, segment, first, stop - first, remaining)
+        for step in range(stop - first):
+            yield {"positions": rows[step], "mask": mask[step]}
+        return
+    sources = [
+        iter(loader.client_batches(c, round_index, o + first, r)) if r else iter(())
+        for c, o, r in zip(segment.clients, segment.offsets, remaining)
+    ]
     for step in range(first, stop):
         active = [step < n for n in segment.steps]
         mask = torch.zeros(k, batch_size)
-        if segment.cached:
-            rows = torch.zeros(k, batch_size, dtype=torch.long)
-            for i in range(k):
-                if active[i]:
-                    taken = positions[i][step - first]
-                    rows[i, : len(taken)] = taken
-                    mask[i, : len(taken)] = 1.0
-            yield {"positions": rows, "mask": mask}
-            continue
         pairs = [next(sources[i]) if active[i] else None for i in range(k)]
         yield {**_stack_pairs(pairs, batch_size, mask), "mask": mask}
+
+
+def _cached_positions(
+    loader: RoundLoader, round_index: int, segment: Segment, first: int, steps: int, remaining: list[int]
+) -> tuple[Tensor, Tensor]:
+    """Every step's batch positions ``[steps, K, batch_size]`` (zero-padded) of a cached segment's steps
+    ``first ..`` and their mask, built per client at once instead of per step."""
+    k, batch_size = len(segment.clients), loader.batch_size
+    rows = torch.zeros(steps, k, batch_size, dtype=torch.long)
+    mask = torch.zeros(steps, k, batch_size)
+    width = torch.arange(batch_size)
+    for i, (client, offset, count) in enumerate(zip(segment.clients, segment.offsets, remaining)):
+        if not count:
+            continue
+        taken = loader.client_positions(client, round_index, offset + first, count)
+        padded = torch.nn.utils.rnn.pad_sequence(taken, batch_first=True)
+        rows[:count, i, : padded.shape[1]] = padded
+        lengths = torch.tensor([len(t) for t in taken])
+        mask[:count, i] = (width < lengths[:, None]).to(mask.dtype)
+    return rows, mask
 
 
 def _stack_pairs(pairs: list[Any], batch_size: int, mask: Tensor) -> dict[str, Tensor]:
