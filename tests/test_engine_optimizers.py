@@ -90,3 +90,21 @@ def test_kept_momentum_moves_between_clients_states():
         other.client_state(0, {"w"})[0]["momentum_buffer"], state[0]["momentum_buffer"]
     )
     assert other.client_state(1, {"w", "b"}) == {}
+
+
+def test_a_group_finds_each_client_whose_tensors_are_not_all_finite():
+    """One NaN in one tensor of one client (and an infinity in another tensor of another) flags exactly
+    those clients: every tensor counts for its client, the others stay finite (the per-client check the
+    federation would do, done for the whole group at once)."""
+    from lightning_fedrep.runners.lockstep.group import ClientGroup
+
+    stacked = {"w": torch.zeros(4, 3, 2), "b": torch.zeros(4, 2), "steps": torch.zeros(4, dtype=torch.long)}
+    stacked["w"][1, 2, 0] = float("nan")
+    stacked["b"][3, 1] = float("inf")
+    user = torch.optim.SGD(
+        [torch.zeros(3, 2, requires_grad=True), torch.zeros(2, requires_grad=True)], lr=0.1
+    )
+    group = ClientGroup([10, 11, 12, 13], stacked, user, ["w", "b"], [None] * 4)
+    expected = [all(bool(torch.isfinite(t[k]).all()) for t in stacked.values()) for k in range(4)]
+    assert expected == [True, False, True, False]
+    assert group.finite_clients() == expected

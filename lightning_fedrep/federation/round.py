@@ -9,7 +9,7 @@ out), and closes it through the algorithm's aggregator, or undoes it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,6 +287,7 @@ class RoundTransaction:
         timed_steps: int = 0,
         seconds: float = 0.0,
         slots: Mapping[str, Tensor] | None = None,
+        finite: Collection[str] = (),
     ) -> ClientResult:
         """A client finished its round's work with ``tensors`` (by name): keep its local part (and, in a
         round that does not aggregate, what it trained of the shared part), its optimizer state if kept,
@@ -295,16 +296,21 @@ class RoundTransaction:
 
         In a round that aggregates, ``Algorithm.finish_client`` decides the upload and the client's new
         declared tensors (their values must be finite too). ``slots``: the declared slots it trained
-        (``"<slot>.<name>"``), stored with its declared tensors."""
+        (``"<slot>.<name>"``), stored with its declared tensors. ``finite``: names of ``tensors`` the caller
+        already found finite (the lockstep engine checks a whole group's stacked tensors at once)."""
         plan = self.plan(self.round_index)
         slots = dict(slots or {})
         before = self._before_round
         stepped = self.store.client_state(client) if before is not None and client in before.clients else {}
-        bad = _nonfinite({**tensors, **slots, **stepped})  # stepped: declared tensors its steps wrote
+        checked = {id(tensors[n]) for n in finite}
+        bad = _nonfinite(
+            {**tensors, **slots, **stepped}, checked
+        )  # stepped: declared tensors its steps wrote
         outcome = None
         if not bad and plan.aggregate:
             outcome = self._finish_outcome(client, tensors, steps, slots)
-            bad = _nonfinite({**outcome.upload, **outcome.client_state})
+            checked.update(id(t) for t in tensors.values())  # an upload of the end values is checked
+            bad = _nonfinite({**outcome.upload, **outcome.client_state}, checked)
         if bad:
             reason = f"non-finite values in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}"
             if self.config.on_nonfinite == "raise":
@@ -603,9 +609,10 @@ def _checked_map(
     return changed
 
 
-def _nonfinite(tensors: Mapping[str, Tensor]) -> list[str]:
-    """The names of the floating-point tensors among ``tensors`` that hold a NaN or an infinity."""
-    floats = {n: t for n, t in tensors.items() if t.is_floating_point()}
+def _nonfinite(tensors: Mapping[str, Tensor], checked: Collection[int] = ()) -> list[str]:
+    """The names of the floating-point tensors among ``tensors`` that hold a NaN or an infinity (the
+    tensor objects whose ``id`` is in ``checked`` are known finite)."""
+    floats = {n: t for n, t in tensors.items() if t.is_floating_point() and id(t) not in checked}
     finite = [torch.isfinite(t).all() for t in floats.values()]
     if not finite or bool(torch.stack(finite).all()):
         return []

@@ -34,6 +34,9 @@ SMOKE_GROUP = 4
 FEATURE_CHUNK = 1024
 """Samples per forward pass when a client's features are cached."""
 
+NO_OBJECTIVE = Objective()
+"""The objective of a phase that none was given for: the declared loss alone."""
+
 
 def data_is_deterministic(loader: Any) -> str | None:
     """``None`` if every training batch is a pure function of its sample indices, else why not."""
@@ -443,7 +446,7 @@ class LockstepEngine:
         fixed = self._fixed
         loss_fn, split = self.loss_fn, self.split
         phase = self.segment.part
-        objective = self.objectives.get(phase, Objective())
+        objective = self.objectives.get(phase, NO_OBJECTIVE)
         if objective.step is not None:
             return self._rule_loss(objective.step, batch)
         terms = objective.terms
@@ -589,7 +592,7 @@ class LockstepEngine:
         """After Lightning's backward: step every active client; returns clients whose round is done."""
         group = self.group
         group.sync_hyperparameters(self.user_optimizer)
-        objective = self.objectives.get(self.segment.part, Objective())
+        objective = self.objectives.get(self.segment.part, NO_OBJECTIVE)
         if objective.grad_transforms:
             self._transform(objective.grad_transforms, grads=True)
         group.step(self._active)
@@ -675,11 +678,13 @@ class LockstepEngine:
             return []
         keep = federation.config.client_optimizer_state == "keep"
         local = set(federation.local_names)
+        finite = group.finite_clients()
         results = []
         for k, client in enumerate(group.clients):
             tensors = {**federation.start_tensors(client), **group.client_tensors(k)}
             state = group.client_optimizer_state(k, local) if keep else None
-            results.append(federation.store_client(client, tensors, state, group.steps[k]))
+            checked = tuple(group.stacked) if finite[k] else ()
+            results.append(federation.store_client(client, tensors, state, group.steps[k], finite=checked))
         self.group, self.segment, self._features, self._labels = None, None, None, None
         self._group_index = -1
         return results

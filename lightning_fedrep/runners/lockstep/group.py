@@ -75,6 +75,16 @@ class ClientGroup:
         """Client ``k``'s current trainable tensors by name (views: copy what you keep)."""
         return {name: t[k] for name, t in self.stacked.items()}
 
+    @torch.no_grad()
+    def finite_clients(self) -> list[bool]:
+        """Whether each client's trainable tensors are all finite (one check of the whole group)."""
+        finite: Tensor | None = None
+        for t in self.stacked.values():
+            if t.is_floating_point():
+                rows = torch.isfinite(t).reshape(len(t), -1).all(1)
+                finite = rows if finite is None else finite & rows
+        return [True] * len(self.clients) if finite is None else finite.tolist()
+
     def client_optimizer_state(self, k: int, names: set[str]) -> OptimizerState:
         """Client ``k``'s optimizer state of the parameters ``names``, in the sequential path's format
         (optimizer 0, the user optimizer's parameter index)."""
