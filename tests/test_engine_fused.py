@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Ti
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_fedrep.runners.lockstep import sizing
+from lightning_fedrep.runners.lockstep.engine import over_lanes
 from tests.test_engine import DeclaredNet, Net, assert_kept_states_equal, assert_same, fit
 
 FUSED_CASES = {
@@ -205,3 +206,30 @@ def test_a_cached_head_step_hands_the_head_only_what_it_reads(model):
     reads = vectorized.lockstep_engine.split.head_reads
     assert reads == (frozenset({"classifier.weight", "classifier.bias"}) if model == "declared" else None)
     assert_same(sequential, vectorized)
+
+
+def test_one_lane_runs_its_row_without_vmap_and_equals_vmap():
+    """``over_lanes(fn, 1)`` (no ``vmap``) gives what ``vmap(fn)`` gives on one lane: dict inputs, a 0-dim
+    client id, a tuple output each with its lane dimension back, and gradients on the lanes' leaves."""
+    def fn(tensors, x, client):
+        out = torch.nn.functional.conv2d(x, tensors["w"]) + tensors["b"].view(1, -1, 1, 1)
+        return out.square().mean() * (1 + client), out.flatten(1).sum(1)
+
+    g = torch.Generator().manual_seed(0)
+    x, client = torch.randn(1, 4, 3, 8, 8, generator=g), torch.tensor([2])
+    results = []
+    for run in (torch.func.vmap(fn), over_lanes(fn, 1)):
+        leaves = {
+            "w": torch.randn(1, 5, 3, 3, 3, generator=torch.Generator().manual_seed(1)),
+            "b": torch.randn(1, 5, generator=torch.Generator().manual_seed(2)),
+        }
+        leaves = {n: t.requires_grad_(True) for n, t in leaves.items()}
+        loss, per_sample = run(leaves, x, client)
+        loss.sum().backward()
+        results.append((loss.detach(), per_sample.detach(), {n: t.grad for n, t in leaves.items()}))
+    (vmapped, direct) = results
+    assert direct[0].shape == (1,) and direct[1].shape == (1, 4)
+    torch.testing.assert_close(direct[0], vmapped[0])
+    torch.testing.assert_close(direct[1], vmapped[1])
+    for n in ("w", "b"):
+        torch.testing.assert_close(direct[2][n], vmapped[2][n])

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from lightning_fedrep.algorithms import PART_GROUPS
 from lightning_fedrep.federation import ClientResult, Federation
@@ -506,7 +507,7 @@ class LockstepEngine:
             return loss
 
         clients = self._segment_clients(mask.device)
-        losses = torch.func.vmap(client_loss)(trained, frozen, inputs, targets, mask, clients, states)
+        losses = over_lanes(client_loss, len(mask))(trained, frozen, inputs, targets, mask, clients, states)
         losses = losses * self._active_weights(losses.dtype, losses.device)
         self.last_losses = losses.detach()
         return losses.sum()
@@ -778,6 +779,20 @@ class LockstepEngine:
         self._pending = state
         self._resumed_calls = (self.federation.round_index, self._saved_steps_per_call)
         self._schedules = {}
+
+
+def over_lanes(fn: Callable[..., Any], lanes: int) -> Callable[..., Any]:
+    """``torch.func.vmap(fn)`` over ``lanes`` clients; for one lane ``fn`` called on its row directly (the
+    same arithmetic without ``vmap``'s batching rules, which cost a convolution on a CPU about 15%), its
+    outputs given back their lane dimension."""
+    if lanes != 1:
+        return torch.func.vmap(fn)
+
+    def one_lane(*args: Any) -> Any:
+        row = tree_map(lambda t: t[0] if isinstance(t, Tensor) else t, args)
+        return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, fn(*row))
+
+    return one_lane
 
 
 def _first_problem(problem: str | None, gather: Callable[[Any], list[Any]] | None) -> str | None:
