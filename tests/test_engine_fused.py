@@ -211,6 +211,7 @@ def test_a_cached_head_step_hands_the_head_only_what_it_reads(model):
 def test_one_lane_runs_its_row_without_vmap_and_equals_vmap():
     """``over_lanes(fn, 1)`` (no ``vmap``) gives what ``vmap(fn)`` gives on one lane: dict inputs, a 0-dim
     client id, a tuple output each with its lane dimension back, and gradients on the lanes' leaves."""
+
     def fn(tensors, x, client):
         out = torch.nn.functional.conv2d(x, tensors["w"]) + tensors["b"].view(1, -1, 1, 1)
         return out.square().mean() * (1 + client), out.flatten(1).sum(1)
