@@ -4,10 +4,11 @@
 round, batch 10, SGD lr 0.01 momentum 0.5; the CIFAR-10 CNN (``CIFAR10CNN``) and the digits MLP
 (``MLPClassifier``); FedAvg (1 local epoch) and FedRep (10 head + 1 body epochs, the official epochs). Each
 setting fits ``engine="sequential"`` once, then ``--runs`` pairs of ``engine="vectorized"`` and ``engine="auto"``
-fits, one right after the other (a load that comes and goes on this shared machine then slows both of a pair
-alike), and takes the median of the rounds after the first (the first pays the fit's start-up and ``auto``'s
-one-time timing, reported apart): 2 rounds of the CNN, 16 of the MLP, whose rounds of 0.05-0.3 s a passing
-hiccup would otherwise decide. A row says which path ``auto`` chose in each run (``seq``: the sequential
+fits, one right after the other, in turn the vectorized one first and the ``auto`` one first (a load that
+comes and goes on this shared machine then slows both of a pair alike), and takes the median of the rounds
+after the first (the first pays the fit's start-up and ``auto``'s one-time timing, reported apart): 2 rounds of
+the CNN, 40 of the MLP, whose rounds of 0.05-0.3 s a passing hiccup would otherwise decide (the sequential
+fit, 10-20 times slower on the MLP, runs 2 rounds after the first). A row says which path ``auto`` chose in each run (``seq``: the sequential
 runner, ``lock``: lockstep, ``lock/1``: lockstep with the uncached phases one client at a time), each run's round
 time over the faster of the sequential round and its paired vectorized round (the issue's bar: at most 1.10 in
 every run) and whether the choice was the same in every run.
@@ -40,7 +41,8 @@ from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
 from lightning_fedrep.models import CIFAR10CNN, MLPClassifier  # noqa: E402
 
 SAMPLES, BATCH, HEAD_EPOCHS, BODY_EPOCHS = 50, 10, 10, 1
-ROUNDS = {"cnn": 3, "mlp": 17}
+ROUNDS = {"cnn": 3, "mlp": 41}
+SEQUENTIAL_ROUNDS = 3
 MODELS = {"cnn": ((3, 32, 32), lambda: CIFAR10CNN(lr=0.01)), "mlp": ((64,), lambda: MLPClassifier(lr=0.01))}
 
 
@@ -63,8 +65,10 @@ def make_data(model: str, clients: int) -> FederatedDataModule:
     return clients_data(clients, shape=MODELS[model][0])
 
 
-def fit(model: str, data: FederatedDataModule, algorithm: str, engine: str, per_round: int) -> dict[str, Any]:
-    """:data:`ROUNDS` rounds: the first round's seconds, the later rounds' median and the path the run took."""
+def fit(
+    model: str, data: FederatedDataModule, algorithm: str, engine: str, per_round: int, rounds: int
+) -> dict[str, Any]:
+    """``rounds`` rounds: the first round's seconds, the later rounds' median and the path the run took."""
     torch.manual_seed(0)
     strategy = FederatedStrategy(
         algorithm=algorithm,
@@ -74,7 +78,7 @@ def fit(model: str, data: FederatedDataModule, algorithm: str, engine: str, per_
         seed=0,
     )
     clock = RoundClock()
-    make_trainer(ROUNDS[model], strategy=strategy, callbacks=[clock]).fit(MODELS[model][1](), datamodule=data)
+    make_trainer(rounds, strategy=strategy, callbacks=[clock]).fit(MODELS[model][1](), datamodule=data)
     report = strategy.runner_report
     path = "seq" if report.engine == "sequential" else "lock"
     if path == "lock" and strategy.runner_settings.get("lane_width") == 1:
@@ -82,14 +86,20 @@ def fit(model: str, data: FederatedDataModule, algorithm: str, engine: str, per_
     return {"first": clock.seconds[0], "round": statistics.median(clock.seconds[1:]), "path": path}
 
 
-def setting(model: str, algorithm: str, clients: int, per_round: int, runs: int) -> dict[str, Any]:
-    """One row: the sequential round, then ``runs`` pairs of a vectorized and an ``auto`` fit."""
+def setting(
+    model: str, algorithm: str, clients: int, per_round: int, runs: int, rounds: int | None = None
+) -> dict[str, Any]:
+    """One row: the sequential round, then ``runs`` pairs of a vectorized and an ``auto`` fit (in turn
+    one and the other first)."""
     data = make_data(model, clients)
-    sequential = fit(model, data, algorithm, "sequential", per_round)
+    rounds = rounds or ROUNDS[model]
+    sequential = fit(model, data, algorithm, "sequential", per_round, min(rounds, SEQUENTIAL_ROUNDS))
     vectorized, autos = [], []
-    for _ in range(runs):
-        vectorized.append(fit(model, data, algorithm, "vectorized", per_round))
-        autos.append(fit(model, data, algorithm, "auto", per_round))
+    for run in range(runs):
+        order = ("vectorized", "auto") if run % 2 == 0 else ("auto", "vectorized")
+        pair = {engine: fit(model, data, algorithm, engine, per_round, rounds) for engine in order}
+        vectorized.append(pair["vectorized"])
+        autos.append(pair["auto"])
     return {
         "model": model,
         "algorithm": algorithm,
@@ -112,10 +122,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     quiet(args.threads)
     clients, per_round = (200, 20) if args.small else (1000, 100)
     runs = args.runs or (2 if args.small else 5)
+    rounds = {model: 3 if args.small else ROUNDS[model] for model in MODELS}
     print(
         f"{clients} clients x {SAMPLES} samples, {per_round} per round, batch {BATCH}, cpu, "
         f"{torch.get_num_threads()} threads; seconds per round (median of the rounds after the first: "
-        f"{ROUNDS['cnn'] - 1} of the CNN, {ROUNDS['mlp'] - 1} of the MLP); auto run {runs} times"
+        f"{rounds['cnn'] - 1} of the CNN, {rounds['mlp'] - 1} of the MLP, {SEQUENTIAL_ROUNDS - 1} sequential); "
+        f"auto run {runs} times"
     )
     print(
         "  model | algorithm | sequential | vectorized | auto (each run)                  | auto's first round "
@@ -124,7 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for model in args.models:
         for algorithm in ("fedavg", "fedrep"):
-            row = setting(model, algorithm, clients, per_round, runs)
+            row = setting(model, algorithm, clients, per_round, runs, rounds[model])
             rows.append(row)
             autos = " ".join(f"{s:5.2f}" for s in row["auto"])
             print(
