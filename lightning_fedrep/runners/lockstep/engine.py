@@ -452,7 +452,7 @@ class LockstepEngine:
             return self._rule_loss(objective.step, batch)
         terms = objective.terms
         server, states = self._declared() if terms else ({}, {})
-        shared = self._view_fields(server)
+        shared = self._view_fields(server) if terms else {}
 
         if self.segment.cached:
             lanes = self._lane_indices(mask.device)[:, None]
@@ -484,8 +484,8 @@ class LockstepEngine:
             x: Tensor,
             y: Tensor,
             m: Tensor,
-            client: Tensor,
-            state: dict[str, Tensor],
+            client: Tensor | None = None,
+            state: dict[str, Tensor] | None = None,
         ) -> Tensor:
             tensors = {**fixed, **rest, **own}
             output, features = run(tensors, x)
@@ -506,8 +506,10 @@ class LockstepEngine:
                     loss = loss + extra
             return loss
 
-        clients = self._segment_clients(mask.device)
-        losses = over_lanes(client_loss, len(mask))(trained, frozen, inputs, targets, mask, clients, states)
+        lanes_args = (trained, frozen, inputs, targets, mask)
+        if terms:  # what a term's StepView reads per client
+            lanes_args += (self._segment_clients(mask.device), states)
+        losses = over_lanes(client_loss, len(mask))(*lanes_args)
         losses = losses * self._active_weights(losses.dtype, losses.device)
         self.last_losses = losses.detach()
         return losses.sum()
