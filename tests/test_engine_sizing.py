@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_fedrep import FederatedStrategy
 from lightning_fedrep.engine import sizing
 from tests.fixtures import quiet_trainer, tiny_datamodule
-from tests.test_engine_equivalence import LossNet, assert_same
+from tests.test_engine_equivalence import DeclaredNet, LossNet, assert_same
 from tests.test_engine_equivalence import fit as run
 
 
@@ -168,3 +168,24 @@ def test_resumed_run_keeps_the_measured_widths(tmp_path, monkeypatch):
 def test_bad_engine_memory_is_refused(value):
     with pytest.raises(ValueError, match="engine_memory"):
         FederatedStrategy(head="classifier", engine_memory=value)
+
+
+def test_a_feature_cache_on_a_cpu_reads_chunks_that_hold_half_a_mebibyte_of_input():
+    """``feature_chunk``: on a CPU as many samples as hold 512 KiB of input, 32 to 1,024 (a CIFAR image of
+    12,288 bytes: 42; a 64-float MLP input: 1,024); on an accelerator always 1,024."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert sizing.feature_chunk(cpu, 3 * 32 * 32 * 4) == (512 << 10) // 12288 == 42
+    assert sizing.feature_chunk(cpu, 64 * 4) == sizing.FEATURE_CHUNK == 1024
+    assert sizing.feature_chunk(cpu, 10**7) == 32
+    assert sizing.feature_chunk(cuda, 3 * 32 * 32 * 4) == sizing.feature_chunk(cuda, 10**7) == 1024
+
+
+def test_features_cached_in_small_chunks_equal_the_sequential_path(monkeypatch):
+    """A chunk of 32 samples (the smallest) splits the 41-sample client's feature pass in two: the cached
+    head epochs still train what the sequential path trains."""
+    monkeypatch.setattr(sizing, "CPU_FEATURE_CHUNK_BYTES", 1)
+    sequential, _ = run("sequential", data="unequal", model_cls=DeclaredNet, per_round=6)
+    chunked, _ = run("vectorized", data="unequal", model_cls=DeclaredNet, per_round=6)
+    assert chunked.runner_settings["split"] == "forward_features/forward_head"
+    assert chunked._selection.engine.feature_chunk == 32
+    assert_same(sequential, chunked)

@@ -44,6 +44,7 @@ from _common import make_trainer, quiet  # noqa: E402
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, ShardPartitioner  # noqa: E402
 from lightning_fedrep.models import CIFAR10CNN  # noqa: E402
 from lightning_fedrep.models.optim import fedrep_sgd  # noqa: E402
+from lightning_fedrep.runners.lockstep.sizing import feature_chunk  # noqa: E402
 
 HEAD = ("fc3.weight", "fc3.bias")
 
@@ -129,8 +130,11 @@ def plain_fast(w: Workload, dm: FederatedDataModule) -> tuple[dict[str, torch.Te
     head_steps, body_steps = w.head_epochs * per_epoch, w.body_epochs * per_epoch
     xs = [dm.client_data(c).dataset.tensors[0][dm.client_data(c).indices] for c in range(w.clients)]
     ys = [dm.client_data(c).dataset.tensors[1][dm.client_data(c).indices] for c in range(w.clients)]
+    chunk = feature_chunk(torch.device("cpu"), xs[0][:1].numel() * xs[0].element_size())  # the engine's
     with torch.no_grad():
-        features = torch.stack([model.forward_features(x) for x in xs])  # [K, n, 64]
+        features = torch.stack(
+            [torch.cat([model.forward_features(part) for part in x.split(chunk)]) for x in xs]
+        )  # [K, n, 64]
     labels = torch.stack(ys)
     weight = model.fc3.weight.detach().expand(w.clients, -1, -1).clone().requires_grad_(True)
     bias = model.fc3.bias.detach().expand(w.clients, -1).clone().requires_grad_(True)
@@ -196,8 +200,8 @@ def floor(w: Workload, dm: FederatedDataModule) -> None:
     """One feature pass over all clients' data, then one body epoch per client; nothing else."""
     model = initial_model(w)
     x, y = dm.client_data(0).dataset.tensors
-    with torch.no_grad():
-        for chunk in x.split(1024):
+    with torch.no_grad():  # in the engine's chunks (its feature cache's)
+        for chunk in x.split(feature_chunk(torch.device("cpu"), x[:1].numel() * x.element_size())):
             model.forward_features(chunk)
     for n, p in model.named_parameters():
         p.requires_grad_(n not in HEAD)

@@ -32,9 +32,6 @@ from lightning_fedrep.untouched import untouched_random_state
 SMOKE_GROUP = 4
 """Clients per group in a smoke run (``fast_dev_run``: one lockstep step is the whole run)."""
 
-FEATURE_CHUNK = 1024
-"""Samples per forward pass when a client's features are cached."""
-
 NO_OBJECTIVE = Objective()
 """The objective of a phase that none was given for: the declared loss alone."""
 
@@ -144,6 +141,9 @@ class LockstepEngine:
         self._sized = False
         self.client_bytes = 0
         """Estimated bytes one client of a lockstep group takes."""
+        self.feature_chunk = sizing.FEATURE_CHUNK
+        """Samples per forward pass of the feature cache (:func:`~lightning_fedrep.runners.lockstep.sizing.feature_chunk`
+        of a probe input, set when the first loader is bound)."""
 
     # ------------------------------------------------------------------ schedule
     def bind_loader(
@@ -171,7 +171,9 @@ class LockstepEngine:
         if self.probe_problem is not None:
             self.split, self.caching = None, False
             return f"no feature cache: {self.probe_problem}"
-        why = self._decide_split(probes[0][0][0])
+        probe_x = probes[0][0][0]
+        self.feature_chunk = sizing.feature_chunk(device, probe_x[:1].numel() * probe_x.element_size())
+        why = self._decide_split(probe_x)
         if gather is not None:
             every = gather({"loss_terms_problem": self.loss_terms_problem, "no_cache": why})
             self.loss_terms_problem = next(
@@ -742,13 +744,15 @@ class LockstepEngine:
 
         frozen = [t[first:stop] for n, t in stacked.items() if n not in self._trained]
         if all(torch.equal(t, t[:1].expand_as(t)) for t in frozen):  # one body for all: one pass
-            batches = self._loader.clients_samples(segment.clients, FEATURE_CHUNK)
+            batches = self._loader.clients_samples(segment.clients, self.feature_chunk)
             features, labels = self._features_of(client_tensors(0), batches, device)
             sizes = [self._loader.client_size(c) for c in segment.clients]
             features, labels = list(features.split(sizes)), list(labels.split(sizes))
         else:
             pairs = [
-                self._features_of(client_tensors(k), self._loader.client_samples(c, FEATURE_CHUNK), device)
+                self._features_of(
+                    client_tensors(k), self._loader.client_samples(c, self.feature_chunk), device
+                )
                 for k, c in enumerate(segment.clients)
             ]
             features, labels = [f for f, _ in pairs], [y for _, y in pairs]
