@@ -13,6 +13,7 @@ sys.path[:0] = [str(BENCHMARKS / "engine"), str(BENCHMARKS)]
 import auto_choice  # noqa: E402
 import cifar_round  # noqa: E402
 import evaluation  # noqa: E402
+import official_round  # noqa: E402
 import overhead  # noqa: E402
 import scaling  # noqa: E402
 import store_memory  # noqa: E402
@@ -99,3 +100,10 @@ def test_auto_choice_runs_and_reports_each_runs_path():
     for row in rows:
         assert len(row["auto"]) == len(row["ratios"]) == 1
         assert set(row["paths"]) <= {"seq", "lock", "lock/1"}
+
+
+def test_official_round_names_the_argument_when_the_checkout_is_not_the_official_repository(tmp_path):
+    """``official_round.py`` runs the real official code from a checkout the user passes (the suite has none:
+    no network); a folder without ``main_fedrep.py`` is refused naming ``--official``."""
+    with pytest.raises(SystemExit, match="--official .*not a checkout of github.com/lgcollins/FedRep"):
+        official_round.load_official(tmp_path)
