@@ -8,10 +8,10 @@ fits, one right after the other, in turn the vectorized one first and the ``auto
 comes and goes on this shared machine then slows both of a pair alike), and takes the median of the rounds
 after the first (the first pays the fit's start-up and ``auto``'s one-time timing, reported apart): 2 rounds of
 the CNN, 40 of the MLP, whose rounds of 0.05-0.3 s a passing hiccup would otherwise decide (the sequential
-fit, 10-20 times slower on the MLP, runs 2 rounds after the first). A row says which path ``auto`` chose in each run (``seq``: the sequential
-runner, ``lock``: lockstep, ``lock/1``: lockstep with the uncached phases one client at a time), each run's round
-time over the faster of the sequential round and its paired vectorized round (the issue's bar: at most 1.10 in
-every run) and whether the choice was the same in every run.
+fit, 10-20 times slower on the MLP, runs 2 rounds after the first). A row says which path ``auto`` chose in
+each run (``seq``: the sequential runner, ``lock``: lockstep, ``lock/1``: lockstep with the uncached phases one
+client at a time), each run's round time over the faster of the sequential round and its paired vectorized round
+(the issue's bar: at most 1.10 in every run) and whether the choice was the same in every run.
 
 Usage (alone on the machine: timings)::
 

@@ -82,6 +82,11 @@ def body_names(model: CIFAR10CNN) -> list[str]:
     return [n for n, _ in model.named_parameters() if n not in HEAD]
 
 
+def engine_chunks(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``x`` in the chunks the engine's feature cache reads on a CPU (``sizing.feature_chunk``)."""
+    return x.split(feature_chunk(torch.device("cpu"), x[:1].numel() * x.element_size()))
+
+
 def average(bodies: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
     total = sum(weights)
     return {n: (sum(b[n].double() * w for b, w in zip(bodies, weights)) / total).float() for n in bodies[0]}
@@ -130,10 +135,9 @@ def plain_fast(w: Workload, dm: FederatedDataModule) -> tuple[dict[str, torch.Te
     head_steps, body_steps = w.head_epochs * per_epoch, w.body_epochs * per_epoch
     xs = [dm.client_data(c).dataset.tensors[0][dm.client_data(c).indices] for c in range(w.clients)]
     ys = [dm.client_data(c).dataset.tensors[1][dm.client_data(c).indices] for c in range(w.clients)]
-    chunk = feature_chunk(torch.device("cpu"), xs[0][:1].numel() * xs[0].element_size())  # the engine's
     with torch.no_grad():
         features = torch.stack(
-            [torch.cat([model.forward_features(part) for part in x.split(chunk)]) for x in xs]
+            [torch.cat([model.forward_features(part) for part in engine_chunks(x)]) for x in xs]
         )  # [K, n, 64]
     labels = torch.stack(ys)
     weight = model.fc3.weight.detach().expand(w.clients, -1, -1).clone().requires_grad_(True)
@@ -200,8 +204,8 @@ def floor(w: Workload, dm: FederatedDataModule) -> None:
     """One feature pass over all clients' data, then one body epoch per client; nothing else."""
     model = initial_model(w)
     x, y = dm.client_data(0).dataset.tensors
-    with torch.no_grad():  # in the engine's chunks (its feature cache's)
-        for chunk in x.split(feature_chunk(torch.device("cpu"), x[:1].numel() * x.element_size())):
+    with torch.no_grad():
+        for chunk in engine_chunks(x):
             model.forward_features(chunk)
     for n, p in model.named_parameters():
         p.requires_grad_(n not in HEAD)

@@ -303,9 +303,8 @@ class RoundTransaction:
         before = self._before_round
         stepped = self.store.client_state(client) if before is not None and client in before.clients else {}
         checked = {id(tensors[n]) for n in finite}
-        bad = _nonfinite(
-            {**tensors, **slots, **stepped}, checked
-        )  # stepped: declared tensors its steps wrote
+        # stepped: the declared tensors its steps wrote
+        bad = _nonfinite({**tensors, **slots, **stepped}, checked)
         outcome = None
         if not bad and plan.aggregate:
             outcome = self._finish_outcome(client, tensors, steps, slots)

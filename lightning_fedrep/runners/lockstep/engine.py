@@ -789,8 +789,8 @@ class LockstepEngine:
 
 def over_lanes(fn: Callable[..., Any], lanes: int) -> Callable[..., Any]:
     """``torch.func.vmap(fn)`` over ``lanes`` clients; for one lane ``fn`` called on its row directly (the
-    same arithmetic without ``vmap``'s batching rules, which cost a convolution on a CPU about 15%), its
-    outputs given back their lane dimension."""
+    same arithmetic without ``vmap``'s batching rules, which cost a CIFAR CNN step 6-8% on the development
+    CPU), its outputs given back their lane dimension."""
     if lanes != 1:
         return torch.func.vmap(fn)
 

@@ -194,7 +194,6 @@ class StackedSGD:
         buf = torch.where(first.view(-1, *([1] * (grad.dim() - 1))), grad, updated)
         buffers[rows] = buf
         has[rows] = True
-        self._full.pop(name, None)
         return grad.add(buf, alpha=momentum) if h["nesterov"] else buf
 
     def _all_have_buffers(self, name: str, rows: slice) -> bool:
