@@ -44,6 +44,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "history",
         "loss_terms",
         "losses",
+        "stateless",
         "plan",
         "server",
         "sharding",

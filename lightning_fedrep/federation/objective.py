@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fedrep.stateless import stateless_call
+
 __all__ = [
     "GradTransform",
     "LossTerm",
@@ -159,8 +161,10 @@ module's own), its declared per-sample loss averaged over the real rows (``mask`
 def pure_loss(module: torch.nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> PureLoss:
     """The ``PureLoss`` of ``module`` with its declared per-sample loss ``loss_fn`` (``fedrep_loss``)."""
 
+    forward = stateless_call(module)
+
     def loss(tensors: Mapping[str, Tensor], x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
-        per_sample = loss_fn(torch.func.functional_call(module, dict(tensors), (x,)), y)
+        per_sample = loss_fn(forward(tensors, x), y)
         if mask is None:
             return per_sample.mean()
         return (per_sample * mask).sum() / mask.sum().clamp_min(1.0)

@@ -22,6 +22,7 @@ from lightning_fedrep.losses import (  # noqa: F401 (re-exported: the engine's o
     declared_loss,
     mse_per_sample,
 )
+from lightning_fedrep.stateless import stateless_call
 
 
 class _Features(Exception):
@@ -124,9 +125,8 @@ def _declared_split(module: nn.Module) -> FeatureSplit:
     features, head = _MethodAsForward(module, "forward_features"), _MethodAsForward(module, "forward_head")
 
     def call(wrapper: nn.Module) -> Callable[[dict[str, Tensor], Tensor], Tensor]:
-        return lambda tensors, x: torch.func.functional_call(
-            wrapper, {"module." + n: t for n, t in tensors.items()}, (x,)
-        )
+        run = stateless_call(wrapper)
+        return lambda tensors, x: run({"module." + n: t for n, t in tensors.items()}, x)
 
     return FeatureSplit(features=call(features), head=call(head), how="forward_features/forward_head")
 
@@ -153,6 +153,7 @@ def _detect_last_head_module(
     if len(outputs) != 1 or outputs[0] is not expected and not same_tensor(outputs[0], expected):
         return None
     prefix = owner + "."
+    run_module, run_head = stateless_call(module), stateless_call(head)
 
     def features(tensors: dict[str, Tensor], x: Tensor) -> Tensor:
         def stop(_m: nn.Module, args: tuple) -> None:
@@ -160,7 +161,7 @@ def _detect_last_head_module(
 
         hook = head.register_forward_pre_hook(stop)
         try:
-            torch.func.functional_call(module, tensors, (x,))
+            run_module(tensors, x)
         except _Features as captured:
             return captured.value
         finally:
@@ -169,6 +170,6 @@ def _detect_last_head_module(
 
     def head_call(tensors: dict[str, Tensor], f: Tensor) -> Tensor:
         own = {n.removeprefix(prefix): t for n, t in tensors.items() if n.startswith(prefix)}
-        return torch.func.functional_call(head, own, (f,))
+        return run_head(own, f)
 
     return FeatureSplit(features=features, head=head_call, how=f"head module {owner!r} called last")

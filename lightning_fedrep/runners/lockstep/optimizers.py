@@ -147,28 +147,50 @@ class StackedSGD:
     @torch.no_grad()
     def step(self, leaves: Mapping[str, Tensor], start: int, active: Sequence[bool]) -> None:
         """One SGD step of each active client ``start + j`` from the gradients on the lanes' ``leaves``."""
-        lanes = len(active)
         if all(active):
-            rows: slice | Tensor = slice(start, start + lanes)
-            chosen: slice | Tensor = slice(None)
-        else:
-            chosen = torch.tensor([j for j, on in enumerate(active) if on], dtype=torch.long)
-            if not len(chosen):
-                return
-            rows = chosen + start
+            self._step_all(leaves, slice(start, start + len(active)))
+            return
+        chosen = torch.tensor([j for j, on in enumerate(active) if on], dtype=torch.long)
+        if not len(chosen):
+            return
+        rows = chosen + start
         for name, leaf in leaves.items():
             if leaf.grad is None:
                 continue
             h = self.hyper[self.group_of[name]]
-            if isinstance(rows, slice):
-                self._step_rows(name, leaf.grad, rows, h)
-                continue
             param = self.stacked[name]
             rows_here = rows.to(param.device)
             grad = leaf.grad[chosen.to(leaf.grad.device)]
             p = param[rows_here]
             grad = self._direction(name, _decayed(grad, p, h), rows_here, h)
             param[rows_here] = p.add(grad, alpha=-h["lr"])
+
+    def _step_all(self, leaves: Mapping[str, Tensor], rows: slice) -> None:
+        """The step of the consecutive ``rows`` (every lane steps). The tensors of a param group whose rows all
+        have momentum buffers step together, one ``torch._foreach_*`` op per stage (SGD's update, op for op);
+        the others one by one (:meth:`_step_rows`)."""
+        together: dict[int, list[tuple[str, Tensor]]] = {}
+        for name, leaf in leaves.items():
+            if leaf.grad is None:
+                continue
+            g = self.group_of[name]
+            h = self.hyper[g]
+            if h["momentum"] != 0 and not h["nesterov"] and self._all_have_buffers(name, rows):
+                together.setdefault(g, []).append((name, leaf.grad))
+            else:
+                self._step_rows(name, leaf.grad, rows, h)
+        for g, named_grads in together.items():
+            h = self.hyper[g]
+            params = [self.stacked[name][rows] for name, _ in named_grads]
+            buffers = [self.buffers[name][rows] for name, _ in named_grads]
+            grads = [grad for _, grad in named_grads]
+            if h["maximize"]:
+                grads = torch._foreach_neg(grads)
+            if h["weight_decay"] != 0:
+                grads = torch._foreach_add(grads, params, alpha=h["weight_decay"])
+            torch._foreach_mul_(buffers, h["momentum"])
+            torch._foreach_add_(buffers, grads, alpha=1 - h["dampening"])
+            torch._foreach_add_(params, buffers, alpha=-h["lr"])
 
     def _step_rows(self, name: str, grad: Tensor, rows: slice, h: dict[str, Any]) -> None:
         """The step of the consecutive ``rows`` (every lane steps): in place on views of the stacked rows
