@@ -349,7 +349,10 @@ class LockstepEngine:
         """Decide ``lane_width`` (1 or the group's) by timing the first uncached phase at the width that will
         run (the first group: every client of the first round, up to the memory bound): one lockstep step of
         them against their steps one by one (:func:`~lightning_fedrep.runners.lockstep.sizing.faster_lane_width`).
-        A few clients' timing does not tell: on a CPU lockstep can win at 8 clients and lose by 1.7x at 100."""
+        A few clients' timing does not tell: on a CPU lockstep can win at 8 clients and lose by 1.7x at 100.
+        Lockstep is kept within :data:`~lightning_fedrep.runners.lockstep.sizing.LOCKSTEP_MARGIN` of the narrow
+        timing only where narrow lanes would pay a cost the timing leaves out (Lightning's per-step cost: unfused
+        calls, or the sequential runner when no phase runs on cached features); else the faster timing wins."""
         width = min(self.group_width, len(plan.work))
         wide_plan = lockstep_plan(plan, width, cache_head=self.caching)
         wide = next((s for s in wide_plan.segments if s.group == 0 and not s.cached), None)
@@ -364,10 +367,11 @@ class LockstepEngine:
             return self._as_stepped(batch, device)
 
         def work(segment: Segment, batch: dict[str, Tensor]) -> Callable[[], None]:
-            def run() -> None:
+            def run() -> None:  # a whole step: its gradients allocated anew and the optimizer's update
                 self._enter_segment(segment)
                 self._active = segment.active(0)
                 self.loss(batch).backward()
+                self.group.step(self._active)
 
             return run
 
@@ -377,6 +381,7 @@ class LockstepEngine:
                 work(wide, first_batch(wide_plan, wide)),
                 [work(s, first_batch(narrow_plan, s)) for s in narrow],
                 device,
+                margin=self._lockstep_margin(plan),
             )
         finally:
             self.group, self.segment, self._features, self._labels = None, None, None, None
@@ -386,6 +391,15 @@ class LockstepEngine:
             f" (one step of {len(wide.clients)} clients measured {wide_s * 1e3:.2f} ms in lockstep, "
             f"{narrow_s * 1e3:.2f} ms one after another)"
         )
+
+    def _lockstep_margin(self, plan: RoundPlan) -> float:
+        """How much slower a measured lockstep step may be and still be taken (:meth:`_measure_lanes`): none
+        where narrow lanes stay in the engine and run fused (a cached head phase keeps the engine, and a fused
+        call pays Lightning's per-step cost once per phase in either width)."""
+        stays_fused = (
+            self.steps_per_call != 1 and self.caching and any(p.train == "head" for p in plan.phases)
+        )
+        return 0.0 if stays_fused else sizing.LOCKSTEP_MARGIN
 
     def mean_loss(self) -> Tensor:
         """The mean loss of the clients that stepped in the last lockstep (for logging)."""
@@ -822,7 +836,8 @@ def lane_mean_losses(loss_fn: LossFn, outputs: Tensor, targets: Tensor, mask: Te
 def over_lanes(fn: Callable[..., Any], lanes: int) -> Callable[..., Any]:
     """``torch.func.vmap(fn)`` over ``lanes`` clients; for one lane ``fn`` called on its row directly (the
     same arithmetic without ``vmap``'s batching rules, which cost a CIFAR CNN step 6-8% on the development
-    CPU), its outputs given back their lane dimension."""
+    CPU), its outputs given back their lane dimension. The row is ``squeeze(0)``, a view whose backward is a
+    view too (``t[0]``'s backward writes each gradient into a new zero tensor: 1-3% of that step)."""
     if lanes != 1:
         return torch.func.vmap(fn)
 

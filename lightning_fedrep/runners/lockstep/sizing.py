@@ -82,10 +82,10 @@ def group_width(budget: int, per_client: int) -> int:
 
 
 LOCKSTEP_MARGIN = 0.05
-"""How much slower a measured lockstep step may be and still be chosen: what the measurement leaves out
-favours lockstep (the sequential runner pays Lightning's per-step cost once per client step, lockstep once
-per group step), and within it either choice is within 5% of the faster, so a near-tie is settled the same
-way in every run instead of by timing noise."""
+"""How much slower a measured lockstep step may be and still be chosen where narrow lanes pay a cost the
+measurement leaves out (the sequential runner, or unfused one-lane calls, pay Lightning's per-step cost once per
+client step, lockstep once per group step); within it either choice is within 5% of the faster. Where both
+widths run fused in the engine the margin is 0 (``LockstepEngine._lockstep_margin``)."""
 
 
 def faster_lane_width(
@@ -97,10 +97,11 @@ def faster_lane_width(
     margin: float = LOCKSTEP_MARGIN,
 ) -> tuple[bool, float, float]:
     """Time one lockstep step of K clients (``wide``) against the same K clients' steps one after
-    another (``narrow``): one untimed warm-up of each, then ``repeats`` rounds of both, interleaved (so a
-    passing load slows both alike), the best of each. Returns whether the wide step is at most
-    ``1 + margin`` times as slow (:data:`LOCKSTEP_MARGIN`), and both times in seconds of ``clock``
-    (wall-clock seconds by default; tests pass a fake clock that the work advances)."""
+    another (``narrow``), each a whole step (forward, backward, the optimizer's update): one untimed warm-up
+    of each, then ``repeats`` rounds of both, interleaved (so a passing load slows both alike), the best of
+    each. Returns whether the wide step is at most ``1 + margin`` times as slow (:data:`LOCKSTEP_MARGIN`), and
+    both times in seconds of ``clock`` (wall-clock seconds by default; tests pass a fake clock that the work
+    advances)."""
 
     def timed(work: Callable[[], None]) -> float:
         if device.type == "cuda":
