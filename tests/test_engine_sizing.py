@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_fedrep import FederatedStrategy
+from lightning_fedrep import FederatedStrategy, feature_chunks
 from lightning_fedrep.engine import sizing
 from lightning_fedrep.runners.lockstep.group import ClientGroup
 from tests.fixtures import quiet_trainer, tiny_datamodule
@@ -220,7 +220,7 @@ def test_a_feature_cache_on_a_cpu_reads_chunks_that_hold_half_a_mebibyte_of_inpu
 def test_features_cached_in_small_chunks_equal_the_sequential_path(monkeypatch):
     """A chunk of 32 samples (the smallest) splits the 41-sample client's feature pass in two: the cached
     head epochs still train what the sequential path trains."""
-    monkeypatch.setattr(sizing, "CPU_FEATURE_CHUNK_BYTES", 1)
+    monkeypatch.setattr(feature_chunks, "CPU_FEATURE_CHUNK_BYTES", 1)
     sequential, _ = run("sequential", data="unequal", model_cls=DeclaredNet, per_round=6)
     chunked, _ = run("vectorized", data="unequal", model_cls=DeclaredNet, per_round=6)
     assert chunked.runner_settings["split"] == "forward_features/forward_head"

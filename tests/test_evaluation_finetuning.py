@@ -420,6 +420,30 @@ def test_cached_features_score_every_client_as_the_full_forward_passes(engine):
     assert loss == pytest.approx(full_loss, rel=1e-6)
 
 
+def test_cached_features_in_the_cpu_chunks_score_as_one_pass(monkeypatch):
+    """``FineTunedEvaluation`` reads a client's features in the engine's CPU chunks
+    (``feature_chunks.feature_chunk`` of a sample's input bytes): at the smallest chunk, 32 samples, an
+    80-sample client takes three passes, and every client scores as with one pass. Catches dropping all but
+    the first chunk (the features then miss samples and the scores differ) or ignoring the rule."""
+    from lightning_fedrep import feature_chunks
+    from lightning_fedrep.callbacks import evaluation_finetuning
+
+    one_pass = fine_tuned_metrics(True, HeadlineNet, "sequential")
+    chunks = []
+    rule = evaluation_finetuning.feature_chunk
+    monkeypatch.setattr(feature_chunks, "CPU_FEATURE_CHUNK_BYTES", 1)
+    monkeypatch.setattr(
+        evaluation_finetuning,
+        "feature_chunk",
+        lambda device, size: chunks.append(rule(device, size)) or chunks[-1],
+    )
+    acc, loss, decision = fine_tuned_metrics(True, HeadlineNet, "sequential")
+    assert "caches each client's features" in decision
+    assert chunks and set(chunks) == {32}
+    assert acc == one_pass[0]
+    assert loss == pytest.approx(one_pass[1], rel=1e-6)
+
+
 class DropoutNet(LossNet):
     def __init__(self):
         super().__init__(dropout=0.5)

@@ -146,7 +146,9 @@ def test_a_mid_round_checkpoint_resumes_like_the_uninterrupted_run(tmp_path):
 def test_auto_may_run_fed_mtl_on_the_lockstep_runner(monkeypatch):
     """Fails if the regularizer is ``vmappable=False`` or FedMTL's ``configure_round`` (which only records the
     round's clients) keeps ``engine="auto"`` sequential (``scales_lr = True``)."""
-    monkeypatch.setattr(sizing, "faster_lane_width", lambda wide, narrow, device, **kwargs: (True, 1e-3, 2e-3))
+    monkeypatch.setattr(
+        sizing, "faster_lane_width", lambda wide, narrow, device, **kwargs: (True, 1e-3, 2e-3)
+    )
     strategy, *_ = fit(FedMTL(chunk=CHUNK, strength=STRENGTH))
     assert strategy.runner_report.engine == "vectorized", strategy.runner_report
 

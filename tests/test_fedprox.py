@@ -90,7 +90,9 @@ def test_fedprox_by_name_is_fedprox_with_the_official_mu():
 
 def _lockstep_wins(monkeypatch):
     """Make the auto timing say lockstep is faster (timings are not for tests)."""
-    monkeypatch.setattr(sizing, "faster_lane_width", lambda wide, narrow, device, **kwargs: (True, 1e-3, 2e-3))
+    monkeypatch.setattr(
+        sizing, "faster_lane_width", lambda wide, narrow, device, **kwargs: (True, 1e-3, 2e-3)
+    )
 
 
 def test_auto_runs_fedprox_on_the_lockstep_runner(monkeypatch):

@@ -40,6 +40,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "evaluation",
         "evaluation_records",
         "federation",
+        "feature_chunks",
         "federation.*",  # state, round, live, ranks, store, aggregation (issue 25 step 4)
         "history",
         "loss_terms",

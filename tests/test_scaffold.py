@@ -103,7 +103,9 @@ def test_scaffold_by_name_has_the_official_defaults():
 def test_auto_runs_scaffold_on_the_lockstep_runner(monkeypatch):
     """Fails if the correction-and-clip transform is marked ``vmappable=False`` again (``engine="auto"``
     then runs SCAFFOLD sequentially). The timing is made to favour lockstep (timings are not for tests)."""
-    monkeypatch.setattr(sizing, "faster_lane_width", lambda wide, narrow, device, **kwargs: (True, 1e-3, 2e-3))
+    monkeypatch.setattr(
+        sizing, "faster_lane_width", lambda wide, narrow, device, **kwargs: (True, 1e-3, 2e-3)
+    )
     strategy, _, _ = fit(Scaffold(lr_g=LR_G, clip=CLIP), "auto", max_steps=-1)
     assert strategy.runner_report.engine == "vectorized", strategy.runner_report
 

@@ -14,6 +14,12 @@ decay 1e-4 on weights, the official recipe), every client from the same global m
   (d) vectorized     : ``FederatedStrategy(engine="vectorized")``; (d') ``engine="auto"``
   (e) floor          : one feature pass over every client's data plus one body epoch per client
                        (forward, backward, SGD step), nothing else
+  (f) a round in a fit: (d) and (d') again, timed from the second round's start to its end in a fit of two
+                       rounds (what every round after the first costs: no ``Trainer`` start-up, probe or
+                       ``auto``'s one-time lane timing, which (d) and (d') include)
+
+Each repeat runs every variant once, in this order (a passing load slows all alike); a variant's time is its
+best over the repeats, and the (d)/(e) ratio of every repeat is printed too.
 
 Usage::
 
@@ -39,6 +45,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import lightning as L  # noqa: E402
 from _common import make_trainer, quiet  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, ShardPartitioner  # noqa: E402
@@ -192,6 +199,34 @@ def strategy_round(w: Workload, dm: FederatedDataModule, engine: str) -> Federat
     return strategy
 
 
+class RoundTimer(L.Callback):
+    """Seconds of each training epoch (one round), from its start to its end."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def round_in_fit(w: Workload, dm: FederatedDataModule, engine: str) -> float:
+    """Seconds of the second round of a two-round fit (every round after the first costs this)."""
+    timer = RoundTimer()
+    strategy = FederatedStrategy(
+        clients_per_round=w.clients,
+        head_epochs=w.head_epochs,
+        body_epochs=w.body_epochs,
+        seed=w.seed,
+        engine=engine,
+    )
+    make_trainer(2, callbacks=[timer], strategy=strategy).fit(initial_model(w), datamodule=dm)
+    return timer.seconds[1]
+
+
 def strategy_heads(strategy: FederatedStrategy, clients: int) -> torch.Tensor:
     tensors = [strategy.client_tensors(c) for c in range(clients)]
     return torch.stack([torch.cat([t["fc3.weight"], t["fc3.bias"][:, None]], dim=1) for t in tensors])
@@ -237,13 +272,26 @@ def compare(w: Workload) -> dict[str, object]:
     return out
 
 
-def timed(fn, repeats: int) -> float:
-    best = float("inf")
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def timed_in_turn(
+    variants: dict[str, object], repeats: int
+) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Every variant once per repeat, in order; the best time of each, and every repeat's times. A variant
+    returning a number is timed by it (a round inside a fit), the others by the wall clock."""
+    runs = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        run = {}
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            result = fn()
+            run[name] = result if isinstance(result, float) else time.perf_counter() - start
+        runs.append(run)
+    return {name: min(run[name] for run in runs) for name in variants}, runs
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -267,16 +315,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"{w.body_epochs} body epochs, batch {w.batch_size}, on {device} ({torch.get_num_threads()} threads), "
         f"best of {args.repeats}"
     )
-    times = {
-        "(a) official-style": timed(lambda: official_style(w, dm), args.repeats),
-        "(b) plain, fast": timed(lambda: plain_fast(w, dm), args.repeats),
-        "(c) strategy sequential": timed(lambda: strategy_round(w, dm, "sequential"), args.repeats),
-        "(d) strategy vectorized": timed(lambda: strategy_round(w, dm, "vectorized"), args.repeats),
-        "(d') strategy auto": timed(lambda: strategy_round(w, dm, "auto"), args.repeats),
-        "(e) floor": timed(lambda: floor(w, dm), args.repeats),
+    variants = {
+        "(a) official-style": lambda: official_style(w, dm),
+        "(b) plain, fast": lambda: plain_fast(w, dm),
+        "(c) strategy sequential": lambda: strategy_round(w, dm, "sequential"),
+        "(d) strategy vectorized": lambda: strategy_round(w, dm, "vectorized"),
+        "(d') strategy auto": lambda: strategy_round(w, dm, "auto"),
+        "(e) floor": lambda: floor(w, dm),
+        "(f) vectorized, in a fit": lambda: round_in_fit(w, dm, "vectorized"),
+        "(f') auto, in a fit": lambda: round_in_fit(w, dm, "auto"),
     }
-    for name, seconds in times.items():
-        print(f"  {name:<26} {seconds:8.2f} s")
+    times, runs = timed_in_turn(variants, args.repeats)
+    for name, value in times.items():
+        print(f"  {name:<26} {value:8.2f} s")
     a, b, c, d = (
         times[k]
         for k in (
@@ -287,11 +338,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
     )
     auto, e = times["(d') strategy auto"], times["(e) floor"]
+    f, f_auto = times["(f) vectorized, in a fit"], times["(f') auto, in a fit"]
     print(f"  (a)/(d)  official-style / vectorized : {a / d:6.2f}x   target >= 6x (CPU), >= 20x (GPU)")
     print(f"  (a)/(d') official-style / auto       : {a / auto:6.2f}x")
     print(f"  (d)/(b)  vectorized / plain fast     : {d / b:6.2f}x   target <= 1.15x")
     print(f"  (d)/(e)  vectorized / floor          : {d / e:6.2f}x   target <= 1.10x")
+    print(f"  (d')/(e) auto / floor                : {auto / e:6.2f}x")
+    print(f"  (f)/(e)  vectorized in a fit / floor : {f / e:6.2f}x")
+    print(f"  (f')/(e) auto in a fit / floor       : {f_auto / e:6.2f}x")
     print(f"  (a)/(c)  official-style / sequential : {a / c:6.2f}x")
+    for key, label in (("(d) strategy vectorized", "(d)/(e)"), ("(f') auto, in a fit", "(f')/(e)")):
+        each = " ".join(f"{run[key] / run['(e) floor']:.2f}" for run in runs)
+        print(f"  {label} in each repeat: {each}")
     return times
 
 

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from lightning_fedrep.algorithms import PART_GROUPS
 from lightning_fedrep.arguments import check_bool, check_choice, check_int, check_real
 from lightning_fedrep.data.loaders import datasets_are_deterministic
+from lightning_fedrep.feature_chunks import FEATURE_CHUNK, feature_chunk
 from lightning_fedrep.federation import RoundResult
 from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.internals import configured_learning_rate, configured_optimizers
@@ -30,9 +31,6 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 OptimizerFactory = Callable[[list[Tensor]], Optimizer]
 FeatureSplit = Any
 """The strategy's :meth:`~lightning_fedrep.FedRepStrategy.feature_split` (``features``, ``head``, ``how``)."""
-
-FEATURE_CHUNK = 1024
-"""Samples per forward pass when a client's features are cached."""
 
 OFFICIAL_MOMENTUM = 0.5
 OFFICIAL_WEIGHT_DECAY = 1e-4
@@ -395,13 +393,27 @@ class FineTunedEvaluation(FederatedCallback):
         size = len(trainer.datamodule.client_data(client))
         features, targets = [], []
         with torch.no_grad():
-            for batch in trainer.datamodule.client_batches(client, torch.arange(size).split(FEATURE_CHUNK)):
+            for batch in trainer.datamodule.client_batches(
+                client, self._feature_chunks(trainer, client, size)
+            ):
                 inputs, target = self._inputs_and_target(batch)
                 inputs = plugin.convert_input(move_data_to_device(inputs, pl_module.device))
                 with plugin.train_step_context():
                     features.append(split.features(state, inputs))
                 targets.append(move_data_to_device(target, pl_module.device))
         return torch.cat(features), torch.cat(targets)
+
+    def _feature_chunks(self, trainer: L.Trainer, client: int, size: int) -> tuple[Tensor, ...]:
+        """The client's sample positions ``0 .. size - 1`` in chunks of one feature pass each
+        (:func:`~lightning_fedrep.feature_chunks.feature_chunk` of its first sample's input bytes)."""
+        positions = torch.arange(size)
+        if not size:
+            return ()
+        first = next(iter(trainer.datamodule.client_batches(client, [positions[:1]])))
+        inputs, _ = self._inputs_and_target(first)
+        sample_bytes = inputs.numel() * inputs.element_size() if isinstance(inputs, Tensor) else 0
+        device = trainer.strategy.root_device
+        return positions.split(feature_chunk(device, sample_bytes) if sample_bytes else FEATURE_CHUNK)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Check, before the first round, that a fine-tuning step runs on this module and data (one forward

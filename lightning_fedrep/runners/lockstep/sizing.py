@@ -18,6 +18,12 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
+from lightning_fedrep.feature_chunks import (  # noqa: F401 (the engine's names for them)
+    CPU_FEATURE_CHUNK_BYTES,
+    FEATURE_CHUNK,
+    feature_chunk,
+)
+
 OPTIMIZER_SLOTS = 2
 """Optimizer state tensors per parameter assumed when sizing a group (Adam's two moments; SGD's
 momentum needs one)."""
@@ -32,23 +38,6 @@ def default_memory_budget(device: torch.device) -> int:
         return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.25)
     except (ValueError, OSError, AttributeError):  # not a POSIX host: assume 16 GiB
         return 4 << 30
-
-
-FEATURE_CHUNK = 1024
-"""Samples per forward pass when features are cached on an accelerator (and the most on a CPU)."""
-
-CPU_FEATURE_CHUNK_BYTES = 512 << 10
-"""Input bytes per forward pass when features are cached on a CPU (:func:`feature_chunk`)."""
-
-
-def feature_chunk(device: torch.device, sample_bytes: int) -> int:
-    """Samples per forward pass of a feature cache: :data:`FEATURE_CHUNK` on an accelerator; on a CPU as many
-    as hold :data:`CPU_FEATURE_CHUNK_BYTES` of input (32 to :data:`FEATURE_CHUNK`), so a pass stays in the
-    CPU's caches: on the 2-core development CPU the CIFAR CNN's features of 2,000 images took 0.74 s in chunks
-    of 42 (this rule) and 1.55 s in chunks of 1,024, while a 64-input MLP keeps its chunks of 1,024."""
-    if device.type != "cpu":
-        return FEATURE_CHUNK
-    return max(32, min(FEATURE_CHUNK, CPU_FEATURE_CHUNK_BYTES // max(1, sample_bytes)))
 
 
 def tensor_bytes(tensors: Iterable[Tensor]) -> int:
