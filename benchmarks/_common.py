@@ -30,6 +30,20 @@ from lightning_fedrep.models import LowRankLinear
 from lightning_fedrep.newclients import evaluate_new_clients
 
 
+class RoundClock(L.Callback):
+    """Wall-clock seconds of each training epoch (one round)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
 def quiet(threads: int | None = 1) -> None:
     """Silence Lightning's info messages and the single-process data-loader warnings, and use
     ``threads`` intra-op threads (1 by default: these models are tiny, and on a shared 2-core machine

@@ -24,16 +24,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import make_trainer, quiet  # noqa: E402
+from _common import RoundClock, make_trainer, quiet  # noqa: E402
 from scaling import make_data as clients_data  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy  # noqa: E402
@@ -44,20 +42,6 @@ SAMPLES, BATCH, HEAD_EPOCHS, BODY_EPOCHS = 50, 10, 10, 1
 ROUNDS = {"cnn": 3, "mlp": 41}
 SEQUENTIAL_ROUNDS = 3
 MODELS = {"cnn": ((3, 32, 32), lambda: CIFAR10CNN(lr=0.01)), "mlp": ((64,), lambda: MLPClassifier(lr=0.01))}
-
-
-class RoundClock(L.Callback):
-    """Wall-clock seconds of each training epoch (one round)."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
 
 
 def make_data(model: str, clients: int) -> FederatedDataModule:

@@ -45,8 +45,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lightning as L  # noqa: E402
-from _common import make_trainer, quiet  # noqa: E402
+from _common import RoundClock, make_trainer, quiet  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, ShardPartitioner  # noqa: E402
 from lightning_fedrep.models import CIFAR10CNN  # noqa: E402
@@ -186,8 +185,10 @@ def plain_fast(w: Workload, dm: FederatedDataModule) -> tuple[dict[str, torch.Te
 # ----------------------------------------------------------------------------- (c, d) the strategy
 
 
-def strategy_round(w: Workload, dm: FederatedDataModule, engine: str) -> FederatedStrategy:
-    """One round through ``Trainer.fit`` (no validation, logger or checkpoint)."""
+def strategy_round(
+    w: Workload, dm: FederatedDataModule, engine: str, rounds: int = 1, clock: RoundClock | None = None
+) -> FederatedStrategy:
+    """``rounds`` rounds through ``Trainer.fit`` (no validation, logger or checkpoint), timed by ``clock``."""
     strategy = FederatedStrategy(
         clients_per_round=w.clients,
         head_epochs=w.head_epochs,
@@ -195,36 +196,16 @@ def strategy_round(w: Workload, dm: FederatedDataModule, engine: str) -> Federat
         seed=w.seed,
         engine=engine,
     )
-    make_trainer(1, strategy=strategy).fit(initial_model(w), datamodule=dm)
+    callbacks = [clock] if clock is not None else []
+    make_trainer(rounds, callbacks=callbacks, strategy=strategy).fit(initial_model(w), datamodule=dm)
     return strategy
-
-
-class RoundTimer(L.Callback):
-    """Seconds of each training epoch (one round), from its start to its end."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
 
 
 def round_in_fit(w: Workload, dm: FederatedDataModule, engine: str) -> float:
     """Seconds of the second round of a two-round fit (every round after the first costs this)."""
-    timer = RoundTimer()
-    strategy = FederatedStrategy(
-        clients_per_round=w.clients,
-        head_epochs=w.head_epochs,
-        body_epochs=w.body_epochs,
-        seed=w.seed,
-        engine=engine,
-    )
-    make_trainer(2, callbacks=[timer], strategy=strategy).fit(initial_model(w), datamodule=dm)
-    return timer.seconds[1]
+    clock = RoundClock()
+    strategy_round(w, dm, engine, rounds=2, clock=clock)
+    return clock.seconds[1]
 
 
 def strategy_heads(strategy: FederatedStrategy, clients: int) -> torch.Tensor:
