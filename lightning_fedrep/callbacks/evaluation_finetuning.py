@@ -193,6 +193,7 @@ class FineTunedEvaluation(FederatedCallback):
         self.cache_features = cache_features
         self.cache_decision = ""
         """The last evaluation's feature-cache decision, one line (logged when it changes)."""
+        self._chunk: int | None = None
         self._loss_fn: LossFn | None = None
         self.last_round_clients: list[int] = []
         """The clients of the last aggregated round (before any: the heads of the clients that ever trained)."""
@@ -405,15 +406,18 @@ class FineTunedEvaluation(FederatedCallback):
 
     def _feature_chunks(self, trainer: L.Trainer, client: int, size: int) -> tuple[Tensor, ...]:
         """The client's sample positions ``0 .. size - 1`` in chunks of one feature pass each
-        (:func:`~lightning_fedrep.feature_chunks.feature_chunk` of its first sample's input bytes)."""
+        (:func:`~lightning_fedrep.feature_chunks.feature_chunk` of a sample's input bytes, read once: from the
+        first client with samples)."""
         positions = torch.arange(size)
         if not size:
             return ()
-        first = next(iter(trainer.datamodule.client_batches(client, [positions[:1]])))
-        inputs, _ = self._inputs_and_target(first)
-        sample_bytes = inputs.numel() * inputs.element_size() if isinstance(inputs, Tensor) else 0
-        device = trainer.strategy.root_device
-        return positions.split(feature_chunk(device, sample_bytes) if sample_bytes else FEATURE_CHUNK)
+        if self._chunk is None:
+            first = next(iter(trainer.datamodule.client_batches(client, [positions[:1]])))
+            inputs, _ = self._inputs_and_target(first)
+            sample_bytes = inputs.numel() * inputs.element_size() if isinstance(inputs, Tensor) else 0
+            device = trainer.strategy.root_device
+            self._chunk = feature_chunk(device, sample_bytes) if sample_bytes else FEATURE_CHUNK
+        return positions.split(self._chunk)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Check, before the first round, that a fine-tuning step runs on this module and data (one forward
