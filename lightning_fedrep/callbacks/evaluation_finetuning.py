@@ -395,7 +395,7 @@ class FineTunedEvaluation(FederatedCallback):
         features, targets = [], []
         with torch.no_grad():
             for batch in trainer.datamodule.client_batches(
-                client, self._feature_chunks(trainer, client, size)
+                client, self._feature_chunks(trainer, client, size, pl_module.device)
             ):
                 inputs, target = self._inputs_and_target(batch)
                 inputs = plugin.convert_input(move_data_to_device(inputs, pl_module.device))
@@ -404,7 +404,9 @@ class FineTunedEvaluation(FederatedCallback):
                 targets.append(move_data_to_device(target, pl_module.device))
         return torch.cat(features), torch.cat(targets)
 
-    def _feature_chunks(self, trainer: L.Trainer, client: int, size: int) -> tuple[Tensor, ...]:
+    def _feature_chunks(
+        self, trainer: L.Trainer, client: int, size: int, device: torch.device
+    ) -> tuple[Tensor, ...]:
         """The client's sample positions ``0 .. size - 1`` in chunks of one feature pass each
         (:func:`~lightning_fedrep.feature_chunks.feature_chunk` of a sample's input bytes, read once: from the
         first client with samples)."""
@@ -415,7 +417,6 @@ class FineTunedEvaluation(FederatedCallback):
             first = next(iter(trainer.datamodule.client_batches(client, [positions[:1]])))
             inputs, _ = self._inputs_and_target(first)
             sample_bytes = inputs.numel() * inputs.element_size() if isinstance(inputs, Tensor) else 0
-            device = trainer.strategy.root_device
             self._chunk = feature_chunk(device, sample_bytes) if sample_bytes else FEATURE_CHUNK
         return positions.split(self._chunk)
 
