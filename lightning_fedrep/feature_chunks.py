@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 FEATURE_CHUNK = 1024
 """Samples per forward pass when features are cached on an accelerator (and the most on a CPU)."""
@@ -20,3 +21,8 @@ def feature_chunk(device: torch.device, sample_bytes: int) -> int:
     if device.type != "cpu":
         return FEATURE_CHUNK
     return max(32, min(FEATURE_CHUNK, CPU_FEATURE_CHUNK_BYTES // max(1, sample_bytes)))
+
+
+def feature_chunk_of(device: torch.device, inputs: Tensor) -> int:
+    """:func:`feature_chunk` for inputs like ``inputs`` (a batch: its first sample's bytes)."""
+    return feature_chunk(device, inputs[:1].numel() * inputs.element_size())

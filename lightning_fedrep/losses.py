@@ -11,7 +11,14 @@ from collections.abc import Callable
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-__all__ = ["NAMED_LOSSES", "LossFn", "cross_entropy_per_sample", "declared_loss", "mse_per_sample"]
+__all__ = [
+    "NAMED_LOSSES",
+    "LossFn",
+    "cross_entropy_per_sample",
+    "declared_loss",
+    "masked_mean",
+    "mse_per_sample",
+]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 """``loss(output, target) -> per-sample losses`` (shape ``[batch]``); the training loss is their mean."""
@@ -26,6 +33,14 @@ def mse_per_sample(output: Tensor, target: Tensor) -> Tensor:
     """Per-sample mean squared error over the output's elements."""
     diff = output.reshape(target.shape[0], -1) - target.reshape(target.shape[0], -1).to(output.dtype)
     return diff.pow(2).mean(dim=1)
+
+
+def masked_mean(values: Tensor, mask: Tensor | None = None) -> Tensor:
+    """The mean of per-sample ``values`` over their last dimension, counting only the real samples (``mask``:
+    1 real, 0 padding; 0 where a row has none); ``None``: every sample, over all of ``values``."""
+    if mask is None:
+        return values.mean()
+    return (values * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
 
 
 NAMED_LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy_per_sample, "mse": mse_per_sample}

@@ -211,10 +211,14 @@ def test_a_feature_cache_on_a_cpu_reads_chunks_that_hold_half_a_mebibyte_of_inpu
     """``feature_chunk``: on a CPU as many samples as hold 512 KiB of input, 32 to 1,024 (a CIFAR image of
     12,288 bytes: 42; a 64-float MLP input: 1,024); on an accelerator always 1,024."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert sizing.feature_chunk(cpu, 3 * 32 * 32 * 4) == (512 << 10) // 12288 == 42
-    assert sizing.feature_chunk(cpu, 64 * 4) == sizing.FEATURE_CHUNK == 1024
-    assert sizing.feature_chunk(cpu, 10**7) == 32
-    assert sizing.feature_chunk(cuda, 3 * 32 * 32 * 4) == sizing.feature_chunk(cuda, 10**7) == 1024
+    assert feature_chunks.feature_chunk(cpu, 3 * 32 * 32 * 4) == (512 << 10) // 12288 == 42
+    assert feature_chunks.feature_chunk(cpu, 64 * 4) == feature_chunks.FEATURE_CHUNK == 1024
+    assert feature_chunks.feature_chunk(cpu, 10**7) == 32
+    assert (
+        feature_chunks.feature_chunk(cuda, 3 * 32 * 32 * 4)
+        == feature_chunks.feature_chunk(cuda, 10**7)
+        == 1024
+    )
 
 
 def test_features_cached_in_small_chunks_equal_the_sequential_path(monkeypatch):

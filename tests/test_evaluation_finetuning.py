@@ -422,7 +422,7 @@ def test_cached_features_score_every_client_as_the_full_forward_passes(engine):
 
 def test_cached_features_in_the_cpu_chunks_score_as_one_pass(monkeypatch):
     """``FineTunedEvaluation`` reads a client's features in the engine's CPU chunks
-    (``feature_chunks.feature_chunk`` of a sample's input bytes): at the smallest chunk, 32 samples, an
+    (``feature_chunks.feature_chunk_of`` its inputs): at the smallest chunk, 32 samples, an
     80-sample client takes three passes, and every client scores as with one pass. Catches dropping all but
     the first chunk (the features then miss samples and the scores differ) or ignoring the rule."""
     from lightning_fedrep import feature_chunks
@@ -430,12 +430,12 @@ def test_cached_features_in_the_cpu_chunks_score_as_one_pass(monkeypatch):
 
     one_pass = fine_tuned_metrics(True, HeadlineNet, "sequential")
     chunks = []
-    rule = evaluation_finetuning.feature_chunk
+    rule = evaluation_finetuning.feature_chunk_of
     monkeypatch.setattr(feature_chunks, "CPU_FEATURE_CHUNK_BYTES", 1)
     monkeypatch.setattr(
         evaluation_finetuning,
-        "feature_chunk",
-        lambda device, size: chunks.append(rule(device, size)) or chunks[-1],
+        "feature_chunk_of",
+        lambda device, inputs: chunks.append(rule(device, inputs)) or chunks[-1],
     )
     acc, loss, decision = fine_tuned_metrics(True, HeadlineNet, "sequential")
     assert "caches each client's features" in decision

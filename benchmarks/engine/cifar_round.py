@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import RoundClock, make_trainer, quiet  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, ShardPartitioner  # noqa: E402
+from lightning_fedrep.feature_chunks import feature_chunk_of  # noqa: E402
 from lightning_fedrep.models import CIFAR10CNN  # noqa: E402
 from lightning_fedrep.models.optim import fedrep_sgd  # noqa: E402
-from lightning_fedrep.runners.lockstep.sizing import feature_chunk  # noqa: E402
 
 HEAD = ("fc3.weight", "fc3.bias")
 
@@ -89,8 +89,8 @@ def body_names(model: CIFAR10CNN) -> list[str]:
 
 
 def engine_chunks(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``x`` in the chunks the engine's feature cache reads on a CPU (``sizing.feature_chunk``)."""
-    return x.split(feature_chunk(torch.device("cpu"), x[:1].numel() * x.element_size()))
+    """``x`` in the chunks the engine's feature cache reads on a CPU (``feature_chunks.feature_chunk``)."""
+    return x.split(feature_chunk_of(torch.device("cpu"), x))
 
 
 def average(bodies: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:

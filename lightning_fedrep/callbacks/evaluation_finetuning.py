@@ -19,12 +19,13 @@ from torch.optim import Optimizer
 from lightning_fedrep.algorithms import PART_GROUPS
 from lightning_fedrep.arguments import check_bool, check_choice, check_int, check_real
 from lightning_fedrep.data.loaders import datasets_are_deterministic
-from lightning_fedrep.feature_chunks import FEATURE_CHUNK, feature_chunk
+from lightning_fedrep.feature_chunks import FEATURE_CHUNK, feature_chunk_of
 from lightning_fedrep.federation import RoundResult
 from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.internals import configured_learning_rate, configured_optimizers
 from lightning_fedrep.losses import NAMED_LOSSES, declared_loss
 from lightning_fedrep.models.optim import weight_decay_groups
+from lightning_fedrep.stateless import StatelessCall, stateless_call
 from lightning_fedrep.untouched import untouched_random_state
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -194,6 +195,8 @@ class FineTunedEvaluation(FederatedCallback):
         self.cache_decision = ""
         """The last evaluation's feature-cache decision, one line (logged when it changes)."""
         self._chunk: int | None = None
+        self._forward: tuple[L.LightningModule, StatelessCall] | None = None
+        """The module the fine-tuning steps run, with its stateless call (made at its first step)."""
         self._loss_fn: LossFn | None = None
         self.last_round_clients: list[int] = []
         """The clients of the last aggregated round (before any: the heads of the clients that ever trained)."""
@@ -203,6 +206,7 @@ class FineTunedEvaluation(FederatedCallback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse, before anything runs, a module without a known loss or without a head."""
         super().setup(trainer, pl_module, stage)
+        self._chunk = None  # this run's inputs decide it
         if isinstance(self.loss, str):
             self._loss_fn = NAMED_LOSSES[self.loss]
         elif self.loss is not None:
@@ -416,8 +420,7 @@ class FineTunedEvaluation(FederatedCallback):
         if self._chunk is None:
             first = next(iter(trainer.datamodule.client_batches(client, [positions[:1]])))
             inputs, _ = self._inputs_and_target(first)
-            sample_bytes = inputs.numel() * inputs.element_size() if isinstance(inputs, Tensor) else 0
-            self._chunk = feature_chunk(device, sample_bytes) if sample_bytes else FEATURE_CHUNK
+            self._chunk = feature_chunk_of(device, inputs) if isinstance(inputs, Tensor) else FEATURE_CHUNK
         return positions.split(self._chunk)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -586,8 +589,14 @@ class FineTunedEvaluation(FederatedCallback):
         inputs = plugin.convert_input(move_data_to_device(inputs, pl_module.device))
         target = move_data_to_device(target, pl_module.device)
         with plugin.train_step_context():
-            output = torch.func.functional_call(pl_module, state, (inputs,))
-            return self._loss_fn(output, target).float().mean()
+            return self._loss_fn(self._stateless(pl_module)(state, inputs), target).float().mean()
+
+    def _stateless(self, pl_module: L.LightningModule) -> StatelessCall:
+        """``pl_module``'s forward on given tensors (:func:`~lightning_fedrep.stateless.stateless_call`), made once
+        per module."""
+        if self._forward is None or self._forward[0] is not pl_module:
+            self._forward = (pl_module, stateless_call(pl_module))
+        return self._forward[1]
 
     def _starting_heads(
         self, trainer: L.Trainer, names: list[str], clients: list[int]
@@ -664,6 +673,7 @@ class EvaluationAdaptation(FineTunedEvaluation):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse, before anything runs, a module without a declared loss or data without clients."""
+        self._chunk = None  # this run's inputs decide it
         self._loss_fn = declared_loss(pl_module)
         if self._loss_fn is None:
             raise ValueError(

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fedrep.losses import masked_mean
 from lightning_fedrep.stateless import stateless_call
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "StepOutcome",
     "StepRule",
     "StepView",
+    "masked_mean",
     "pure_loss",
 ]
 
@@ -164,10 +166,7 @@ def pure_loss(module: torch.nn.Module, loss_fn: Callable[[Tensor, Tensor], Tenso
     forward = stateless_call(module)
 
     def loss(tensors: Mapping[str, Tensor], x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
-        per_sample = loss_fn(forward(tensors, x), y)
-        if mask is None:
-            return per_sample.mean()
-        return (per_sample * mask).sum() / mask.sum().clamp_min(1.0)
+        return masked_mean(loss_fn(forward(tensors, x), y), mask)
 
     return loss
 

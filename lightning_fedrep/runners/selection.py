@@ -159,7 +159,7 @@ def start_engine(
             )
         report = RunnerReport.sequential(unbatched, "first loader")
         return Decision(None, report, f"lightning_fedrep: sequential engine ({unbatched}).")
-    if engine.caching and not any(phase.train == "head" for phase in plan.phases):
+    if engine.caching and not engine.caches_head(plan):
         cache = f"no head phase in the first round; any later one on cached features ({engine.split.how})"
     widths = engine.prepare(plan, device, measure=mode == "auto" and not smoke, memory=memory, smoke=smoke)
     if distributed:  # rank 0's timing, the smallest memory bound

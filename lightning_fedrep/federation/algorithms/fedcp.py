@@ -53,7 +53,14 @@ from lightning_fedrep.federation.algorithm import (
     EvaluationSpec,
     ServerTensors,
 )
-from lightning_fedrep.federation.objective import Objective, PureLoss, StepOutcome, StepRule, StepView
+from lightning_fedrep.federation.objective import (
+    Objective,
+    PureLoss,
+    StepOutcome,
+    StepRule,
+    StepView,
+    masked_mean,
+)
 
 __all__ = ["FedCP", "fedcp_forward", "gumbel_noise"]
 
@@ -383,7 +390,7 @@ class FedCP(Algorithm):
             out = _call(module, "forward_head", full, rep * pm) + _call(
                 module, "forward_head", {**full, **head_g}, rep * gm
             )
-            value = _masked_mean(per_sample(out, y), view.mask)
+            value = masked_mean(per_sample(out, y), view.mask)
             return value + lamda * _mmd(rep, base, view.mask) if base is not None else value
 
         (grads, policy_grads), value = torch.func.grad_and_value(objective, argnums=(0, 1))(
@@ -401,12 +408,6 @@ class FedCP(Algorithm):
 def _server_body(view: StepView) -> dict[str, Tensor]:
     """The round-start global extractor (``phi_g``): the server's shared tensors among the view's."""
     return {n: t for n, t in view.server.items() if n in view.tensors}
-
-
-def _masked_mean(values: Tensor, mask: Tensor | None) -> Tensor:
-    if mask is None:
-        return values.mean()
-    return (values * mask).sum() / mask.sum().clamp_min(1.0)
 
 
 register_algorithm(FedCP())

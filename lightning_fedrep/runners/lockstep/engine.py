@@ -18,8 +18,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lightning_fedrep.algorithms import PART_GROUPS
+from lightning_fedrep.feature_chunks import FEATURE_CHUNK, feature_chunk_of
 from lightning_fedrep.federation import ClientResult, Federation
 from lightning_fedrep.federation.objective import LossTerm, Objective, StepRule, StepView, pure_loss
+from lightning_fedrep.losses import masked_mean
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import move_to_device
 from lightning_fedrep.runners.lockstep import sizing
@@ -150,8 +152,8 @@ class LockstepEngine:
         self._sized = False
         self.client_bytes = 0
         """Estimated bytes one client of a lockstep group takes."""
-        self.feature_chunk = sizing.FEATURE_CHUNK
-        """Samples per forward pass of the feature cache (:func:`~lightning_fedrep.runners.lockstep.sizing.feature_chunk`
+        self.feature_chunk = FEATURE_CHUNK
+        """Samples per forward pass of the feature cache (:func:`~lightning_fedrep.feature_chunks.feature_chunk`
         of a probe input, set when the first loader is bound)."""
 
     # ------------------------------------------------------------------ schedule
@@ -181,7 +183,7 @@ class LockstepEngine:
             self.split, self.caching = None, False
             return f"no feature cache: {self.probe_problem}"
         probe_x = probes[0][0][0]
-        self.feature_chunk = sizing.feature_chunk(device, probe_x[:1].numel() * probe_x.element_size())
+        self.feature_chunk = feature_chunk_of(device, probe_x)
         why = self._decide_split(probe_x)
         if gather is not None:
             every = gather({"loss_terms_problem": self.loss_terms_problem, "no_cache": why})
@@ -298,11 +300,14 @@ class LockstepEngine:
         )
         return f"{groups}; {lanes}{self._timing}; {self.calls_line}"
 
+    def caches_head(self, plan: RoundPlan) -> bool:
+        """Whether rounds like ``plan`` have a head phase that runs on cached features."""
+        return self.caching and any(phase.train == "head" for phase in plan.phases)
+
     def gains(self, plan: RoundPlan) -> bool:
         """Whether the engine does anything the sequential path does not in rounds like ``plan``: a
         head phase on cached features, or phases in lockstep."""
-        cached = self.caching and any(phase.train == "head" for phase in plan.phases)
-        return cached or self.lane_width != 1
+        return self.caches_head(plan) or self.lane_width != 1
 
     def settings(self) -> dict[str, int]:
         """The widths decided for this run (checkpointed: a resumed run keeps them) and its lockstep steps per
@@ -396,9 +401,7 @@ class LockstepEngine:
         """How much slower a measured lockstep step may be and still be taken (:meth:`_measure_lanes`): none
         where narrow lanes stay in the engine and run fused (a cached head phase keeps the engine, and a fused
         call pays Lightning's per-step cost once per phase in either width)."""
-        stays_fused = (
-            self.steps_per_call != 1 and self.caching and any(p.train == "head" for p in plan.phases)
-        )
+        stays_fused = self.steps_per_call != 1 and self.caches_head(plan)
         return 0.0 if stays_fused else sizing.LOCKSTEP_MARGIN
 
     def mean_loss(self) -> Tensor:
@@ -517,7 +520,7 @@ class LockstepEngine:
             tensors = {**fixed, **rest, **own}
             output, features = run(tensors, x)
             per_sample = loss_fn(output, y)
-            loss = (per_sample * m).sum() / m.sum().clamp_min(1.0)
+            loss = masked_mean(per_sample, m)
             for term in terms:
                 view = StepView(
                     tensors=tensors,
@@ -829,8 +832,7 @@ def lane_mean_losses(loss_fn: LossFn, outputs: Tensor, targets: Tensor, mask: Te
     """Each lane's mean loss over its unmasked samples (``[lanes]``), from its outputs ``[lanes, batch, ...]``:
     a per-sample ``loss_fn`` called once on every lane's samples (not once per lane under ``vmap``, whose
     batching rule of a cross-entropy costs a cached head step more than the head)."""
-    per_sample = loss_fn(outputs.flatten(0, 1), targets.flatten(0, 1)).view(mask.shape)
-    return (per_sample * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+    return masked_mean(loss_fn(outputs.flatten(0, 1), targets.flatten(0, 1)).view(mask.shape), mask)
 
 
 def over_lanes(fn: Callable[..., Any], lanes: int) -> Callable[..., Any]:

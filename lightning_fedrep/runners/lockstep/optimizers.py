@@ -193,17 +193,10 @@ class StackedSGD:
             torch._foreach_add_(params, buffers, alpha=-h["lr"])
 
     def _step_rows(self, name: str, grad: Tensor, rows: slice, h: dict[str, Any]) -> None:
-        """The step of the consecutive ``rows`` (every lane steps): in place on views of the stacked rows
-        and, once each of them has a momentum buffer, of its buffers (torch's SGD's own in-place update)."""
+        """The step of one tensor's consecutive ``rows`` (every lane steps), in place on a view of them: no
+        momentum, Nesterov, or a row's first step (its buffer made here)."""
         p = self.stacked[name][rows]
-        grad = _decayed(grad, p, h)
-        momentum = h["momentum"]
-        if momentum != 0 and not h["nesterov"] and self._all_have_buffers(name, rows):
-            buf = self.buffers[name][rows]
-            buf.mul_(momentum).add_(grad, alpha=1 - h["dampening"])
-            p.add_(buf, alpha=-h["lr"])
-            return
-        p.add_(self._direction(name, grad, rows, h), alpha=-h["lr"])
+        p.add_(self._direction(name, _decayed(grad, p, h), rows, h), alpha=-h["lr"])
 
     def _direction(self, name: str, grad: Tensor, rows: slice | Tensor, h: dict[str, Any]) -> Tensor:
         """The update direction of ``rows`` from their (decayed) gradient, updating their momentum buffers."""

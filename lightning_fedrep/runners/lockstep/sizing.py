@@ -18,12 +18,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.feature_chunks import (  # noqa: F401 (the engine's names for them)
-    CPU_FEATURE_CHUNK_BYTES,
-    FEATURE_CHUNK,
-    feature_chunk,
-)
-
 OPTIMIZER_SLOTS = 2
 """Optimizer state tensors per parameter assumed when sizing a group (Adam's two moments; SGD's
 momentum needs one)."""
