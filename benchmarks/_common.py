@@ -30,17 +30,37 @@ from lightning_fedrep.models import LowRankLinear
 from lightning_fedrep.newclients import evaluate_new_clients
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued work before a clock is read (nothing to wait for on a CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def trainer_device(device: str) -> dict[str, Any]:
+    """``Trainer`` keywords that train on ``device`` (``"cpu"`` or ``"cuda"``: one GPU)."""
+    return {"accelerator": "gpu", "devices": 1} if device.startswith("cuda") else {"accelerator": "cpu"}
+
+
+def add_device_argument(parser: Any) -> None:
+    """``--device cpu|cuda`` (default ``cpu``) for a benchmark's ``argparse`` parser."""
+    parser.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where to train (cuda: one GPU)"
+    )
+
+
 class RoundClock(L.Callback):
-    """Wall-clock seconds of each training epoch (one round)."""
+    """Wall-clock seconds of each training epoch (one round), the GPU's queued work included."""
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
         self._start = 0.0
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        synchronize()
         self._start = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        synchronize()
         self.seconds.append(time.perf_counter() - self._start)
 
 

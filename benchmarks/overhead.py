@@ -12,7 +12,11 @@ Two pairs, each measured in the same run:
 
 Usage:
 
-    .venv/bin/python benchmarks/overhead.py [--rounds 10] [--repeats 3]
+    .venv/bin/python benchmarks/overhead.py [--rounds 10] [--repeats 3] [--device cuda]
+
+On a GPU (``--device cuda``) the plain loops keep the whole data set on the GPU (the cheapest way to feed
+it), the strategy is fed by Lightning as usual (each batch moved from host memory), and every timing waits
+for the GPU's queued work.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -31,24 +37,30 @@ from lightning_fedrep.data.digits import DigitsDataModule
 from lightning_fedrep.models import MLPClassifier
 from lightning_fedrep.plan import round_generator, sample_clients
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import add_device_argument, synchronize, trainer_device  # noqa: E402
+
 HEAD_EPOCHS, BODY_EPOCHS, PER_ROUND, SEED = 5, 1, 10, 0
 
 
-def plain_loop(dm: DigitsDataModule, rounds: int) -> tuple[float, int]:
+def plain_loop(dm: DigitsDataModule, rounds: int, device: str = "cpu") -> tuple[float, int]:
     torch.manual_seed(0)
-    model = MLPClassifier()
+    model = MLPClassifier().to(device)
     head = list(model.classifier.parameters())
     body = list(model.body.parameters())
     global_body = [p.detach().clone() for p in body]
     heads: dict[int, list[torch.Tensor]] = {}
     init_head = [p.detach().clone() for p in head]
-    x_all, y_all = dm.train_set.tensors
+    x_all, y_all = (t.to(device) for t in dm.train_set.tensors)
     steps = 0
+    synchronize()
     start = time.perf_counter()
     for r in range(rounds):
         total, weight = [torch.zeros_like(p) for p in body], 0.0
         for cid in sample_clients(dm.num_clients, PER_ROUND, SEED, r):
             data = dm.client_data(cid)
+            indices = data.indices.to(device)
             with torch.no_grad():
                 for p, v in zip(body, global_body):
                     p.copy_(v)
@@ -63,8 +75,9 @@ def plain_loop(dm: DigitsDataModule, rounds: int) -> tuple[float, int]:
                 for p in body:
                     p.requires_grad_(not train_head)
                 perm = torch.randperm(len(data), generator=round_generator(dm.seed, r, cid, epoch_pass))
+                perm = perm.to(device)
                 for j in range(per_epoch):
-                    idx = data.indices[perm[j * dm.batch_size : (j + 1) * dm.batch_size]]
+                    idx = indices[perm[j * dm.batch_size : (j + 1) * dm.batch_size]]
                     opt.zero_grad()
                     F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
                     opt.step()
@@ -75,19 +88,22 @@ def plain_loop(dm: DigitsDataModule, rounds: int) -> tuple[float, int]:
                     t.add_(p, alpha=len(data))
             weight += len(data)
         global_body = [t / weight for t in total]
+    synchronize()
     return time.perf_counter() - start, steps
 
 
-def plain_vectorized_loop(dm: DigitsDataModule, rounds: int) -> tuple[float, dict[str, torch.Tensor]]:
+def plain_vectorized_loop(
+    dm: DigitsDataModule, rounds: int, device: str = "cpu"
+) -> tuple[float, dict[str, torch.Tensor]]:
     """The engine's arithmetic by hand: per round, one feature pass, the heads of all clients in
     lockstep on cached features, then the body epoch of all clients in lockstep (``vmap``); SGD with
     momentum and weight decay (weights only) applied to the clients that step. Returns the seconds
     and the final global body."""
     torch.manual_seed(0)
-    model = MLPClassifier()
+    model = MLPClassifier().to(device)
     hp = model.hparams
     loader = dm.train_dataloader()
-    x_all, y_all = dm.train_set.tensors
+    x_all, y_all = (t.to(device) for t in dm.train_set.tensors)
     named = dict(model.named_parameters())
     head_names = ["classifier.weight", "classifier.bias"]
     body_names = [n for n in named if n not in head_names]
@@ -117,6 +133,7 @@ def plain_vectorized_loop(dm: DigitsDataModule, rounds: int) -> tuple[float, dic
         per_sample = F.cross_entropy(out, y, reduction="none")
         return (per_sample * m).sum() / m.sum().clamp_min(1.0)
 
+    synchronize()
     start = time.perf_counter()
     for r in range(rounds):
         clients = sample_clients(dm.num_clients, PER_ROUND, SEED, r)
@@ -126,14 +143,15 @@ def plain_vectorized_loop(dm: DigitsDataModule, rounds: int) -> tuple[float, dic
         head_steps = [HEAD_EPOCHS * e for e in per_epoch]
         body_steps = [BODY_EPOCHS * e for e in per_epoch]
         positions = [
-            loader.client_positions(c, r, 0, h + b) for c, h, b in zip(clients, head_steps, body_steps)
+            [p.to(device) for p in loader.client_positions(c, r, 0, h + b)]
+            for c, h, b in zip(clients, head_steps, body_steps)
         ]
-        indices = [dm.client_data(c).indices for c in clients]
+        indices = [dm.client_data(c).indices.to(device) for c in clients]
         with torch.no_grad():
             features = model_features(model, global_body, x_all[torch.cat(indices)]).split(sizes)
         longest = max(sizes)
-        feats = torch.zeros(k, longest, features[0].shape[1])
-        labels = torch.zeros(k, longest, dtype=torch.long)
+        feats = torch.zeros(k, longest, features[0].shape[1], device=device)
+        labels = torch.zeros(k, longest, dtype=torch.long, device=device)
         for i, (f, idx) in enumerate(zip(features, indices)):
             feats[i, : len(f)] = f
             labels[i, : len(f)] = y_all[idx]
@@ -143,10 +161,10 @@ def plain_vectorized_loop(dm: DigitsDataModule, rounds: int) -> tuple[float, dic
         }
         body = {n: v.expand(k, *v.shape).clone() for n, v in global_body.items()}
         buffers: dict = {}
-        rows = torch.arange(k)[:, None]
+        rows = torch.arange(k, device=device)[:, None]
         head_loss = torch.func.vmap(lambda t, x, y, m: step_loss(t, x, y, m, True))
         for step in range(max(head_steps)):
-            active = torch.tensor([step < h for h in head_steps])
+            active = torch.tensor([step < h for h in head_steps], device=device)
             pos, mask = _batch_positions(positions, step, [0] * k, active, dm.batch_size)
             loss = head_loss(head, feats[rows, pos], labels[rows, pos], mask).sum()
             grads = dict(zip(head, torch.autograd.grad(loss, list(head.values()))))
@@ -157,7 +175,7 @@ def plain_vectorized_loop(dm: DigitsDataModule, rounds: int) -> tuple[float, dic
         body = {n: t.requires_grad_(True) for n, t in body.items()}
         full_loss = torch.func.vmap(lambda b, h, x, y, m: step_loss({**b, **h}, x, y, m, False))
         for step in range(max(body_steps)):
-            active = torch.tensor([step < b for b in body_steps])
+            active = torch.tensor([step < b for b in body_steps], device=device)
             pos, mask = _batch_positions(positions, step, head_steps, active, dm.batch_size)
             x = torch.stack([x_all[idx[p]] for idx, p in zip(indices, pos)])
             y = torch.stack([y_all[idx[p]] for idx, p in zip(indices, pos)])
@@ -165,7 +183,7 @@ def plain_vectorized_loop(dm: DigitsDataModule, rounds: int) -> tuple[float, dic
             grads = dict(zip(body, torch.autograd.grad(loss, list(body.values()))))
             with torch.no_grad():
                 sgd(body, buffers, grads, active)
-        weights = torch.tensor(sizes, dtype=torch.float64)
+        weights = torch.tensor(sizes, dtype=torch.float64, device=device)
         global_body = {
             n: (t.detach().double() * weights.view(-1, *([1] * (t.dim() - 1))))
             .sum(0)
@@ -175,6 +193,7 @@ def plain_vectorized_loop(dm: DigitsDataModule, rounds: int) -> tuple[float, dic
         }
         for i, c in enumerate(clients):
             heads[c] = {n: t[i].clone() for n, t in head.items()}
+    synchronize()
     return time.perf_counter() - start, global_body
 
 
@@ -195,8 +214,8 @@ def model_features(model: MLPClassifier, body: dict[str, torch.Tensor], x: torch
 
 def _batch_positions(positions, step, offsets, active, batch_size):
     """Each client's batch positions at its ``offset + step`` (zero-padded) and the padding mask."""
-    pos = torch.zeros(len(positions), batch_size, dtype=torch.long)
-    mask = torch.zeros(len(positions), batch_size)
+    pos = torch.zeros(len(positions), batch_size, dtype=torch.long, device=active.device)
+    mask = torch.zeros(len(positions), batch_size, device=active.device)
     for i, on in enumerate(active.tolist()):
         if on:
             p = positions[i][offsets[i] + step]
@@ -205,11 +224,15 @@ def _batch_positions(positions, step, offsets, active, batch_size):
     return pos, mask
 
 
-def strategy_run(dm: DigitsDataModule, rounds: int, engine: str = "sequential") -> tuple[float, int]:
-    return strategy_fit(dm, rounds, engine)[:2]
+def strategy_run(
+    dm: DigitsDataModule, rounds: int, engine: str = "sequential", device: str = "cpu"
+) -> tuple[float, int]:
+    return strategy_fit(dm, rounds, engine, device)[:2]
 
 
-def strategy_fit(dm: DigitsDataModule, rounds: int, engine: str) -> tuple[float, int, FederatedStrategy]:
+def strategy_fit(
+    dm: DigitsDataModule, rounds: int, engine: str, device: str = "cpu"
+) -> tuple[float, int, FederatedStrategy]:
     torch.manual_seed(0)
     strategy = FederatedStrategy(
         clients_per_round=PER_ROUND,
@@ -221,19 +244,21 @@ def strategy_fit(dm: DigitsDataModule, rounds: int, engine: str) -> tuple[float,
     trainer = L.Trainer(
         strategy=strategy,
         max_epochs=rounds,
-        accelerator="cpu",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
+        **trainer_device(device),
     )
+    synchronize()
     start = time.perf_counter()
     trainer.fit(MLPClassifier(), datamodule=dm)
+    synchronize()
     return time.perf_counter() - start, trainer.global_step, strategy
 
 
-def lightning_baseline(dm: DigitsDataModule, steps: int) -> float:
+def lightning_baseline(dm: DigitsDataModule, steps: int, device: str = "cpu") -> float:
     """Lightning's own per-step cost: a plain Trainer over one DataLoader with the same number of steps."""
     torch.manual_seed(0)
     x, y = dm.train_set.tensors
@@ -243,15 +268,17 @@ def lightning_baseline(dm: DigitsDataModule, steps: int) -> float:
     )
     trainer = L.Trainer(
         max_epochs=1,
-        accelerator="cpu",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
+        **trainer_device(device),
     )
+    synchronize()
     start = time.perf_counter()
     trainer.fit(MLPClassifier(), train_dataloaders=loader)
+    synchronize()
     return (time.perf_counter() - start) / trainer.global_step
 
 
@@ -259,21 +286,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    device = args.device
     torch.set_num_threads(1)
     dm = DigitsDataModule(num_clients=20, classes_per_client=2, batch_size=10, seed=0)
     dm.setup()
     plain, ours, lightning = [], [], []
     for _ in range(args.repeats):
-        seconds, plain_steps = plain_loop(dm, args.rounds)
+        seconds, plain_steps = plain_loop(dm, args.rounds, device)
         plain.append(seconds / plain_steps)
-        seconds, our_steps = strategy_run(dm, args.rounds)
+        seconds, our_steps = strategy_run(dm, args.rounds, "sequential", device)
         ours.append(seconds / our_steps)
         assert plain_steps == our_steps, (plain_steps, our_steps)
-        lightning.append(lightning_baseline(dm, our_steps))
+        lightning.append(lightning_baseline(dm, our_steps, device))
     p, o, lt = statistics.median(plain), statistics.median(ours), statistics.median(lightning)
     print(
-        f"digits FedRep, {args.rounds} rounds x {PER_ROUND} clients, {plain_steps} optimizer steps, 1 thread, CPU"
+        f"digits FedRep, {args.rounds} rounds x {PER_ROUND} clients, {plain_steps} optimizer steps, 1 thread, "
+        f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}"
     )
     print(f"plain PyTorch loop : {p * 1e3:7.3f} ms/step")
     print(f"FederatedStrategy  : {o * 1e3:7.3f} ms/step  (whole Trainer.fit, start-up included)")
@@ -281,8 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"ratio strategy/plain loop: {o / p:.2f}x   strategy/plain Lightning: {o / lt:.2f}x")
     vector_plain, vector_ours = [], []
     for _ in range(args.repeats):
-        vector_plain.append(plain_vectorized_loop(dm, args.rounds)[0])
-        vector_ours.append(strategy_fit(dm, args.rounds, "vectorized")[0])
+        vector_plain.append(plain_vectorized_loop(dm, args.rounds, device)[0])
+        vector_ours.append(strategy_fit(dm, args.rounds, "vectorized", device)[0])
     vp, vo = statistics.median(vector_plain), statistics.median(vector_ours)
     print("a round's clients in lockstep (same rounds, same batches):")
     print(f"plain vectorized loop        : {vp:7.3f} s")

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import RoundClock, make_trainer, quiet  # noqa: E402
+from _common import RoundClock, add_device_argument, make_trainer, quiet, trainer_device  # noqa: E402
 from scaling import make_data as clients_data  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy  # noqa: E402
@@ -50,7 +50,13 @@ def make_data(model: str, clients: int) -> FederatedDataModule:
 
 
 def fit(
-    model: str, data: FederatedDataModule, algorithm: str, engine: str, per_round: int, rounds: int
+    model: str,
+    data: FederatedDataModule,
+    algorithm: str,
+    engine: str,
+    per_round: int,
+    rounds: int,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """``rounds`` rounds: the first round's seconds, the later rounds' median and the path the run took."""
     torch.manual_seed(0)
@@ -62,7 +68,8 @@ def fit(
         seed=0,
     )
     clock = RoundClock()
-    make_trainer(rounds, strategy=strategy, callbacks=[clock]).fit(MODELS[model][1](), datamodule=data)
+    trainer = make_trainer(rounds, strategy=strategy, callbacks=[clock], **trainer_device(device))
+    trainer.fit(MODELS[model][1](), datamodule=data)
     report = strategy.runner_report
     path = "seq" if report.engine == "sequential" else "lock"
     if path == "lock" and strategy.runner_settings.get("lane_width") == 1:
@@ -71,17 +78,23 @@ def fit(
 
 
 def setting(
-    model: str, algorithm: str, clients: int, per_round: int, runs: int, rounds: int | None = None
+    model: str,
+    algorithm: str,
+    clients: int,
+    per_round: int,
+    runs: int,
+    rounds: int | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """One row: the sequential round, then ``runs`` pairs of a vectorized and an ``auto`` fit (in turn
     one and the other first)."""
     data = make_data(model, clients)
     rounds = rounds or ROUNDS[model]
-    sequential = fit(model, data, algorithm, "sequential", per_round, min(rounds, SEQUENTIAL_ROUNDS))
+    sequential = fit(model, data, algorithm, "sequential", per_round, min(rounds, SEQUENTIAL_ROUNDS), device)
     vectorized, autos = [], []
     for run in range(runs):
         order = ("vectorized", "auto") if run % 2 == 0 else ("auto", "vectorized")
-        pair = {engine: fit(model, data, algorithm, engine, per_round, rounds) for engine in order}
+        pair = {engine: fit(model, data, algorithm, engine, per_round, rounds, device) for engine in order}
         vectorized.append(pair["vectorized"])
         autos.append(pair["auto"])
     return {
@@ -102,13 +115,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--mlp-rounds", type=int, default=ROUNDS["mlp"], help="rounds of each MLP fit")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     quiet(args.threads)
     clients, per_round = (200, 20) if args.small else (1000, 100)
     runs = args.runs or (2 if args.small else 5)
-    rounds = {model: 3 if args.small else ROUNDS[model] for model in MODELS}
+    rounds = {"cnn": ROUNDS["cnn"], "mlp": args.mlp_rounds}
+    rounds = {model: 3 if args.small else rounds[model] for model in MODELS}
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
-        f"{clients} clients x {SAMPLES} samples, {per_round} per round, batch {BATCH}, cpu, "
+        f"{clients} clients x {SAMPLES} samples, {per_round} per round, batch {BATCH}, {where}, "
         f"{torch.get_num_threads()} threads; seconds per round (median of the rounds after the first: "
         f"{rounds['cnn'] - 1} of the CNN, {rounds['mlp'] - 1} of the MLP, {SEQUENTIAL_ROUNDS - 1} sequential); "
         f"auto run {runs} times"
@@ -120,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for model in args.models:
         for algorithm in ("fedavg", "fedrep"):
-            row = setting(model, algorithm, clients, per_round, runs, rounds[model])
+            row = setting(model, algorithm, clients, per_round, runs, rounds[model], args.device)
             rows.append(row)
             autos = " ".join(f"{s:5.2f}" for s in row["auto"])
             print(

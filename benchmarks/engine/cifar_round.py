@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import RoundClock, make_trainer, quiet  # noqa: E402
+from _common import RoundClock, add_device_argument, make_trainer, quiet, synchronize, trainer_device  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, ShardPartitioner  # noqa: E402
 from lightning_fedrep.feature_chunks import feature_chunk_of  # noqa: E402
@@ -63,6 +63,7 @@ class Workload:
     body_epochs: int = 1
     batch_size: int = 10
     seed: int = 0
+    device: str = "cpu"
 
 
 def make_data(w: Workload) -> FederatedDataModule:
@@ -80,6 +81,7 @@ def make_data(w: Workload) -> FederatedDataModule:
 
 
 def initial_model(w: Workload) -> CIFAR10CNN:
+    """The round's starting model, on the CPU (a ``Trainer`` moves it); the hand loops move it to ``w.device``."""
     torch.manual_seed(w.seed)
     return CIFAR10CNN()
 
@@ -89,8 +91,8 @@ def body_names(model: CIFAR10CNN) -> list[str]:
 
 
 def engine_chunks(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``x`` in the chunks the engine's feature cache reads on a CPU (``feature_chunks.feature_chunk``)."""
-    return x.split(feature_chunk_of(torch.device("cpu"), x))
+    """``x`` in the chunks the engine's feature cache reads on ``x``'s device (``feature_chunks``)."""
+    return x.split(feature_chunk_of(x.device, x))
 
 
 def average(bodies: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
@@ -102,8 +104,9 @@ def average(bodies: list[dict[str, torch.Tensor]], weights: list[float]) -> dict
 
 
 def official_style(w: Workload, dm: FederatedDataModule) -> dict[str, torch.Tensor]:
-    """The official FedRep code's round: deepcopy, DataLoader, new optimizer, full forward per epoch."""
-    global_model = initial_model(w)
+    """The official FedRep code's round: deepcopy, DataLoader, new optimizer, full forward per epoch
+    (each batch moved to the device as the official code does)."""
+    global_model = initial_model(w).to(w.device)
     bodies, weights = [], []
     for client in range(w.clients):
         local = copy.deepcopy(global_model)
@@ -118,6 +121,7 @@ def official_style(w: Workload, dm: FederatedDataModule) -> dict[str, torch.Tens
             for name, p in local.named_parameters():
                 p.requires_grad_((name in HEAD) == head_phase)
             for xb, yb in loader:
+                xb, yb = xb.to(w.device), yb.to(w.device)
                 optimizer.zero_grad()
                 F.nll_loss(local(xb), yb).backward()
                 optimizer.step()
@@ -135,12 +139,13 @@ def plain_fast(w: Workload, dm: FederatedDataModule) -> tuple[dict[str, torch.Te
     Uses the strategy's batches (``RoundLoader.client_positions``) so its result is the strategy's.
     Returns the new global body and the stacked heads ``[clients, 10, 65]``.
     """
-    model = initial_model(w)
+    model = initial_model(w).to(w.device)
     loader = dm.train_dataloader()
     per_epoch = -(-w.samples // w.batch_size)
     head_steps, body_steps = w.head_epochs * per_epoch, w.body_epochs * per_epoch
-    xs = [dm.client_data(c).dataset.tensors[0][dm.client_data(c).indices] for c in range(w.clients)]
-    ys = [dm.client_data(c).dataset.tensors[1][dm.client_data(c).indices] for c in range(w.clients)]
+    data = [dm.client_data(c) for c in range(w.clients)]
+    xs = [d.dataset.tensors[0][d.indices].to(w.device) for d in data]
+    ys = [d.dataset.tensors[1][d.indices].to(w.device) for d in data]
     with torch.no_grad():
         features = torch.stack(
             [torch.cat([model.forward_features(part) for part in engine_chunks(x)]) for x in xs]
@@ -153,8 +158,11 @@ def plain_fast(w: Workload, dm: FederatedDataModule) -> tuple[dict[str, torch.Te
         lr=0.01,
         momentum=0.5,
     )
-    positions = [loader.client_positions(c, 0, 0, head_steps + body_steps) for c in range(w.clients)]
-    rows = torch.arange(w.clients)[:, None]
+    positions = [
+        [p.to(w.device) for p in loader.client_positions(c, 0, 0, head_steps + body_steps)]
+        for c in range(w.clients)
+    ]
+    rows = torch.arange(w.clients, device=w.device)[:, None]
     for step in range(head_steps):
         index = torch.stack([positions[c][step] for c in range(w.clients)])
         f, y = features[rows, index], labels[rows, index]
@@ -185,19 +193,25 @@ def plain_fast(w: Workload, dm: FederatedDataModule) -> tuple[dict[str, torch.Te
 # ----------------------------------------------------------------------------- (c, d) the strategy
 
 
-def strategy_round(
-    w: Workload, dm: FederatedDataModule, engine: str, rounds: int = 1, clock: RoundClock | None = None
-) -> FederatedStrategy:
-    """``rounds`` rounds through ``Trainer.fit`` (no validation, logger or checkpoint), timed by ``clock``."""
-    strategy = FederatedStrategy(
+def workload_strategy(w: Workload, engine: str) -> FederatedStrategy:
+    """The strategy of the workload: every client every round, its epochs and seed, on ``engine``."""
+    return FederatedStrategy(
         clients_per_round=w.clients,
         head_epochs=w.head_epochs,
         body_epochs=w.body_epochs,
         seed=w.seed,
         engine=engine,
     )
+
+
+def strategy_round(
+    w: Workload, dm: FederatedDataModule, engine: str, rounds: int = 1, clock: RoundClock | None = None
+) -> FederatedStrategy:
+    """``rounds`` rounds through ``Trainer.fit`` (no validation, logger or checkpoint), timed by ``clock``."""
+    strategy = workload_strategy(w, engine)
     callbacks = [clock] if clock is not None else []
-    make_trainer(rounds, callbacks=callbacks, strategy=strategy).fit(initial_model(w), datamodule=dm)
+    trainer = make_trainer(rounds, callbacks=callbacks, strategy=strategy, **trainer_device(w.device))
+    trainer.fit(initial_model(w), datamodule=dm)
     return strategy
 
 
@@ -217,9 +231,10 @@ def strategy_heads(strategy: FederatedStrategy, clients: int) -> torch.Tensor:
 
 
 def floor(w: Workload, dm: FederatedDataModule) -> None:
-    """One feature pass over all clients' data, then one body epoch per client; nothing else."""
-    model = initial_model(w)
-    x, y = dm.client_data(0).dataset.tensors
+    """One feature pass over all clients' data, then one body epoch per client; nothing else (the data
+    already on the device)."""
+    model = initial_model(w).to(w.device)
+    x, y = (t.to(w.device) for t in dm.client_data(0).dataset.tensors)
     with torch.no_grad():
         for chunk in engine_chunks(x):
             model.forward_features(chunk)
@@ -228,7 +243,7 @@ def floor(w: Workload, dm: FederatedDataModule) -> None:
     per_epoch = -(-w.samples // w.batch_size)
     for c in range(w.clients):
         optimizer = fedrep_sgd(model, 0.01, 0.5, 1e-4)
-        index = dm.client_data(c).indices
+        index = dm.client_data(c).indices.to(w.device)
         for j in range(per_epoch * w.body_epochs):
             batch = index[(j % per_epoch) * w.batch_size : (j % per_epoch + 1) * w.batch_size]
             optimizer.zero_grad()
@@ -253,12 +268,6 @@ def compare(w: Workload) -> dict[str, object]:
     return out
 
 
-def seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def timed_in_turn(
     variants: dict[str, object], repeats: int
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
@@ -268,8 +277,10 @@ def timed_in_turn(
     for _ in range(repeats):
         run = {}
         for name, fn in variants.items():
+            synchronize()
             start = time.perf_counter()
             result = fn()
+            synchronize()
             run[name] = result if isinstance(result, float) else time.perf_counter() - start
         runs.append(run)
     return {name: min(run[name] for run in runs) for name in variants}, runs
@@ -281,16 +292,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--small", action="store_true", help="a tiny run (tests)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     quiet(args.threads)
     if args.full:
-        w = Workload()
+        w = Workload(device=args.device)
     elif args.small:
-        w = Workload(clients=3, samples=20, head_epochs=2)
+        w = Workload(clients=3, samples=20, head_epochs=2, device=args.device)
     else:
-        w = Workload(samples=100, head_epochs=2)
+        w = Workload(samples=100, head_epochs=2, device=args.device)
     dm = make_data(w)
-    device = "cpu"
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
         f"FedRep round, CIFAR10CNN, {w.clients} clients x {w.samples} samples, {w.head_epochs} head + "
         f"{w.body_epochs} body epochs, batch {w.batch_size}, on {device} ({torch.get_num_threads()} threads), "

@@ -16,22 +16,31 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import add_device_argument, synchronize  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=5)
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    device = torch.device(args.device)
     clients, samples, batch, steps = 10, 500, 10, args.steps
-    features, labels = torch.randn(clients, samples, 64), torch.randint(0, 10, (clients, samples))
-    positions = [torch.randint(0, samples, (clients, batch)) for _ in range(steps)]
-    mask, lanes = torch.ones(clients, batch), torch.arange(clients)[:, None]
+    features = torch.randn(clients, samples, 64, device=device)
+    labels = torch.randint(0, 10, (clients, samples), device=device)
+    positions = [torch.randint(0, samples, (clients, batch), device=device) for _ in range(steps)]
+    mask, lanes = torch.ones(clients, batch, device=device), torch.arange(clients, device=device)[:, None]
 
     def loss_of(w, b, f, y, m):  # noqa: ANN001, ANN202 (vmapped)
         per_sample = F.cross_entropy(F.log_softmax(F.linear(f, w, b), -1), y, reduction="none")
@@ -45,11 +54,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return w - 0.01 * bw, b - 0.01 * bb, bw, bb
 
     def run(fn) -> torch.Tensor:  # noqa: ANN001
-        w, b = torch.zeros(clients, 10, 64), torch.zeros(clients, 10)
+        w, b = torch.zeros(clients, 10, 64, device=device), torch.zeros(clients, 10, device=device)
         bw, bb = torch.zeros_like(w), torch.zeros_like(b)
         for s in range(steps):
             f, y = features[lanes, positions[s]], labels[lanes, positions[s]]
             w, b, bw, bb = fn(w, b, bw, bb, f, y, mask)
+        synchronize()
         return w
 
     start = time.perf_counter()
@@ -64,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             run(fn)
             times[name].append(time.perf_counter() - start)
     eager, fast = (statistics.median(times[n]) / steps for n in ("eager", "compiled"))
-    print(f"{steps} cached head steps of {clients} clients, cpu ({torch.get_num_threads()} threads)")
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{steps} cached head steps of {clients} clients, {where} ({torch.get_num_threads()} threads)")
     print(f"  first compiled run (compiling included) {first:8.1f} s")
     print(f"  eager step      {eager * 1e3:8.3f} ms")
     print(f"  compiled step   {fast * 1e3:8.3f} ms   eager / compiled {eager / fast:5.2f}x")

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import quiet  # noqa: E402
+from _common import add_device_argument, quiet, synchronize  # noqa: E402
 from cifar_round import Workload, make_data, strategy_round  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def official_args(w: Workload) -> SimpleNamespace:
         local_rep_ep=w.body_epochs,
         local_updates=10**6,  # the official default: never reached
         num_users=w.clients,
-        device=torch.device("cpu"),
+        device=torch.device(w.device),
     )
 
 
@@ -63,6 +63,7 @@ def official_round(w: Workload, code: dict[str, Any], dataset: Any, users: dict[
     net_glob.train()
     w_glob_keys = list(itertools.chain.from_iterable(net_glob.weight_keys[i] for i in [0, 1, 3, 4]))
     w_locals = {u: dict(net_glob.state_dict()) for u in users}
+    synchronize()
     start = time.perf_counter()
     w_glob: dict[str, torch.Tensor] = {}
     total_len = 0
@@ -83,6 +84,7 @@ def official_round(w: Workload, code: dict[str, Any], dataset: Any, users: dict[
     for key in w_glob:
         w_glob[key] = torch.div(w_glob[key], total_len)
     net_glob.load_state_dict(w_glob)
+    synchronize()
     return time.perf_counter() - start
 
 
@@ -112,9 +114,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--small", action="store_true", help="3 clients x 20 samples, 2 head epochs (tests)")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     quiet(None)
     w = Workload(clients=3, samples=20, head_epochs=2) if args.small else Workload()
+    w = Workload(**{**w.__dict__, "device": args.device})
     code = load_official(args.official)
     dm = make_data(w)
     dataset = dm.client_data(0).dataset
@@ -123,12 +127,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for _ in range(args.repeats):
         times["official"] = min(times["official"], official_round(w, code, dataset, users))
         for engine in ("vectorized", "auto"):
+            synchronize()
             start = time.perf_counter()
             strategy_round(w, make_data(w), engine)
+            synchronize()
             times[engine] = min(times[engine], time.perf_counter() - start)
     print(
         f"FedRep round, {w.clients} clients x {w.samples} samples, {w.head_epochs} head + {w.body_epochs} body "
-        f"epochs, batch {w.batch_size}, cpu ({torch.get_num_threads()} threads), best of {args.repeats}"
+        f"epochs, batch {w.batch_size}, {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'} "
+        f"({torch.get_num_threads()} threads), best of {args.repeats}"
     )
     print(f"  official code (lgcollins/FedRep)  {times['official']:7.2f} s")
     print(f"  strategy vectorized               {times['vectorized']:7.2f} s")

@@ -31,7 +31,7 @@ from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import make_trainer, quiet  # noqa: E402
+from _common import add_device_argument, make_trainer, quiet, synchronize, trainer_device  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FedRepStrategy, IIDPartitioner  # noqa: E402
 from lightning_fedrep.callbacks import FineTunedEvaluation  # noqa: E402
@@ -64,8 +64,10 @@ class TimedFineTuning(FineTunedEvaluation):
     seconds = 0.0
 
     def _fine_tune(self, trainer, pl_module) -> None:
+        synchronize()
         start = time.perf_counter()
         super()._fine_tune(trainer, pl_module)
+        synchronize()
         self.seconds = time.perf_counter() - start
 
 
@@ -73,8 +75,10 @@ def timed_test(trainer, model, dm, callback: TimedFineTuning, cached: bool) -> t
     """Seconds of one ``trainer.test`` and of its fine-tuning, and its per-client ``test/acc`` and
     ``test/loss``."""
     callback.cache_features = cached
+    synchronize()
     start = time.perf_counter()
     trainer.test(model, datamodule=dm, verbose=False)
+    synchronize()
     seconds = time.perf_counter() - start
     metrics = trainer.strategy.client_metrics["test"]
     return seconds, callback.seconds, {m: metrics.per_client(f"test/{m}") for m in ("acc", "loss")}
@@ -87,13 +91,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--test", type=int, default=10, help="test samples per client")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     quiet(args.threads)
     dm = make_data(args.clients, args.train, args.test)
     torch.manual_seed(0)
     strategy = FedRepStrategy(clients_per_round=min(10, args.clients), head_epochs=1, body_epochs=1, seed=0)
     callback = TimedFineTuning(epochs=EPOCHS, stages=("test",))
-    trainer = make_trainer(1, callbacks=[callback], strategy=strategy)
+    trainer = make_trainer(1, callbacks=[callback], strategy=strategy, **trainer_device(args.device))
     model = CIFAR10CNN()
     trainer.fit(model, datamodule=dm)  # one round: a trained body, 10 trained heads
     full, cached, full_tuning, cached_tuning = [], [], [], []
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         cached_tuning.append(tuning)
     print(
         f"FineTunedEvaluation({EPOCHS} epochs, batch {BATCH}) + trainer.test, CIFAR10CNN, {args.clients} "
-        f"clients x {args.train} training samples, cpu, {torch.get_num_threads()} threads, min of "
+        f"clients x {args.train} training samples, "
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, {torch.get_num_threads()} threads, min of "
         f"{args.repeats}"
     )
     print("                      | fine-tuning s | trainer.test s (fine-tuning + scoring)")
