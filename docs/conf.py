@@ -46,7 +46,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(torch|lightning|lightning_fabric|lightning_utilities|torchmetrics|numpy|np)(\..*)?"),
     (
         r"py:.*",
-        r"(typing|collections|collections\.abc|abc|enum|dataclasses|pathlib|os|logging|datetime|re|nn)\..*",
+        r"(typing|collections|collections\.abc|abc|contextlib|enum|dataclasses|pathlib|os|logging|datetime|re|nn)\..*",
     ),
     (r"py:.*", r"(Tensor|Module|Optimizer|LightningModule|LightningDataModule|Trainer|Callback|Strategy)"),
     # private helpers (a leading underscore) that appear in a signature have no page to link to

@@ -14,12 +14,14 @@ from torch import nn
 
 @contextmanager
 def untouched_random_state() -> Iterator[None]:
-    """Torch's CPU generator, numpy's and Python's global generators are as they were afterwards: for a
-    probe batch fetched before training (a ``DataLoader``'s ``iter()`` draws a seed from torch's generator,
-    and a data set's random transforms may draw from any of the three), so probing changes no run."""
+    """Torch's generators (the CPU's and, once CUDA is in use, every GPU's), numpy's and Python's global
+    generators are as they were afterwards: for a probe batch fetched before training (a ``DataLoader``'s
+    ``iter()`` draws a seed from torch's generator, and a data set's random transforms may draw from any of the
+    three) and for a probe that seeds torch itself, so probing changes no run."""
     numpy_state, python_state = np.random.get_state(), random.getstate()
+    gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=gpus):
             yield
     finally:
         np.random.set_state(numpy_state)

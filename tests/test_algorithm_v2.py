@@ -116,6 +116,25 @@ def test_server_momentum_on_the_v2_api_equals_the_plain_loop():
     assert row["clients_aggregated"] == 2.0 and row["update_norm"] > 0
 
 
+def test_declared_tensors_are_held_on_the_training_device():
+    """``shapes=`` declarations (and callable inits) are made on the CPU; the federation holds every declared
+    client and server tensor on the device it trains on (a GPU run otherwise mixes devices in the first step).
+    The meta device stands in for a GPU here: the module stays on the CPU, so every tensor must be moved."""
+    module = Net()
+    algorithm = MomentumV2()
+    layout = resolve_layout(module, None, shares=algorithm.shares, needs_head=False)
+    config = FederationConfig(phases=(Phase("all", steps=2),), clients_per_round=1.0, weighting="uniform")
+    fed = Federation(algorithm, layout, config)
+    fed.attach(module, [torch.optim.SGD(module.parameters(), lr=0.1)])
+    fed.initialize(torch.device("meta"))
+    declared = dict(zip(fed.store.tensor_names, fed.store.tensor_template))
+    assert "rounds" in declared and fed.server_tensors
+    assert {n: t.device.type for n, t in declared.items()} == {n: "meta" for n in declared}
+    assert {n: t.device.type for n, t in fed.server_tensors.items()} == {
+        n: "meta" for n in fed.server_tensors
+    }
+
+
 def test_declared_client_tensors_follow_finish_client():
     """Catches ``finish_client``'s client_state not stored (``put_state`` skipped: drift stays zero) or
     computed from the wrong start (``ClientEnd.start`` after the store changed)."""

@@ -41,6 +41,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "evaluation_records",
         "federation",
         "feature_chunks",
+        "head_tuning",
         "federation.*",  # state, round, live, ranks, store, aggregation (issue 25 step 4)
         "history",
         "loss_terms",

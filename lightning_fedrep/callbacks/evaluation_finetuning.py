@@ -21,6 +21,7 @@ from lightning_fedrep.arguments import check_bool, check_choice, check_int, chec
 from lightning_fedrep.data.loaders import datasets_are_deterministic
 from lightning_fedrep.feature_chunks import FEATURE_CHUNK, feature_chunk_of
 from lightning_fedrep.federation import RoundResult
+from lightning_fedrep.head_tuning import ClientHead, HeadFineTuning
 from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.internals import configured_learning_rate, configured_optimizers
 from lightning_fedrep.losses import NAMED_LOSSES, declared_loss
@@ -122,7 +123,9 @@ class FineTunedEvaluation(FederatedCallback):
             random transforms and the body's output does not depend on train mode (no batch norm, no
             dropout in the body). Each client's features are then computed once (one pass) and its
             ``epochs`` of head steps run on them, same batches and optimizer, equal to the full forward
-            passes within float error; otherwise the full passes run and a log line says why.
+            passes within float error; otherwise the full passes run and a log line says why. On cached
+            features the clients step together (the strategy's ``fit_heads_together``) unless the
+            head cannot be batched (random draws, buffer updates): then one client at a time.
 
     What is fine-tuned: the client's local parameters (the head for FedRep/FedPer, the local representation
     for LG-FedAvg), or the head for algorithms without a local part (FedAvg). The cost is ``epochs`` passes
@@ -271,7 +274,13 @@ class FineTunedEvaluation(FederatedCallback):
         tuned: dict[int, dict[str, Tensor]] = {}
         with self._training_mode(pl_module):
             split = self._cached_split(trainer, pl_module, names, clients)
+            if split is not None:
+                tuned.update(
+                    self._fit_heads_together(trainer, pl_module, names, clients, starts, optimizer, split)
+                )
             for client in clients:
+                if client in tuned:
+                    continue
                 if len(trainer.datamodule.client_data(client)) == 0:
                     tuned[client] = starts(client)
                     continue
@@ -384,6 +393,45 @@ class FineTunedEvaluation(FederatedCallback):
             loss.backward()
             optimizer.step()
         return {n: t.detach() for n, t in head.items()}
+
+    def _fit_heads_together(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        names: list[str],
+        clients: list[int],
+        starts: Callable[[int], dict[str, Tensor]],
+        chosen: FineTuningOptimizer,
+        split: FeatureSplit,
+    ) -> dict[int, dict[str, Tensor]]:
+        """:meth:`_fit_head_cached` of every client with training data, in groups that step together
+        (the strategy's ``fit_heads_together``): the same batches, optimizers and loss. ``{}`` (one
+        client at a time then) where the clients' models differ in more than the tuned tensors, fewer than two
+        clients have data, or the head cannot be batched (random draws or buffer updates in the head)."""
+        datamodule = trainer.datamodule
+        with_data = [c for c in clients if len(datamodule.client_data(c))]
+        if len(with_data) < 2 or any(set(self._own_tensors(trainer, c)) - set(names) for c in with_data):
+            return {}
+        state = self._client_state(trainer, pl_module, with_data[0], starts(with_data[0]))
+        shared = {n: t for n, t in state.items() if n not in names}
+        cached = [self._client_features(trainer, pl_module, c, state, split) for c in with_data]
+        batches = [[b for epoch in self._index_batches(trainer, c) for b in epoch] for c in with_data]
+        if trainer.fast_dev_run:  # a smoke run: one step per client
+            batches = [b[:1] for b in batches]
+        tuning = HeadFineTuning(
+            split.head, shared, chosen.build, self._loss_fn, trainer.precision_plugin.train_step_context
+        )
+        clients_heads = [
+            ClientHead(starts(c), features, target, steps)
+            for c, (features, target), steps in zip(with_data, cached, batches)
+        ]
+        try:
+            heads = self.strategy(trainer).fit_heads_together(tuning, clients_heads)
+        except RuntimeError as error:
+            if "vmap" in str(error):  # the head draws random numbers or updates buffers: nothing stepped yet
+                return {}
+            raise
+        return dict(zip(with_data, heads))
 
     def _client_features(
         self,

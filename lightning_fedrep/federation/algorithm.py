@@ -249,7 +249,7 @@ def _initialized(spec: ClientTensors, name: str, template: Tensor, seed: int) ->
             f"{type(spec).__name__} {spec.name!r}: init({name!r}, ...) must return a tensor of shape "
             f"{tuple(template.shape)}, got {getattr(value, 'shape', value)!r}."
         )
-    return value.detach().to(template.dtype)
+    return value.detach().to(template.device, template.dtype)
 
 
 def declared_names(specs: Iterable[ClientTensors], groups: Mapping[str, Mapping[str, Any]]) -> list[str]:

@@ -85,6 +85,8 @@ class _RoundStart:
     finetuned: dict[int, dict[str, Tensor]]
     clients: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Each client stored in the round so far: its record before the round."""
+    cuda_rng: list[Tensor] | None = None
+    """Every GPU's generator state, where CUDA is in use."""
 
 
 @dataclass
@@ -146,7 +148,12 @@ class RoundTransaction:
         """Start training round ``plan.round``."""
         self._require_state()
         aggregator = self._new_aggregator(plan) if plan.aggregate else None
-        self._before_round = _RoundStart(self.round_index, torch.get_rng_state(), dict(self.store.finetuned))
+        self._before_round = _RoundStart(
+            self.round_index,
+            torch.get_rng_state(),
+            dict(self.store.finetuned),
+            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        )
         self.round_index = plan.round
         self.round_open = True
         if plan.aggregate:
@@ -527,6 +534,8 @@ class RoundTransaction:
         for client in list(self.store.borrowed):
             self.store.drop(client)
         torch.set_rng_state(before.rng)
+        if before.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(before.cuda_rng)
         self.round_index, self.round_open = before.round_index, False
         self._average, self._finished, self._live, self.live_phase = None, [], None, None
         self._local_average = None
@@ -584,6 +593,7 @@ class RoundTransaction:
                     for c, tensors in before["finetuned"].items()
                 },
                 dict(before["clients"]),
+                cuda_rng=before.get("cuda_rng") if torch.cuda.is_available() else None,
             )
         self.live_phase = None
         if self._live is not None and round_state["live_part"]:

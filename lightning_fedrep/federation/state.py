@@ -215,8 +215,11 @@ class FederationState:
             self.store = ClientStore(self._tensors(self.local_names))
             groups = self._declared_groups({n: t for n, t in self._named.items()})
             seed = self.config.seed
-            self.store.declare(declared_templates(self.algorithm.client_tensors, groups, seed))
-            self.server_tensors = declared_templates(self.algorithm.server_tensors, groups, seed)
+            # shapes= declarations and callable inits are made on the CPU: held on the training device
+            declared = declared_templates(self.algorithm.client_tensors, groups, seed)
+            self.store.declare({n: t.to(self._device) for n, t in declared.items()})
+            server = declared_templates(self.algorithm.server_tensors, groups, seed)
+            self.server_tensors = {n: t.to(self._device) for n, t in server.items()}
             self._check_slots()
         else:
             self.global_state = [t.to(device) for t in self.global_state]
@@ -383,6 +386,7 @@ class FederationState:
                     "rng": before.rng,
                     "finetuned": before.finetuned,
                     "clients": before.clients,
+                    "cuda_rng": before.cuda_rng,
                 }
         return state
 

@@ -16,10 +16,12 @@ from lightning_fedrep.checkpoint_payload import CHECKPOINT_KEY
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.federation import ClientFault, Federation, federation_fingerprint, fingerprint_changes
 from lightning_fedrep.federation.algorithm import set_forward
+from lightning_fedrep.head_tuning import ClientHead, HeadFineTuning
 from lightning_fedrep.lightning import loading
 from lightning_fedrep.plan import RankShare, RoundPlan, shard_round
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
 from lightning_fedrep.runners.lockstep.evaluation import evaluation_split
+from lightning_fedrep.runners.lockstep.heads_together import fit_heads_together
 from lightning_fedrep.runners.report import RunnerReport
 from lightning_fedrep.split import ParameterSplit
 
@@ -101,6 +103,17 @@ class StrategyAPI:
         """The clients this process evaluates in the current (or last) validation/test: every client with
         evaluation data on one process, this rank's share on several (``[]`` before any evaluation)."""
         return list(self._eval_loader.evaluated_clients) if self._eval_loader is not None else []
+
+    def fit_heads_together(
+        self, tuning: HeadFineTuning, clients: Sequence[ClientHead]
+    ) -> list[dict[str, Tensor]]:
+        """Many clients' heads fine-tuned at once on their cached features, each with its own batches and its
+        own optimizer, on the engine's stacked tensors (``runners/lockstep/heads_together.py``): ``tuning`` says
+        how (the same for every client), ``clients`` each one's start, features and batches; the heads in
+        ``clients``' order. For a callback that fine-tunes many clients (``FineTunedEvaluation``, with the head
+        of ``feature_split``); the same computation as one client at a time within float error. Raises
+        ``torch.func.vmap``'s error for a head it cannot batch before any client stepped."""
+        return fit_heads_together(tuning, clients)
 
     def feature_split(self, names: Sequence[str], probe: Tensor) -> Any:
         """The live module as ``head(features(x))`` with ``names`` as the head, in evaluation mode, verified

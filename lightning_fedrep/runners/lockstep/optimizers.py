@@ -150,10 +150,11 @@ class StackedSGD:
         if all(active):
             self._step_all(leaves, slice(start, start + len(active)))
             return
-        chosen = torch.tensor([j for j, on in enumerate(active) if on], dtype=torch.long)
+        device = next(iter(self.stacked.values())).device if self.stacked else None
+        chosen = torch.tensor([j for j, on in enumerate(active) if on], dtype=torch.long, device=device)
         if not len(chosen):
             return
-        rows = chosen + start
+        rows = chosen + start  # one copy to the device per step, not two per tensor
         for name, leaf in leaves.items():
             if leaf.grad is None:
                 continue
