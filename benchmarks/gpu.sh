@@ -46,6 +46,7 @@ full)
     run overhead 100 benchmarks/overhead.py --rounds 10 --repeats 2 --device cuda
     run compiled_head_step 60 benchmarks/engine/compiled_head_step.py --device cuda
     run auto_choice 100 benchmarks/engine/auto_choice.py --models cnn --runs 3 --device cuda
+    run auto_choice_mlp 110 benchmarks/engine/auto_choice.py --models mlp --runs 3 --mlp-rounds 11 --device cuda
     ;;
 *)
     echo "usage: bash benchmarks/gpu.sh smoke|full [OUT_DIR]" >&2

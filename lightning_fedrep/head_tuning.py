@@ -11,6 +11,36 @@ from typing import Any
 import torch
 from torch import Tensor
 
+
+class NotBatchable(Exception):
+    """Fine-tuning these clients' heads together would not be one client at a time's computation (raised before
+    any client stepped): fine-tune them one at a time. The message says why."""
+
+
+HEADS_TOGETHER_BYTES = 256 * 2**20
+"""At most this many bytes of padded features per group of clients fine-tuned together."""
+
+
+def groups_by_bytes(
+    sizes: Sequence[int], sample_bytes: int, budget: int = HEADS_TOGETHER_BYTES
+) -> list[list[int]]:
+    """Consecutive positions of ``sizes`` (samples per client) in groups whose padded features (the group's
+    largest client times its width times ``sample_bytes``) stay within ``budget`` (a client alone may exceed it)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for position, size in enumerate(sizes):
+        wider = max(longest, size)
+        if current and wider * (len(current) + 1) * sample_bytes > budget:
+            groups.append(current)
+            current, wider = [], size
+        current.append(position)
+        longest = wider
+    if current:
+        groups.append(current)
+    return groups
+
+
 HeadCall = Callable[[dict[str, Tensor], Tensor], Tensor]
 """The head on given tensors: ``(state, features) -> outputs`` (a feature split's ``head``)."""
 

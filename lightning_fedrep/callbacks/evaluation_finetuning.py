@@ -21,7 +21,13 @@ from lightning_fedrep.arguments import check_bool, check_choice, check_int, chec
 from lightning_fedrep.data.loaders import datasets_are_deterministic
 from lightning_fedrep.feature_chunks import FEATURE_CHUNK, feature_chunk_of
 from lightning_fedrep.federation import RoundResult
-from lightning_fedrep.head_tuning import ClientHead, HeadFineTuning
+from lightning_fedrep.head_tuning import (
+    HEADS_TOGETHER_BYTES,
+    ClientHead,
+    HeadFineTuning,
+    NotBatchable,
+    groups_by_bytes,
+)
 from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.internals import configured_learning_rate, configured_optimizers
 from lightning_fedrep.losses import NAMED_LOSSES, declared_loss
@@ -197,6 +203,9 @@ class FineTunedEvaluation(FederatedCallback):
         self.cache_features = cache_features
         self.cache_decision = ""
         """The last evaluation's feature-cache decision, one line (logged when it changes)."""
+        self.together_decision = ""
+        """Whether the last cached fine-tuning stepped the clients together, and why not, one line (logged when
+        it changes)."""
         self._chunk: int | None = None
         self._forward: tuple[L.LightningModule, StatelessCall] | None = None
         """The module the fine-tuning steps run, with its stateless call (made at its first step)."""
@@ -404,34 +413,53 @@ class FineTunedEvaluation(FederatedCallback):
         chosen: FineTuningOptimizer,
         split: FeatureSplit,
     ) -> dict[int, dict[str, Tensor]]:
-        """:meth:`_fit_head_cached` of every client with training data, in groups that step together
-        (the strategy's ``fit_heads_together``): the same batches, optimizers and loss. ``{}`` (one
-        client at a time then) where the clients' models differ in more than the tuned tensors, fewer than two
-        clients have data, or the head cannot be batched (random draws or buffer updates in the head)."""
+        """:meth:`_fit_head_cached` of every client with training data, in groups that step together (the
+        strategy's ``fit_heads_together``; at most ``HEADS_TOGETHER_BYTES`` of padded features each, computed
+        group by group): the same batches, optimizers and loss. The clients it tuned: none (one client at a time
+        then, and a log line says why) where the clients' models differ in more than the tuned tensors, fewer
+        than two clients have data, or the heads cannot step together (``NotBatchable``)."""
         datamodule = trainer.datamodule
         with_data = [c for c in clients if len(datamodule.client_data(c))]
         if len(with_data) < 2 or any(set(self._own_tensors(trainer, c)) - set(names) for c in with_data):
             return {}
         state = self._client_state(trainer, pl_module, with_data[0], starts(with_data[0]))
-        shared = {n: t for n, t in state.items() if n not in names}
-        cached = [self._client_features(trainer, pl_module, c, state, split) for c in with_data]
-        batches = [[b for epoch in self._index_batches(trainer, c) for b in epoch] for c in with_data]
-        if trainer.fast_dev_run:  # a smoke run: one step per client
-            batches = [b[:1] for b in batches]
         tuning = HeadFineTuning(
-            split.head, shared, chosen.build, self._loss_fn, trainer.precision_plugin.train_step_context
+            split.head,
+            {n: t for n, t in state.items() if n not in names},
+            chosen.build,
+            self._loss_fn,
+            trainer.precision_plugin.train_step_context,
         )
-        clients_heads = [
-            ClientHead(starts(c), features, target, steps)
-            for c, (features, target), steps in zip(with_data, cached, batches)
-        ]
-        try:
-            heads = self.strategy(trainer).fit_heads_together(tuning, clients_heads)
-        except RuntimeError as error:
-            if "vmap" in str(error):  # the head draws random numbers or updates buffers: nothing stepped yet
-                return {}
-            raise
-        return dict(zip(with_data, heads))
+        first = self._client_features(trainer, pl_module, with_data[0], state, split)
+        sample_bytes = first[0][0].numel() * first[0].element_size()
+        sizes = [len(datamodule.client_data(c)) for c in with_data]
+        tuned: dict[int, dict[str, Tensor]] = {}
+        for group in groups_by_bytes(sizes, sample_bytes, HEADS_TOGETHER_BYTES):
+            members = [with_data[i] for i in group]
+            cached = [
+                first if c == with_data[0] else self._client_features(trainer, pl_module, c, state, split)
+                for c in members
+            ]
+            clients_heads = []
+            for client, (features, target) in zip(members, cached):
+                steps = [b for epoch in self._index_batches(trainer, client) for b in epoch]
+                if trainer.fast_dev_run:  # a smoke run: one step per client
+                    steps = steps[:1]
+                clients_heads.append(ClientHead(starts(client), features, target, steps))
+            try:
+                heads = self.strategy(trainer).fit_heads_together(tuning, clients_heads)
+            except NotBatchable as why:  # raised before any of the group's clients stepped
+                self._tell_together(f"{self.owner} steps the heads one client at a time ({why}).")
+                return tuned
+            tuned.update(zip(members, heads))
+        self._tell_together(f"{self.owner} steps the clients' heads together ({len(with_data)} clients).")
+        return tuned
+
+    def _tell_together(self, line: str) -> None:
+        """Log whether the heads are fine-tuned together (when that changes)."""
+        if line != self.together_decision:
+            self.together_decision = line
+            rank_zero_info(line)
 
     def _client_features(
         self,

@@ -108,11 +108,11 @@ class StrategyAPI:
         self, tuning: HeadFineTuning, clients: Sequence[ClientHead]
     ) -> list[dict[str, Tensor]]:
         """Many clients' heads fine-tuned at once on their cached features, each with its own batches and its
-        own optimizer, on the engine's stacked tensors (``runners/lockstep/heads_together.py``): ``tuning`` says
-        how (the same for every client), ``clients`` each one's start, features and batches; the heads in
+        own optimizer, stacked as the engine stacks a group (``runners/lockstep/heads_together.py``): ``tuning``
+        says how (the same for every client), ``clients`` each one's start, features and batches; the heads in
         ``clients``' order. For a callback that fine-tunes many clients (``FineTunedEvaluation``, with the head
         of ``feature_split``); the same computation as one client at a time within float error. Raises
-        ``torch.func.vmap``'s error for a head it cannot batch before any client stepped."""
+        :class:`~lightning_fedrep.head_tuning.NotBatchable` (before any client stepped) where it would not be."""
         return fit_heads_together(tuning, clients)
 
     def feature_split(self, names: Sequence[str], probe: Tensor) -> Any:

@@ -12,83 +12,105 @@ within float error.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor
 
-from lightning_fedrep.head_tuning import ClientHead, HeadFineTuning
-from lightning_fedrep.losses import masked_mean
+from lightning_fedrep.head_tuning import ClientHead, HeadFineTuning, NotBatchable
+from lightning_fedrep.losses import NAMED_LOSSES, masked_mean
 from lightning_fedrep.runners.lockstep.group import ClientGroup
 
-HEADS_TOGETHER_BYTES = 256 * 2**20
-"""At most this many bytes of padded features per group of clients fine-tuned together."""
 
-
-def groups_by_bytes(
-    sizes: Sequence[int], sample_bytes: int, budget: int = HEADS_TOGETHER_BYTES
-) -> list[list[int]]:
-    """Consecutive positions of ``sizes`` (samples per client) in groups whose padded features (the group's
-    largest client times its width times ``sample_bytes``) stay within ``budget`` (a client alone may exceed it)."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for position, size in enumerate(sizes):
-        wider = max(longest, size)
-        if current and wider * (len(current) + 1) * sample_bytes > budget:
-            groups.append(current)
-            current, wider = [], size
-        current.append(position)
-        longest = wider
-    if current:
-        groups.append(current)
-    return groups
-
-
-def fit_heads_together(
-    tuning: HeadFineTuning, clients: Sequence[ClientHead], budget: int = HEADS_TOGETHER_BYTES
-) -> list[dict[str, Tensor]]:
-    """:func:`fit_group` of every client, in consecutive groups of at most ``budget`` bytes of padded features
-    (:func:`groups_by_bytes`); the heads in the clients' order."""
-    sample = clients[0].features
-    sample_bytes = sample[0].numel() * sample.element_size() if len(sample) else sample.element_size()
-    heads: list[dict[str, Tensor]] = []
-    for group in groups_by_bytes([len(c.features) for c in clients], sample_bytes, budget):
-        heads += fit_group(tuning, [clients[i] for i in group])
-    return heads
-
-
-def fit_group(tuning: HeadFineTuning, clients: Sequence[ClientHead]) -> list[dict[str, Tensor]]:
+def fit_heads_together(tuning: HeadFineTuning, clients: Sequence[ClientHead]) -> list[dict[str, Tensor]]:
     """Each client's fine-tuned head: it starts from its ``start`` and takes one step per entry of its
-    ``batches`` with its own optimizer, on the mean of the loss over its batch, every client's step at once.
-    Raises what ``torch.func.vmap`` raises for a head it cannot batch (random draws, in-place buffer updates)
-    before any client has stepped."""
+    ``batches`` with its own optimizer, on the mean of the loss over its batch, every client's step at once;
+    the heads in ``clients``' order. Raises :class:`~lightning_fedrep.head_tuning.NotBatchable`, before any
+    client has stepped, where that would not be one client at a time's computation: an optimizer class that is
+    not one of torch's per-parameter ones or that does not hold exactly the head's tensors, a head ``vmap``
+    cannot batch (random draws, in-place buffer updates, an operator without a batching rule), or a loss that
+    does not give one value per sample."""
     first = clients[0].start
     names = list(first)
-    template = {n: t.detach().clone().requires_grad_(True) for n, t in first.items()}
-    optimizer = tuning.build_optimizer(template)
-    position_of = {id(t): n for n, t in template.items()}
-    param_names = [position_of.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
     width = len(clients)
-    stacked = {n: torch.stack([c.start[n].detach() for c in clients]).clone() for n in names}
-    group = ClientGroup(range(width), stacked, optimizer, param_names, [None] * width)
+    with _not_batchable("the optimizer"):
+        template = {n: t.detach().clone().requires_grad_(True) for n, t in first.items()}
+        optimizer = tuning.build_optimizer(template)
+        _check_optimizer(optimizer, template)
+        position_of = {id(t): n for n, t in template.items()}
+        param_names = [position_of.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+        stacked = {n: torch.stack([c.start[n].detach() for c in clients]).clone() for n in names}
+        group = ClientGroup(range(width), stacked, optimizer, param_names, [None] * width)
     leaves, _ = group.lanes((0, width), set(names))
     features, targets = _padded([c.features for c in clients]), _padded([c.targets for c in clients])
     positions, masks, counts = _step_positions([c.batches for c in clients], features.device)
     rows = torch.arange(width, device=features.device)[:, None]
     shared, head = tuning.shared, tuning.head
     forward = torch.func.vmap(lambda tensors, x: head({**shared, **tensors}, x))
+    named_loss = tuning.loss_fn in NAMED_LOSSES.values()
+    lane_loss = tuning.loss_fn if named_loss else torch.func.vmap(tuning.loss_fn)
     for step in range(len(positions)):
         index, mask = positions[step], masks[step]
-        with tuning.step_context():
-            outputs = forward(leaves, features[rows, index])
-            target = targets[rows, index]
-            per_sample = tuning.loss_fn(outputs.flatten(0, 1), target.flatten(0, 1)).float()
-            per_sample = per_sample.reshape(width, index.shape[1], -1).mean(-1)
-            loss = masked_mean(per_sample, mask).sum()
-        loss.backward()
+        batch = index.shape[1]
+        with _not_batchable("the head and loss") if step == 0 else nullcontext():  # nothing has stepped yet
+            with tuning.step_context():
+                outputs = forward(leaves, features[rows, index])
+                target = targets[rows, index]
+                if named_loss:  # per sample by contract: once over every lane's samples
+                    per_sample = lane_loss(outputs.flatten(0, 1), target.flatten(0, 1))
+                    per_sample_shape = per_sample.dim() >= 1 and per_sample.shape[0] == width * batch
+                else:  # the user's own loss sees one lane's batch at a time, as one client at a time would
+                    per_sample = lane_loss(outputs, target)
+                    per_sample_shape = per_sample.dim() >= 2 and per_sample.shape[1] == batch
+                if not per_sample_shape:
+                    raise NotBatchable(
+                        f"the loss gives {tuple(per_sample.shape)} for {width} clients' batches of {batch}, "
+                        "not one value per sample"
+                    )
+                per_sample = per_sample.float().reshape(width, batch, -1).mean(-1)
+                loss = masked_mean(torch.where(mask.bool(), per_sample, 0.0), mask).sum()
+            loss.backward()
         group.step([step < n for n in counts])
     return [{n: t.detach().clone() for n, t in group.client_tensors(k).items()} for k in range(width)]
+
+
+PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+)
+"""Torch's optimizers whose update of a tensor reads only that tensor's gradient and state: one optimizer over
+every client's views is then one optimizer per client."""
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, head: dict[str, Tensor]) -> None:
+    if type(optimizer) not in PER_PARAMETER_OPTIMIZERS:
+        raise NotBatchable(f"{type(optimizer).__name__} is not one of torch's per-parameter optimizers")
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if held != {id(t) for t in head.values()}:
+        raise NotBatchable("the optimizer does not hold exactly the head's tensors")
+
+
+@contextmanager
+def _not_batchable(what: str) -> Iterator[None]:
+    """Any error inside (nothing has stepped yet) as :class:`NotBatchable`, naming ``what`` and the error."""
+    try:
+        yield
+    except NotBatchable:
+        raise
+    except Exception as error:  # noqa: BLE001 (re-raised as the reason to fall back, the error named)
+        raise NotBatchable(
+            f"{what} cannot be batched over clients: {type(error).__name__}: {error}"
+        ) from error
 
 
 def _padded(tensors: Sequence[Tensor]) -> Tensor:
