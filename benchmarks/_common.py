@@ -41,6 +41,11 @@ def trainer_device(device: str) -> dict[str, Any]:
     return {"accelerator": "gpu", "devices": 1} if device.startswith("cuda") else {"accelerator": "cpu"}
 
 
+def device_label(device: str | torch.device) -> str:
+    """The GPU's name for a ``cuda`` device, else ``"cpu"`` (for a benchmark's header line)."""
+    return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
+
+
 def add_device_argument(parser: Any) -> None:
     """``--device cpu|cuda`` (default ``cpu``) for a benchmark's ``argparse`` parser."""
     parser.add_argument(

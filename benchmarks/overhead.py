@@ -39,7 +39,7 @@ from lightning_fedrep.plan import round_generator, sample_clients
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_device_argument, synchronize, trainer_device  # noqa: E402
+from _common import add_device_argument, device_label, synchronize, trainer_device  # noqa: E402
 
 HEAD_EPOCHS, BODY_EPOCHS, PER_ROUND, SEED = 5, 1, 10, 0
 
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     p, o, lt = statistics.median(plain), statistics.median(ours), statistics.median(lightning)
     print(
         f"digits FedRep, {args.rounds} rounds x {PER_ROUND} clients, {plain_steps} optimizer steps, 1 thread, "
-        f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}"
+        f"{device_label(device)}"
     )
     print(f"plain PyTorch loop : {p * 1e3:7.3f} ms/step")
     print(f"FederatedStrategy  : {o * 1e3:7.3f} ms/step  (whole Trainer.fit, start-up included)")

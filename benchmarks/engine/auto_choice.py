@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import RoundClock, add_device_argument, make_trainer, quiet, trainer_device  # noqa: E402
+from _common import RoundClock, add_device_argument, device_label, make_trainer, quiet, trainer_device  # noqa: E402
 from scaling import make_data as clients_data  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy  # noqa: E402
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     runs = args.runs or (2 if args.small else 5)
     rounds = {"cnn": ROUNDS["cnn"], "mlp": args.mlp_rounds}
     rounds = {model: 3 if args.small else rounds[model] for model in MODELS}
-    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    where = device_label(args.device)
     print(
         f"{clients} clients x {SAMPLES} samples, {per_round} per round, batch {BATCH}, {where}, "
         f"{torch.get_num_threads()} threads; seconds per round (median of the rounds after the first: "

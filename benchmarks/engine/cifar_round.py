@@ -45,7 +45,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import RoundClock, add_device_argument, make_trainer, quiet, synchronize, trainer_device  # noqa: E402
+from _common import (  # noqa: E402
+    RoundClock,
+    add_device_argument,
+    device_label,
+    make_trainer,
+    quiet,
+    synchronize,
+    trainer_device,
+)
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, ShardPartitioner  # noqa: E402
 from lightning_fedrep.feature_chunks import feature_chunk_of  # noqa: E402
@@ -302,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     else:
         w = Workload(samples=100, head_epochs=2, device=args.device)
     dm = make_data(w)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    device = device_label(args.device)
     print(
         f"FedRep round, CIFAR10CNN, {w.clients} clients x {w.samples} samples, {w.head_epochs} head + "
         f"{w.body_epochs} body epochs, batch {w.batch_size}, on {device} ({torch.get_num_threads()} threads), "

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import add_device_argument, synchronize  # noqa: E402
+from _common import add_device_argument, device_label, synchronize  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             run(fn)
             times[name].append(time.perf_counter() - start)
     eager, fast = (statistics.median(times[n]) / steps for n in ("eager", "compiled"))
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    where = device_label(device)
     print(f"{steps} cached head steps of {clients} clients, {where} ({torch.get_num_threads()} threads)")
     print(f"  first compiled run (compiling included) {first:8.1f} s")
     print(f"  eager step      {eager * 1e3:8.3f} ms")

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_device_argument, make_trainer, quiet, trainer_device  # noqa: E402
+from _common import add_device_argument, device_label, make_trainer, quiet, trainer_device  # noqa: E402
 from cifar_round import HEAD, Workload, initial_model, make_data, strategy_heads, workload_strategy  # noqa: E402
 
 from lightning_fedrep.callbacks import FineTunedEvaluation  # noqa: E402
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> bool:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     w = Workload(clients=3, samples=40, head_epochs=2)
-    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    where = device_label(args.device)
     print(
         f"{where} against the CPU: CIFAR10CNN, {w.clients} clients x {w.samples}, 2 rounds, then trainer.test"
     )

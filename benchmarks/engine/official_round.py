@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_device_argument, quiet, synchronize  # noqa: E402
+from _common import add_device_argument, device_label, quiet, synchronize  # noqa: E402
 from cifar_round import Workload, make_data, strategy_round  # noqa: E402
 
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             times[engine] = min(times[engine], time.perf_counter() - start)
     print(
         f"FedRep round, {w.clients} clients x {w.samples} samples, {w.head_epochs} head + {w.body_epochs} body "
-        f"epochs, batch {w.batch_size}, {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'} "
+        f"epochs, batch {w.batch_size}, {device_label(args.device)} "
         f"({torch.get_num_threads()} threads), best of {args.repeats}"
     )
     print(f"  official code (lgcollins/FedRep)  {times['official']:7.2f} s")

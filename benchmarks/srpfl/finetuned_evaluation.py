@@ -31,7 +31,7 @@ from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import add_device_argument, make_trainer, quiet, synchronize, trainer_device  # noqa: E402
+from _common import add_device_argument, device_label, make_trainer, quiet, synchronize, trainer_device  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FedRepStrategy, IIDPartitioner  # noqa: E402
 from lightning_fedrep.callbacks import FineTunedEvaluation  # noqa: E402
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"FineTunedEvaluation({EPOCHS} epochs, batch {BATCH}) + trainer.test, CIFAR10CNN, {args.clients} "
         f"clients x {args.train} training samples, "
-        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, {torch.get_num_threads()} threads, min of "
+        f"{device_label(args.device)}, {torch.get_num_threads()} threads, min of "
         f"{args.repeats}"
     )
     print("                      | fine-tuning s | trainer.test s (fine-tuning + scoring)")
