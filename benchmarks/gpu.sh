@@ -40,7 +40,7 @@ smoke)
     run auto_choice 90 benchmarks/engine/auto_choice.py --small --models mlp --runs 1 --device cuda
     ;;
 full)
-    run cifar_round 170 benchmarks/engine/cifar_round.py --full --repeats 2 --device cuda
+    run cifar_round 200 benchmarks/engine/cifar_round.py --full --repeats 2 --device cuda
     run official_round 80 benchmarks/engine/official_round.py --official "$official" --repeats 2 --device cuda
     run finetuned_evaluation 60 benchmarks/srpfl/finetuned_evaluation.py --repeats 2 --device cuda
     run overhead 100 benchmarks/overhead.py --rounds 10 --repeats 2 --device cuda

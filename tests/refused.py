@@ -383,6 +383,8 @@ CASES = [
     Refused(
         'FedRepStrategy(engine="sequential", engine_steps_per_call=4)', ValueError, "engine_steps_per_call"
     ),
+    Refused('FedRepStrategy(engine_compile="yes")', TypeError, "engine_compile"),
+    Refused('FedRepStrategy(engine="sequential", engine_compile=True)', ValueError, "engine_compile"),
     Refused('FedRepStrategy(phases=[{"train": "neck", "epochs": 1}])', ValueError, "phases"),
     Refused('FedRepStrategy(phases=[{"train": "head", "epochs": 1, "steps": 2}])', ValueError, "phases"),
     Refused('FedRepStrategy(phases=[{"train": "head", "epoch": 1}])', TypeError, "phases"),

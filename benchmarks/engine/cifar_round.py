@@ -17,6 +17,8 @@ decay 1e-4 on weights, the official recipe), every client from the same global m
   (f) a round in a fit: (d) and (d') again, timed from the second round's start to its end in a fit of two
                        rounds (what every round after the first costs: no ``Trainer`` start-up, probe or
                        ``auto``'s one-time lane timing, which (d) and (d') include)
+  (g) compiled, in a fit: (f) with ``engine_compile=True`` (the head steps on cached features compiled); the
+                       compiling happens in the first round, printed beside it
 
 Each repeat runs every variant once, in this order (a passing load slows all alike); a variant's time is its
 best over the repeats, and the (d)/(e) ratio of every repeat is printed too.
@@ -25,6 +27,8 @@ Usage::
 
     .venv/bin/python benchmarks/engine/cifar_round.py            # reduced: 10 clients x 100, 2 head epochs
     .venv/bin/python benchmarks/engine/cifar_round.py --full     # the official workload
+
+(g) needs a C++ compiler on a CPU (inductor); where compiling fails it warns and runs eagerly, as (f).
 
 The issue's targets (printed beside the measured ratios, never asserted): (d) >= 6x faster than (a),
 within 15% of (b), within 1.3x of (e) (issue 28: 1.10x); on a GPU >= 20x over (a).
@@ -201,7 +205,7 @@ def plain_fast(w: Workload, dm: FederatedDataModule) -> tuple[dict[str, torch.Te
 # ----------------------------------------------------------------------------- (c, d) the strategy
 
 
-def workload_strategy(w: Workload, engine: str) -> FederatedStrategy:
+def workload_strategy(w: Workload, engine: str, compile: bool = False) -> FederatedStrategy:
     """The strategy of the workload: every client every round, its epochs and seed, on ``engine``."""
     return FederatedStrategy(
         clients_per_round=w.clients,
@@ -209,24 +213,35 @@ def workload_strategy(w: Workload, engine: str) -> FederatedStrategy:
         body_epochs=w.body_epochs,
         seed=w.seed,
         engine=engine,
+        engine_compile=compile,
     )
 
 
 def strategy_round(
-    w: Workload, dm: FederatedDataModule, engine: str, rounds: int = 1, clock: RoundClock | None = None
+    w: Workload,
+    dm: FederatedDataModule,
+    engine: str,
+    rounds: int = 1,
+    clock: RoundClock | None = None,
+    compile: bool = False,
 ) -> FederatedStrategy:
     """``rounds`` rounds through ``Trainer.fit`` (no validation, logger or checkpoint), timed by ``clock``."""
-    strategy = workload_strategy(w, engine)
+    strategy = workload_strategy(w, engine, compile)
     callbacks = [clock] if clock is not None else []
     trainer = make_trainer(rounds, callbacks=callbacks, strategy=strategy, **trainer_device(w.device))
     trainer.fit(initial_model(w), datamodule=dm)
     return strategy
 
 
-def round_in_fit(w: Workload, dm: FederatedDataModule, engine: str) -> float:
+FIRST_ROUNDS: dict[str, list[float]] = {}
+"""The first round of each :func:`round_in_fit` variant, per repeat (a compiled fit compiles there)."""
+
+
+def round_in_fit(w: Workload, dm: FederatedDataModule, engine: str, compile: bool = False) -> float:
     """Seconds of the second round of a two-round fit (every round after the first costs this)."""
     clock = RoundClock()
-    strategy_round(w, dm, engine, rounds=2, clock=clock)
+    strategy_round(w, dm, engine, rounds=2, clock=clock, compile=compile)
+    FIRST_ROUNDS.setdefault(f"{engine}{', compiled' if compile else ''}", []).append(clock.seconds[0])
     return clock.seconds[1]
 
 
@@ -325,6 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "(e) floor": lambda: floor(w, dm),
         "(f) vectorized, in a fit": lambda: round_in_fit(w, dm, "vectorized"),
         "(f') auto, in a fit": lambda: round_in_fit(w, dm, "auto"),
+        "(g) compiled, in a fit": lambda: round_in_fit(w, dm, "vectorized", compile=True),
     }
     times, runs = timed_in_turn(variants, args.repeats)
     for name, value in times.items():
@@ -340,6 +356,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     auto, e = times["(d') strategy auto"], times["(e) floor"]
     f, f_auto = times["(f) vectorized, in a fit"], times["(f') auto, in a fit"]
+    g = times["(g) compiled, in a fit"]
     print(f"  (a)/(d)  official-style / vectorized : {a / d:6.2f}x   target >= 6x (CPU), >= 20x (GPU)")
     print(f"  (a)/(d') official-style / auto       : {a / auto:6.2f}x")
     print(f"  (d)/(b)  vectorized / plain fast     : {d / b:6.2f}x   target <= 1.15x")
@@ -347,8 +364,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"  (d')/(e) auto / floor                : {auto / e:6.2f}x")
     print(f"  (f)/(e)  vectorized in a fit / floor : {f / e:6.2f}x")
     print(f"  (f')/(e) auto in a fit / floor       : {f_auto / e:6.2f}x")
+    print(f"  (g)/(e)  compiled in a fit / floor   : {g / e:6.2f}x")
+    print(f"  (f)/(g)  eager / compiled, in a fit  : {f / g:6.2f}x")
     print(f"  (a)/(c)  official-style / sequential : {a / c:6.2f}x")
-    for key, label in (("(d) strategy vectorized", "(d)/(e)"), ("(f') auto, in a fit", "(f')/(e)")):
+    for name, firsts in FIRST_ROUNDS.items():
+        print(f"  first round of the {name} fits: {' '.join(f'{t:.2f}' for t in firsts)} s")
+    for key, label in (
+        ("(d) strategy vectorized", "(d)/(e)"),
+        ("(f') auto, in a fit", "(f')/(e)"),
+        ("(g) compiled, in a fit", "(g)/(e)"),
+    ):
         each = " ".join(f"{run[key] / run['(e) floor']:.2f}" for run in runs)
         print(f"  {label} in each repeat: {each}")
     return times

@@ -58,11 +58,13 @@ def build_engine(
     width: int | None,
     objectives: dict[str, Any] | None = None,
     steps_per_call: StepsPerCall = "auto",
+    compile: bool = False,
 ) -> Decision:
     """The lockstep engine for this fit, or the sequential runner (``mode="auto"`` where the engine would
     not be exact); raises for ``mode="vectorized"`` where it would not be exact. The engine runs
     ``steps_per_call`` lockstep steps per Lightning step (:func:`~lightning_fedrep.runners.lockstep.fusion.resolve_steps_per_call`:
-    refused here where something needs a Lightning step per local step)."""
+    refused here where something needs a Lightning step per local step), its cached head steps compiled
+    where ``compile`` (:mod:`~lightning_fedrep.runners.lockstep.compiled`; not in a smoke run)."""
     if mode == "sequential":
         return Decision(None, RunnerReport.sequential("engine='sequential'", "setup"))
     objectives = objectives or {}
@@ -108,6 +110,10 @@ def build_engine(
         to_device=constraints.to_device,
     )
     engine.steps_per_call, engine.calls_line = calls, calls_line
+    engine.compile = compile and not constraints.smoke
+    engine.compile_skipped = (
+        "fast_dev_run: a smoke run is not worth compiling" if compile and constraints.smoke else None
+    )
     return Decision(engine, report)
 
 
@@ -245,15 +251,22 @@ class RunnerSelection:
         width: ``engine_width`` (clients per lockstep group at most).
         memory: ``engine_memory`` (bytes a lockstep group may take).
         steps_per_call: ``engine_steps_per_call`` (lockstep steps per Lightning step).
+        compile: ``engine_compile`` (the cached head steps compiled).
     """
 
     def __init__(
-        self, mode: EngineMode, width: int | None, memory: int | None, steps_per_call: StepsPerCall = "auto"
+        self,
+        mode: EngineMode,
+        width: int | None,
+        memory: int | None,
+        steps_per_call: StepsPerCall = "auto",
+        compile: bool = False,
     ):
         self.mode = mode
         self.width = width
         self.memory = memory
         self.steps_per_call = steps_per_call
+        self.compile = compile
         self.report: RunnerReport | None = None
         """Which runner runs this fit's training steps and why (``None`` before the first fit's ``setup``)."""
         self.engine: LockstepEngine | None = None
@@ -328,6 +341,7 @@ class RunnerSelection:
                 self.width,
                 objectives,
                 self.steps_per_call,
+                self.compile,
             )
             line = self._take(decision)
         self.install(run, algorithm, collective)

@@ -3,7 +3,9 @@ features, and the rules for when that is exactly the sequential computation (was
 which stays an import path). ``runner.py``: :class:`LockstepRunner` (the runner protocol); ``engine.py``:
 :class:`LockstepEngine`; ``schedule.py`` (lockstep segments), ``group.py`` (stacked client tensors),
 ``optimizers.py``, ``contract.py`` (declared loss, feature split), ``probe.py``, ``validity.py`` (why not
-exact), ``sizing.py`` (memory bound, lockstep timing), ``evaluation.py`` (batched personalized evaluation)."""
+exact), ``sizing.py`` (memory bound, lockstep timing), ``fusion.py`` (lockstep steps per Lightning step),
+``compiled.py`` (compiled cached head steps), ``heads_together.py`` (heads fine-tuned together),
+``evaluation.py`` (batched personalized evaluation)."""
 
 from lightning_fedrep.runners.lockstep.contract import FeatureSplit, declared_loss, find_feature_split
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine, data_is_deterministic

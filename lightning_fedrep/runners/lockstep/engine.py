@@ -10,6 +10,7 @@ sequential path hands them over.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from lightning_fedrep.losses import masked_mean
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import move_to_device
 from lightning_fedrep.runners.lockstep import sizing
+from lightning_fedrep.runners.lockstep.compiled import CompiledHeadStep
 from lightning_fedrep.runners.lockstep.contract import (
     NAMED_LOSSES,
     FeatureSplit,
@@ -152,6 +154,12 @@ class LockstepEngine:
         self._sized = False
         self.client_bytes = 0
         """Estimated bytes one client of a lockstep group takes."""
+        self.compile = False
+        """Whether cached head steps without loss terms run compiled (``engine_compile``:
+        :class:`~lightning_fedrep.runners.lockstep.compiled.CompiledHeadStep`, built at the first such step)."""
+        self.compile_skipped: str | None = None
+        """Why ``engine_compile=True`` compiles nothing in this fit although asked (a smoke run), or ``None``."""
+        self._head_step: CompiledHeadStep | None = None
         self.feature_chunk = FEATURE_CHUNK
         """Samples per forward pass of the feature cache (:func:`~lightning_fedrep.feature_chunks.feature_chunk`
         of a probe input, set when the first loader is bound)."""
@@ -298,7 +306,20 @@ class LockstepEngine:
             if self.lane_width == 1
             else "the other phases in lockstep"
         )
-        return f"{groups}; {lanes}{self._timing}; {self.calls_line}"
+        return f"{groups}; {lanes}{self._timing}; {self.calls_line}{self._compile_words(plan)}"
+
+    def _compile_words(self, plan: RoundPlan) -> str:
+        """What ``engine_compile=True`` compiles in rounds like ``plan``, for the engine's line (nothing where
+        it is off)."""
+        if self.compile_skipped is not None:
+            return f"; engine_compile=True compiles nothing here ({self.compile_skipped})"
+        if not self.compile:
+            return ""
+        if not self.caches_head(plan):
+            return "; engine_compile=True compiles nothing here (no head phase on cached features in the first round)"
+        if self.objectives.get("head", NO_OBJECTIVE).terms:
+            return "; engine_compile=True compiles nothing here (the head phase has loss terms: eager)"
+        return "; cached head steps compiled (torch.compile, once per group width and batch size)"
 
     def caches_head(self, plan: RoundPlan) -> bool:
         """Whether rounds like ``plan`` have a head phase that runs on cached features."""
@@ -462,7 +483,12 @@ class LockstepEngine:
             batch = self._as_stepped(batch, device)
             if i == last:
                 return self.loss(batch)
-            self.loss(batch).backward()
+            grads = self._compiled_grads(batch)
+            if grads is None:
+                self.loss(batch).backward()
+            else:  # the gradients themselves: no graph to backpropagate
+                for name, grad in grads.items():
+                    self._lane_tensors[0][name].grad = grad
             self.end_step()
         raise ValueError(f"{batches!r} holds no lockstep step.")
 
@@ -479,6 +505,9 @@ class LockstepEngine:
         if objective.step is not None:
             return self._rule_loss(objective.step, batch)
         terms = objective.terms
+        compiled = None if terms else self._compiled_grads(batch)
+        if compiled is not None:
+            return self._surrogate(compiled)
         server, states = self._declared() if terms else ({}, {})
         shared = self._view_fields(server) if terms else {}
 
@@ -594,6 +623,49 @@ class LockstepEngine:
                 f"The step rule {rule.name!r} returned no gradients: it must move a trained tensor."
             )
         return surrogate
+
+    def _compiled_grads(self, batch: dict[str, Tensor]) -> dict[str, Tensor] | None:
+        """A cached head step's gradients from the compiled step (:attr:`compile`), its losses kept for
+        logging; ``None`` where the step runs eagerly (not compiled, not a cached head step, loss terms, a
+        failed compile)."""
+        if (
+            not (self.compile and self.segment.cached)
+            or self.objectives.get(self.segment.part, NO_OBJECTIVE).terms
+        ):
+            return None
+        if self._head_step is None:
+            self._head_step = CompiledHeadStep(
+                self.split.head,
+                self.loss_fn,
+                self.loss_fn in PER_SAMPLE_LOSSES,
+                over_lanes,
+                lane_mean_losses,
+                _warn,
+            )
+        mask, positions = batch["mask"], batch["positions"]
+        trained, frozen = self._lane_tensors
+        fixed, split = self._fixed, self.split
+        if split.head_reads is not None:
+            frozen = {n: t for n, t in frozen.items() if n in split.head_reads}
+            fixed = {n: t for n, t in fixed.items() if n in split.head_reads}
+        lanes = self._lane_indices(mask.device)[:, None]
+        own = {n: t.detach() for n, t in trained.items()}
+        active = self._active_weights(self._features.dtype, mask.device)
+        out = self._head_step(
+            own, fixed, frozen, self._features[lanes, positions], self._labels[lanes, positions], mask, active
+        )
+        if out is None:
+            return None
+        grads, losses = out
+        self.last_losses = losses.detach()
+        return grads
+
+    def _surrogate(self, grads: dict[str, Tensor]) -> Tensor:
+        """What Lightning backpropagates for a compiled step: its value the step's loss (the sum of the lanes'),
+        its gradient on each trained leaf exactly ``grads``."""
+        trained = self._lane_tensors[0]
+        linear = sum((trained[n] * g).sum() for n, g in grads.items())
+        return linear - linear.detach() + self.last_losses.sum()
 
     def _segment_clients(self, device: torch.device) -> Tensor:
         """The segment's client ids as a tensor (what a :class:`StepView` reads as ``client``), made once per
@@ -821,6 +893,10 @@ class LockstepEngine:
         self._pending = state
         self._resumed_calls = (self.federation.round_index, self._saved_steps_per_call)
         self._schedules = {}
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 PER_SAMPLE_LOSSES = frozenset(NAMED_LOSSES.values())

@@ -1,0 +1,124 @@
+"""Compiled cached head steps (``FederatedStrategy(engine_compile=True)``).
+
+A head step on cached features is small (a FedRep CIFAR round has 500 of them: 10 clients, batch 10, a
+64 -> 10 head): its cost is the per-operation overhead of ``vmap``, ``functional_call`` and autograd, not
+arithmetic. :class:`CompiledHeadStep` computes such a step's gradients and per-client losses in one
+``torch.compile``-d function (forward and backward traced together with ``torch.func.grad_and_value``); the
+clients' optimizers then step as on the eager path. Only the cached head step of a phase without loss terms
+is compiled; every other step runs as before.
+
+Compiling costs seconds (once per fit and input shape: a group width, a batch size), so it pays off over
+many rounds, never in one: it is opt-in. A compile that fails (no C++ compiler for inductor on a CPU, an
+operation dynamo cannot trace) warns once and the engine steps eagerly from then on; nothing is lost,
+since the failing call changed nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fedrep.losses import masked_mean
+
+HeadCall = Callable[[dict[str, Tensor], Tensor], Tensor]
+Lanes = Callable[[Callable[..., Any], int], Callable[..., Any]]
+LaneLosses = Callable[[Any, Tensor, Tensor, Tensor], Tensor]
+
+
+class CompiledHeadStep:
+    """One cached head step's gradients and losses for every lane, compiled.
+
+    Args:
+        head: the feature split's head (``head(tensors, features)``).
+        loss_fn: the module's declared per-sample loss.
+        per_sample: whether ``loss_fn`` may run once on every lane's samples (a named loss), else per lane.
+        over_lanes: the engine's ``vmap`` over lanes (a plain call for one lane).
+        lane_losses: the engine's per-lane mean loss from all lanes' outputs (named losses).
+        warn: how a failed compile is reported (once).
+    """
+
+    def __init__(
+        self,
+        head: HeadCall,
+        loss_fn: Any,
+        per_sample: bool,
+        over_lanes: Lanes,
+        lane_losses: LaneLosses,
+        warn: Callable[[str], None],
+    ):
+        self._warn = warn
+        self.failure: str | None = None
+        """Why compiling failed (the engine steps eagerly since), or ``None``."""
+
+        def total(
+            trained: dict[str, Tensor],
+            fixed: dict[str, Tensor],
+            frozen: dict[str, Tensor],
+            inputs: Tensor,
+            targets: Tensor,
+            mask: Tensor,
+            active: Tensor,
+        ) -> tuple[Tensor, Tensor]:
+            lanes = mask.shape[0]
+            if per_sample:
+
+                def output(own: dict[str, Tensor], rest: dict[str, Tensor], x: Tensor) -> Tensor:
+                    return head({**fixed, **rest, **own}, x)
+
+                outputs = over_lanes(output, lanes)(trained, frozen, inputs)
+                losses = lane_losses(loss_fn, outputs, targets, mask)
+            else:
+
+                def client_loss(
+                    own: dict[str, Tensor], rest: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor
+                ) -> Tensor:
+                    return masked_mean(loss_fn(head({**fixed, **rest, **own}, x), y), m)
+
+                losses = over_lanes(client_loss, lanes)(trained, frozen, inputs, targets, mask)
+            losses = losses * active
+            return losses.sum(), losses
+
+        self._total = total
+        self._compiled = torch.compile(torch.func.grad_and_value(total, has_aux=True), dynamic=False)
+        self._reached: frozenset[str] | None = None
+
+    def __call__(
+        self,
+        trained: dict[str, Tensor],
+        fixed: dict[str, Tensor],
+        frozen: dict[str, Tensor],
+        inputs: Tensor,
+        targets: Tensor,
+        mask: Tensor,
+        active: Tensor,
+    ) -> tuple[dict[str, Tensor], Tensor] | None:
+        """The gradient of every trained tensor (``[lanes, ...]``) and each lane's loss (zero where ``active``
+        is), or ``None`` where compiling failed (then the engine's eager step runs)."""
+        if self.failure is not None:
+            return None
+        args = (trained, fixed, frozen, inputs, targets, mask, active)
+        if self._reached is None:
+            self._reached = self._reached_by_loss(*args)
+        try:
+            grads, (_, losses) = self._compiled(*args)
+        except Exception as error:  # noqa: BLE001 (any compile failure: the eager step computes the same)
+            self.failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            self._warn(
+                f"lightning_fedrep: engine_compile=True could not compile the cached head step "
+                f"({self.failure}); the engine steps eagerly from here on (the same computation, not faster)."
+            )
+            return None
+        return {n: g for n, g in grads.items() if n in self._reached}, losses
+
+    def _reached_by_loss(self, trained: dict[str, Tensor], *rest: Any) -> frozenset[str]:
+        """The trained tensors the loss reaches, by one eager autograd pass (the first step): autograd leaves
+        the others' gradients unset, so their optimizer skips them (no weight decay, no momentum), where
+        ``grad`` would hand them zeros."""
+        leaves = {n: t.detach().requires_grad_(True) for n, t in trained.items()}
+        with torch.enable_grad():
+            loss, _ = self._total(leaves, *rest)
+            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        return frozenset(n for n, g in zip(leaves, grads) if g is not None)
