@@ -34,6 +34,7 @@ case $mode in
 smoke)
     run device_check 120 benchmarks/engine/device_check.py --device cuda
     run cifar_round 90 benchmarks/engine/cifar_round.py --small --device cuda
+    run compiled_head_phase 90 benchmarks/engine/compiled_head_phase.py --small --device cuda
     run official_round 90 benchmarks/engine/official_round.py --official "$official" --small --repeats 1 --device cuda
     run finetuned_evaluation 90 benchmarks/srpfl/finetuned_evaluation.py --clients 4 --repeats 1 --device cuda
     run overhead 90 benchmarks/overhead.py --rounds 1 --repeats 1 --device cuda
@@ -45,6 +46,7 @@ full)
     run finetuned_evaluation 60 benchmarks/srpfl/finetuned_evaluation.py --repeats 2 --device cuda
     run overhead 100 benchmarks/overhead.py --rounds 10 --repeats 2 --device cuda
     run compiled_head_step 60 benchmarks/engine/compiled_head_step.py --device cuda
+    run compiled_head_phase 120 benchmarks/engine/compiled_head_phase.py --device cuda
     run auto_choice 100 benchmarks/engine/auto_choice.py --models cnn --runs 3 --device cuda
     run auto_choice_mlp 110 benchmarks/engine/auto_choice.py --models mlp --runs 3 --mlp-rounds 11 --device cuda
     ;;

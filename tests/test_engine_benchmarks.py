@@ -12,6 +12,7 @@ sys.path[:0] = [str(BENCHMARKS / "engine"), str(BENCHMARKS)]
 
 import auto_choice  # noqa: E402
 import cifar_round  # noqa: E402
+import compiled_head_phase  # noqa: E402
 import device_check  # noqa: E402
 import evaluation  # noqa: E402
 import official_round  # noqa: E402
@@ -86,8 +87,9 @@ def test_store_memory_fills_one_head_per_client():
         (evaluation, ["--small"], "speed-up"),
         (store_memory, ["--small"], "full copies"),
         (device_check, ["--device", "cpu"], "all rows agree"),
+        (compiled_head_phase, ["--small", "--rounds", "2", "--repeats", "1"], "compiled fits compiled : yes"),
     ],
-    ids=["cifar_round", "scaling", "evaluation", "store_memory", "device_check"],
+    ids=["cifar_round", "scaling", "evaluation", "store_memory", "device_check", "compiled_head_phase"],
 )
 def test_benchmark_runs_at_a_reduced_size(module, argv, expected, capsys):
     module.main(argv)

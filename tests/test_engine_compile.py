@@ -14,15 +14,27 @@ import logging
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._inductor.exc import CppCompileError, InductorError
 
 from lightning_fedrep.runners.lockstep import compiled
-from tests.test_engine import SMALL, DeclaredNet, Net, assert_same, fit
+from tests.test_engine import SMALL, DeclaredNet, DropoutNet, Net, assert_same, fit
 from tests.test_engine_loss_paths import OwnLossNet
 
 
 def compiled_engine_ran(strategy) -> bool:
     step = strategy.lockstep_engine._head_step
     return step is not None and step.failure is None and step._reached is not None
+
+
+@pytest.fixture
+def graphs(monkeypatch) -> CompileCounterWithBackend:
+    """Counts the graphs the engine compiles and their operations (inductor still compiles them)."""
+    counter, real_compile = CompileCounterWithBackend("inductor"), torch.compile
+    monkeypatch.setattr(
+        compiled.torch, "compile", lambda fn, **kwargs: real_compile(fn, backend=counter, **kwargs)
+    )
+    return counter
 
 
 MODELS = {"declared": DeclaredNet, "detected": Net, "own loss": OwnLossNet}
@@ -32,15 +44,16 @@ MODELS = {"declared": DeclaredNet, "detected": Net, "own loss": OwnLossNet}
     "optimizer,model_name",
     [("sgd", "declared"), ("adam", "declared"), ("sgd", "detected"), ("sgd", "own loss")],
 )
-def test_compiled_head_steps_equal_eager_and_sequential(optimizer, model_name):
+def test_compiled_head_steps_equal_eager_and_sequential(optimizer, model_name, graphs):
     """Catches compiled gradients that differ from autograd's (a wrong mask or lane, padding counted, the
-    inactive lanes' losses kept), and a compiled step that never ran; a named loss runs once over all lanes,
-    a user's own loss per lane."""
+    inactive lanes' losses kept), and a step that never ran compiled (no graph built, or one without the
+    step's operations); a named loss runs once over all lanes, a user's own loss per lane."""
     model = lambda: MODELS[model_name](optimizer=optimizer)  # noqa: E731
     eager, _ = fit("vectorized", model=model)
     sequential, _ = fit("sequential", model=model)
     got, trainer = fit("vectorized", model=model, engine_compile=True)
     assert compiled_engine_ran(got)
+    assert graphs.frame_count >= 1 and graphs.op_count > 10
     assert got.runner_settings["compile"] is True
     assert_same(eager, got)
     assert_same(sequential, got)
@@ -89,13 +102,13 @@ def test_a_failed_compile_warns_and_steps_eagerly(monkeypatch):
 
     def failing_compile(fn, **kwargs):
         def run(*args):
-            raise RuntimeError("InductorError: no working C++ compiler")
+            raise InductorError(CppCompileError(["g++"], "no working C++ compiler"), "")
 
         return run
 
     monkeypatch.setattr(compiled.torch, "compile", failing_compile)
     eager, _ = fit("vectorized", model=DeclaredNet)
-    with pytest.warns(RuntimeWarning, match="could not compile the cached head step .*no working C\\+\\+"):
+    with pytest.warns(RuntimeWarning, match="could not compile the cached head step .*InductorError"):
         got, _ = fit("vectorized", model=DeclaredNet, engine_compile=True)
     assert got.lockstep_engine._head_step.failure is not None
     assert_same(eager, got, exact=True)
@@ -103,8 +116,9 @@ def test_a_failed_compile_warns_and_steps_eagerly(monkeypatch):
 
 def test_the_engine_line_says_what_is_compiled(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        fit("auto", model=DeclaredNet, engine_compile=True, **SMALL)
-        fit("auto", model=Net, algorithm="fedavg", engine_compile=True, **SMALL)
+        fit("vectorized", model=DeclaredNet, engine_compile=True, **SMALL)
+        fit("vectorized", model=Net, algorithm="fedavg", engine_compile=True, **SMALL)
+        fit("auto", model=DropoutNet, engine_compile=True, **SMALL)
     lines = [
         r.getMessage() for r in caplog.records if "lightning_fedrep: vectorized engine" in r.getMessage()
     ]
@@ -113,6 +127,13 @@ def test_the_engine_line_says_what_is_compiled(caplog):
     assert (
         "engine_compile=True compiles nothing here (no head phase on cached features in the first round)"
         in lines[1]
+    )
+    sequential = [
+        r.getMessage() for r in caplog.records if "lightning_fedrep: sequential engine" in r.getMessage()
+    ]
+    assert len(sequential) == 1
+    assert sequential[0].endswith(
+        "engine_compile=True compiles nothing on it (it runs the module's training_step)."
     )
 
 

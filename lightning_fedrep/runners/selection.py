@@ -304,6 +304,8 @@ class RunnerSelection:
     def _take(self, decision: Decision) -> str | None:
         self.engine = decision.engine
         line = decision.line
+        if self.compile and line is not None and decision.engine is None:
+            line = f"{line} engine_compile=True compiles nothing on it (it runs the module's training_step)."
         if decision.report is not None:
             self.report = decision.report
             if self.report.engine == "vectorized" and self.evaluation is not None:

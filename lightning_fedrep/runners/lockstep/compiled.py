@@ -7,10 +7,11 @@ arithmetic. :class:`CompiledHeadStep` computes such a step's gradients and per-c
 clients' optimizers then step as on the eager path. Only the cached head step of a phase without loss terms
 is compiled; every other step runs as before.
 
-Compiling costs seconds (once per fit and input shape: a group width, a batch size), so it pays off over
+Compiling costs seconds (once per process and input shape: a group width, a batch size), so it pays off over
 many rounds, never in one: it is opt-in. A compile that fails (no C++ compiler for inductor on a CPU, an
-operation dynamo cannot trace) warns once and the engine steps eagerly from then on; nothing is lost,
-since the failing call changed nothing.
+operation dynamo cannot trace in one graph) warns once and the engine steps eagerly from then on; nothing is
+lost, since the failing call changed nothing. An error of the step itself (out of memory, a bad label) is raised
+as on the eager path.
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ class CompiledHeadStep:
             return losses.sum(), losses
 
         self._total = total
-        self._compiled = torch.compile(torch.func.grad_and_value(total, has_aux=True), dynamic=False)
+        # fullgraph: a graph break must raise (and fall back with the warning), not run eagerly unannounced
+        self._compiled = torch.compile(
+            torch.func.grad_and_value(total, has_aux=True), dynamic=False, fullgraph=True
+        )
         self._reached: frozenset[str] | None = None
 
     def __call__(
@@ -104,7 +108,9 @@ class CompiledHeadStep:
             self._reached = self._reached_by_loss(*args)
         try:
             grads, (_, losses) = self._compiled(*args)
-        except Exception as error:  # noqa: BLE001 (any compile failure: the eager step computes the same)
+        except Exception as error:
+            if not _is_compile_failure(error):
+                raise
             self.failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             self._warn(
                 f"lightning_fedrep: engine_compile=True could not compile the cached head step "
@@ -122,3 +128,11 @@ class CompiledHeadStep:
             loss, _ = self._total(leaves, *rest)
             grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         return frozenset(n for n, g in zip(leaves, grads) if g is not None)
+
+
+def _is_compile_failure(error: Exception) -> bool:
+    """Whether ``error`` comes from tracing or compiling (dynamo, inductor: the eager step may still run), not
+    from running the step (out of memory, a device-side assert), which the eager step would meet as well."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(error, TorchDynamoException)

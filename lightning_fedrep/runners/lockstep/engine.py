@@ -654,7 +654,7 @@ class LockstepEngine:
         out = self._head_step(
             own, fixed, frozen, self._features[lanes, positions], self._labels[lanes, positions], mask, active
         )
-        if out is None:
+        if out is None or not out[0]:  # nothing reached: the eager step says so as autograd does
             return None
         grads, losses = out
         self.last_losses = losses.detach()
