@@ -114,6 +114,33 @@ def test_a_failed_compile_warns_and_steps_eagerly(monkeypatch):
     assert_same(eager, got, exact=True)
 
 
+class GraphBreakHeadNet(DeclaredNet):
+    """A head dynamo cannot trace in one graph (eager and ``vmap`` run it as usual)."""
+
+    def forward_head(self, features):
+        torch._dynamo.graph_break()
+        return self.classifier(features)
+
+
+def test_a_head_dynamo_cannot_trace_in_one_graph_warns_and_steps_eagerly():
+    """A real compile failure (not a stand-in): the graph break raises under ``fullgraph``, the run says so and
+    is the eager engine's bit for bit."""
+    eager, _ = fit("vectorized", model=GraphBreakHeadNet)
+    with pytest.warns(RuntimeWarning, match="could not compile the cached head step"):
+        got, _ = fit("vectorized", model=GraphBreakHeadNet, engine_compile=True)
+    assert "Unsupported" in got.lockstep_engine._head_step.failure
+    assert_same(eager, got, exact=True)
+
+
+def test_groups_of_other_widths_compile_their_own_graphs(graphs):
+    """Groups of 3 and of 1 (4 clients a round): a graph per width, the one-lane group without ``vmap``."""
+    eager, _ = fit("vectorized", model=DeclaredNet, engine_width=3)
+    got, _ = fit("vectorized", model=DeclaredNet, engine_width=3, engine_compile=True)
+    assert compiled_engine_ran(got)
+    assert graphs.frame_count >= 2
+    assert_same(eager, got)
+
+
 def test_the_engine_line_says_what_is_compiled(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         fit("vectorized", model=DeclaredNet, engine_compile=True, **SMALL)
