@@ -7,7 +7,7 @@ arithmetic. :class:`CompiledHeadStep` computes such a step's gradients and per-c
 clients' optimizers then step as on the eager path. Only the cached head step of a phase without loss terms
 is compiled; every other step runs as before.
 
-Compiling costs seconds (once per process and input shape: a group width, a batch size), so it pays off over
+Compiling costs seconds (once per fit and input shape: a group width, a batch size), so it pays off over
 many rounds, never in one: it is opt-in. A compile that fails (no C++ compiler for inductor on a CPU, an
 operation dynamo cannot trace in one graph) warns once and the engine steps eagerly from then on; nothing is
 lost, since the failing call changed nothing. An error of the step itself (out of memory, a bad label) is raised
@@ -16,6 +16,7 @@ as on the eager path.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,7 @@ class CompiledHeadStep:
         self._total = total
         # fullgraph: a graph break must raise (and fall back with the warning), not run eagerly unannounced
         self._compiled = torch.compile(
-            torch.func.grad_and_value(total, has_aux=True), dynamic=False, fullgraph=True
+            _own_code(torch.func.grad_and_value(total, has_aux=True)), dynamic=False, fullgraph=True
         )
         self._reached: frozenset[str] | None = None
 
@@ -130,9 +131,23 @@ class CompiledHeadStep:
         return frozenset(n for n, g in zip(leaves, grads) if g is not None)
 
 
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A function calling ``fn``, under a code object of its own. Torch's compile cache and its recompile limit
+    (8 graphs) are kept per code object, and ``grad_and_value``'s wrapper is one code object for the whole
+    process: every fit's graphs would count against one limit. This way each engine counts its own (its group
+    widths and batch sizes); a later fit traces again and finds the compiled code in inductor's caches."""
+
+    def call(*args: Any) -> Any:
+        return fn(*args)
+
+    return types.FunctionType(
+        call.__code__.replace(), call.__globals__, call.__name__, None, call.__closure__
+    )
+
+
 def _is_compile_failure(error: Exception) -> bool:
     """Whether ``error`` comes from tracing or compiling (dynamo, inductor: the eager step may still run), not
     from running the step (out of memory, a device-side assert), which the eager step would meet as well."""
-    from torch._dynamo.exc import TorchDynamoException
+    from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
-    return isinstance(error, TorchDynamoException)
+    return isinstance(error, TorchDynamoException | FailOnRecompileLimitHit)
