@@ -182,12 +182,16 @@ def test_a_mid_round_checkpoint_resumes_on_as_many_processes_and_is_refused_on_o
 
 
 def test_a_killed_rank_makes_the_other_fail_with_a_message(runs):
-    """Rank 1 is killed (SIGKILL) as round 1 starts: rank 0 fails within the timeout, saying why."""
+    """Rank 1 is killed (SIGKILL) as round 1 starts: rank 0 fails within the timeout, saying why. Either the
+    federation's collective says so, or Lightning's launcher, whose child-process observer (polling every few
+    seconds) may find the dead rank first and stop rank 0 with its own message naming it; never a hang."""
     code, output = run(
         runs / "killed", "--devices", "2", "--rounds", "3", "--kill-rank", "1", "--timeout", "30", timeout=120
     )
     assert code != 0
-    assert "another process of this federated run stopped" in output
+    ours = "another process of this federated run stopped" in output
+    launchers = "terminated with code -9. Forcefully terminating all other processes" in output
+    assert ours or launchers, output[-2000:]
     assert not Path(f"{runs / 'killed'}.rank0.pt").exists()
 
 
