@@ -17,6 +17,7 @@ as on the eager path.
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +40,6 @@ class CompiledHeadStep:
         per_sample: whether ``loss_fn`` may run once on every lane's samples (a named loss), else per lane.
         over_lanes: the engine's ``vmap`` over lanes (a plain call for one lane).
         lane_losses: the engine's per-lane mean loss from all lanes' outputs (named losses).
-        warn: how a failed compile is reported (once).
     """
 
     def __init__(
@@ -49,9 +49,7 @@ class CompiledHeadStep:
         per_sample: bool,
         over_lanes: Lanes,
         lane_losses: LaneLosses,
-        warn: Callable[[str], None],
     ):
-        self._warn = warn
         self.failure: str | None = None
         """Why compiling failed (the engine steps eagerly since), or ``None``."""
 
@@ -113,9 +111,11 @@ class CompiledHeadStep:
             if not _is_compile_failure(error):
                 raise
             self.failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            self._warn(
+            warnings.warn(
                 f"lightning_fedrep: engine_compile=True could not compile the cached head step "
-                f"({self.failure}); the engine steps eagerly from here on (the same computation, not faster)."
+                f"({self.failure}); the engine steps eagerly from here on (the same computation, not faster).",
+                RuntimeWarning,
+                stacklevel=2,
             )
             return None
         return {n: g for n, g in grads.items() if n in self._reached}, losses

@@ -10,7 +10,6 @@ sequential path hands them over.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -512,12 +511,7 @@ class LockstepEngine:
         shared = self._view_fields(server) if terms else {}
 
         if self.segment.cached:
-            lanes = self._lane_indices(mask.device)[:, None]
-            positions = batch["positions"]
-            inputs, targets = self._features[lanes, positions], self._labels[lanes, positions]
-            if split.head_reads is not None and not terms:  # the head reads nothing else: batch no more
-                frozen = {n: t for n, t in frozen.items() if n in split.head_reads}
-                fixed = {n: t for n, t in fixed.items() if n in split.head_reads}
+            fixed, frozen, inputs, targets = self._cached_batch(batch, narrow=not terms)
 
             def run(tensors: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor | None]:
                 return split.head(tensors, x), x
@@ -640,25 +634,32 @@ class LockstepEngine:
                 self.loss_fn in PER_SAMPLE_LOSSES,
                 over_lanes,
                 lane_mean_losses,
-                _warn,
             )
-        mask, positions = batch["mask"], batch["positions"]
-        trained, frozen = self._lane_tensors
-        fixed, split = self._fixed, self.split
-        if split.head_reads is not None:
-            frozen = {n: t for n, t in frozen.items() if n in split.head_reads}
-            fixed = {n: t for n, t in fixed.items() if n in split.head_reads}
-        lanes = self._lane_indices(mask.device)[:, None]
-        own = {n: t.detach() for n, t in trained.items()}
+        mask = batch["mask"]
+        fixed, frozen, inputs, targets = self._cached_batch(batch, narrow=True)
+        own = {n: t.detach() for n, t in self._lane_tensors[0].items()}
         active = self._active_weights(self._features.dtype, mask.device)
-        out = self._head_step(
-            own, fixed, frozen, self._features[lanes, positions], self._labels[lanes, positions], mask, active
-        )
+        out = self._head_step(own, fixed, frozen, inputs, targets, mask, active)
         if out is None or not out[0]:  # nothing reached: the eager step says so as autograd does
             return None
         grads, losses = out
         self.last_losses = losses.detach()
         return grads
+
+    def _cached_batch(
+        self, batch: dict[str, Tensor], narrow: bool
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor, Tensor]:
+        """A cached head step's fixed and frozen tensors, features and labels: the rows of ``batch["positions"]``
+        of each lane's cached features; ``narrow``: only the tensors the head reads (where the split knows them;
+        nothing else is batched)."""
+        _, frozen = self._lane_tensors
+        fixed, reads = self._fixed, self.split.head_reads
+        if narrow and reads is not None:
+            frozen = {n: t for n, t in frozen.items() if n in reads}
+            fixed = {n: t for n, t in fixed.items() if n in reads}
+        lanes = self._lane_indices(batch["mask"].device)[:, None]
+        positions = batch["positions"]
+        return fixed, frozen, self._features[lanes, positions], self._labels[lanes, positions]
 
     def _surrogate(self, grads: dict[str, Tensor]) -> Tensor:
         """What Lightning backpropagates for a compiled step: its value the step's loss (the sum of the lanes'),
@@ -893,10 +894,6 @@ class LockstepEngine:
         self._pending = state
         self._resumed_calls = (self.federation.round_index, self._saved_steps_per_call)
         self._schedules = {}
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 PER_SAMPLE_LOSSES = frozenset(NAMED_LOSSES.values())
