@@ -20,6 +20,7 @@ from lightning_fedrep.federation.store import ClientStore
 from lightning_fedrep.split import resolve_layout
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
 from tests.test_federation import Net, client_data, drive_round
+from tests.test_stored_checkpoints import RestoredState, assert_resumed_like, assert_tensors_equal
 
 DATA = Path(__file__).resolve().parent / "data"
 STORED_V3 = DATA / "counted_v3_round_end.ckpt"
@@ -221,23 +222,24 @@ def counted_run(rounds: int, ckpt_path: Path | None = None, **trainer_kw):
     return strategy, trainer
 
 
-def test_a_stored_version_3_checkpoint_resumes_like_the_uninterrupted_run():
+def test_a_stored_version_3_checkpoint_restores_its_tensors_and_resumes_like_the_uninterrupted_run():
     """Catches a version-3 format change that no longer reads the stored file (``"server"`` or
-    ``clients["tensors"]`` renamed), or restores other declared tensors than the run that never stopped."""
+    ``clients["tensors"]`` renamed), restores other declared tensors than the file holds, or resumes
+    elsewhere than the run that never stopped (within the CPU-independent tolerance of
+    ``tests/test_stored_checkpoints.py``)."""
     stored = torch.load(STORED_V3, weights_only=True)["lightning_fedrep"]
     assert stored["version"] == 3 and stored["server"] and stored["clients"]["tensors"]
+    restored = RestoredState()
+    resumed, trainer = counted_run(2, ckpt_path=STORED_V3, callbacks=[restored])
+    seen = restored.seen
+    assert_tensors_equal(seen["global"], dict(zip(stored["shared_names"], stored["global"])), "global")
+    assert_tensors_equal(seen["server"], stored["server"], "server")
+    names = stored["clients"]["tensor_names"]
+    for client, tensors in stored["clients"]["tensors"].items():
+        assert_tensors_equal(seen["client_state"][client], dict(zip(names, tensors)), f"client {client}")
     full, _ = counted_run(2)
-    resumed, trainer = counted_run(2, ckpt_path=STORED_V3)
     assert trainer.current_epoch == 2
-    fed, ref = resumed.federation, full.federation
-    for name, value in ref.global_tensors().items():
-        assert torch.equal(fed.global_tensors()[name], value), name
-    for name, value in ref.server_tensors.items():
-        assert torch.equal(fed.server_tensors[name], value), name
-    for client in range(4):
-        for name, value in ref.store.client_state(client).items():
-            assert torch.equal(fed.store.client_state(client)[name], value), (client, name)
-    assert resumed.history == full.history
+    assert_resumed_like(resumed, full)
 
 
 def test_a_version_2_checkpoint_is_refused_by_an_algorithm_declaring_state_it_lacks():
