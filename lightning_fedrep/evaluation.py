@@ -94,7 +94,19 @@ class ClientMetrics:
         self.counts[name][client] += count
 
     def per_client(self, name: str) -> dict[int, float]:
-        """Client id -> the metric's mean over that client's evaluation samples."""
+        """The metric ``name`` (one of :attr:`names`, e.g. ``"test/acc"``) of each client: a ``dict`` from
+        client id (``int``, ascending) to the metric's mean over that client's evaluation samples (``float``),
+        for every client the pass scored (the summaries ``test/acc``, ``test/acc_std``, ... are over these).
+
+        Raises:
+            KeyError: ``name`` is not a metric of this pass; the message lists the pass's metrics.
+        """
+        if name not in self.sums:
+            raise KeyError(
+                f"{name!r} is not a metric of this evaluation pass; its metrics are {self.names} (the headline "
+                "metrics carry the pass's stage prefix, e.g. 'val/acc' or 'test/acc', and the module's own keys "
+                "are as logged)."
+            )
         return {
             c: s / self.counts[name][c]
             for c, s in sorted(self.sums[name].items())
@@ -121,6 +133,8 @@ class ClientMetrics:
             self.options.setdefault(name, flags)
 
     def summary(self, name: str) -> dict[str, float]:
+        """The metric ``name`` reduced over the clients of :meth:`per_client` (:func:`summarize`): suffix
+        (``""``, ``"_weighted"``, ``"_std"``, ``"_p10"``, ``"_min"``) -> value."""
         per_client = self.per_client(name)
         clients = list(per_client)
         values = torch.tensor([per_client[c] for c in clients])

@@ -180,24 +180,33 @@ class StrategyAPI:
         """A ``state_dict`` of the user's module personalized for ``client`` (global shared part, its
         local part, and what it fine-tuned; what evaluation scores, ``Algorithm.evaluation()``). Load it into a
         fresh instance of the module to predict. With ``EvaluationSpec.adapt`` it is the model before the
-        adaptation (evaluation adapts it on the client's training data first; a warning says so). With an
-        ``EvaluationSpec.forward`` it is not the whole prediction (a warning says so unless
-        ``warn_forward=False``): use :meth:`client_model`."""
+        adaptation (evaluation adapts it on the client's training data first; a warning says so, once per
+        strategy). With an ``EvaluationSpec.forward`` it is not the whole prediction (a warning says so, once
+        per strategy, unless ``warn_forward=False``): use :meth:`client_model`."""
         federation = self.require_federation()
         adapt = federation.evaluation_spec.adapt
         if adapt is not None and client != -1:
-            rank_zero_warn(
-                f"client_state_dict({client}) is the client's scored model before the adaptation its evaluation "
-                f"runs first ({adapt!r} on the client's training data, EvaluationSpec.adapt of "
-                f"{self.algorithm.name!r})."
+            self._warn_once(
+                "adapt",
+                f"client_state_dict(i) (here i={client}) is client i's scored model before the adaptation its "
+                f"evaluation runs first ({adapt!r} on the client's training data, EvaluationSpec.adapt of "
+                f"{self.algorithm.name!r}); warned once per strategy.",
             )
         if federation.evaluation_spec.forward is not None and warn_forward:
-            rank_zero_warn(
-                f"client_state_dict({client}) holds the module's tensors only, but {self.algorithm.name!r} predicts "
-                f"with its own EvaluationSpec.forward over declared tensors too: use strategy.client_model({client}) "
-                "for a module that predicts as evaluation scores."
+            self._warn_once(
+                "forward",
+                f"client_state_dict(i) (here i={client}) holds the module's tensors only, but {self.algorithm.name!r} "
+                "predicts with its own EvaluationSpec.forward over declared tensors too: use "
+                "strategy.client_model(i) for a module that predicts as evaluation scores; warned once per strategy.",
             )
         return federation.personalized_state(self.lightning_module.state_dict(), client)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        """Warn ``message`` the first time ``key`` comes up for this strategy, not on every call."""
+        warned = self.__dict__.setdefault("_warned_once", set())
+        if key not in warned:
+            warned.add(key)
+            rank_zero_warn(message)
 
     def client_model(self, client: int) -> L.LightningModule:
         """A copy of the user's module holding ``client``'s personalized model (for prediction or export).

@@ -7,15 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fedrep.callbacks.evaluation_finetuning import EvaluationAdaptation, FineTunedEvaluation
 from lightning_fedrep.data.loaders import ClientChunk
 from lightning_fedrep.evaluation import EvaluationPass
 from lightning_fedrep.evaluation_records import gather_pass, non_finite_note, partial_pass_note, pass_values
-from lightning_fedrep.lightning import internals
+from lightning_fedrep.lightning import internals, loading
 from lightning_fedrep.lightning.capture import batch_size_of, capture_logs
-from lightning_fedrep.lightning.loading import warn
 from lightning_fedrep.sharding import IdleStep
 
 PREDICTION_MODES = {
@@ -27,9 +26,12 @@ PREDICTION_MODES = {
 
 
 def setup(strategy: Any, trainer: Any) -> None:
-    """At the strategy's ``setup``: the adaptation the algorithm's ``EvaluationSpec.adapt`` asks for, its
+    """At the strategy's ``setup``: the warning of an evaluation of the module's own weights alone
+    (:func:`warn_module_alone`), the adaptation the algorithm's ``EvaluationSpec.adapt`` asks for, its
     module and data checked now (``None`` without one). A ``FineTunedEvaluation`` is refused with an
     algorithm's own ``EvaluationSpec.forward`` (its heads would be fine-tuned for the module's forward)."""
+    if strategy._module_alone:
+        warn_module_alone(strategy, str(trainer.state.fn.value))
     spec = strategy.federation.evaluation_spec
     if spec.forward is not None and any(isinstance(c, FineTunedEvaluation) for c in trainer.callbacks):
         raise ValueError(
@@ -43,6 +45,53 @@ def setup(strategy: Any, trainer: Any) -> None:
         adaptation = EvaluationAdaptation(strategy.algorithm.name, spec.adapt, spec.adapt_lr)
         adaptation.setup(trainer, strategy.lightning_module, trainer.state.fn)
         strategy._adaptation = adaptation
+
+
+def take_federation_state(strategy: Any, fit: bool, module_alone: bool) -> bool:
+    """At the strategy's ``setup``: the federation takes its state (the module's weights the first time, else
+    what it holds, moved to the device); whether that state is the given module's own weights alone, taken
+    by a ``validate``/``test``/``predict`` of a strategy that neither fitted nor restored a checkpoint
+    (``ckpt_path``). ``module_alone`` is the last call's answer: a later evaluation by the same strategy
+    still holds the module's weights, untrained as a federation."""
+    federation = strategy.federation
+    alone = not fit and not strategy._restored and (module_alone or not federation.has_state)
+    federation.initialize(strategy.root_device)
+    return alone
+
+
+def warn_module_alone(strategy: Any, call: str) -> None:
+    """Warn, when the algorithm keeps a part of the model per client, that ``trainer.<call>()`` gives every
+    client the module's one copy of that part: what a module restored by ``load_from_checkpoint`` and
+    evaluated without ``ckpt_path`` gets (Lightning's ``load_from_checkpoint`` reads the checkpoint's
+    ``state_dict`` only, and leaves nothing on the module that says which file it came from)."""
+    federation, algorithm = strategy.federation, strategy.algorithm
+    personal = [*federation.local_names, *(t.name for t in algorithm.client_tensors)]
+    if not personal or (call == "predict" and not loading.predictions_read_clients(strategy)):
+        return  # predict="new_client" asks for the global part with the initial one: what the module holds
+    module = type(strategy.lightning_module).__name__
+    scores, score = PASS_VERBS.get(call, PASS_VERBS["test"])
+    rank_zero_warn(
+        f"trainer.{call}() {scores} the given module's own weights: this strategy holds no federated state (no "
+        f"fit, no ckpt_path), so every client gets the module's one {_some(personal)}, which algorithm "
+        f"{algorithm.name!r} keeps per client. A module from {module}.load_from_checkpoint(path) does not hold "
+        "the clients' own: they are in the checkpoint's 'lightning_fedrep' entry, which load_from_checkpoint "
+        "does not read (its state_dict holds the initial, untrained ones). Pass ckpt_path=path "
+        f"(trainer.{call}(model, ckpt_path=path), also with a new Trainer) to {score} every client's own model."
+    )
+
+
+PASS_VERBS = {
+    "validate": ("scores every client with", "score"),
+    "test": ("scores every client with", "score"),
+    "predict": ("predicts with", "predict with"),
+}
+"""What a pass does with a model, for :func:`warn_module_alone`: ``(sentence verb, infinitive)`` by call."""
+
+
+def _some(names: list[str], shown: int = 4) -> str:
+    """``names`` for a message: the first ``shown`` of them, then how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(repr(name) for name in names[:shown]) + more
 
 
 def begin(strategy: Any, stage: str) -> None:
@@ -105,7 +154,7 @@ def log(strategy: Any, evaluation: EvaluationPass) -> None:
     if not trainer.sanity_checking:
         notes.insert(0, _partial_pass_note(strategy, evaluation))
     for note in notes:
-        warn(note)
+        loading.warn(note)
     in_fit = evaluation.stage == "val" and trainer.state.fn == "fit" and not trainer.sanity_checking
     prefix = ""
     if evaluation.stage == "val" and federation.round_index >= 0 and federation.client_sizes is not None:
@@ -146,10 +195,31 @@ def begin_prediction(strategy: Any) -> None:
         )
     strategy.prediction_mode = mode
     rank_zero_info(f"trainer.predict (predict={strategy.predict!r}): {PREDICTION_MODES[mode]}.")
+    if strategy.predict == "auto" and not strategy._module_alone:  # else setup warned
+        loading.warn(untrained_new_client_note(strategy, mode))
     if strategy.federation is not None and strategy.federation.has_state:
         strategy.federation.load_personalized(-1)
     strategy.prediction_clients = []
     strategy._predicting_client = -1
+
+
+def untrained_new_client_note(strategy: Any, mode: str) -> str | None:
+    """What ``predict="auto"`` falling back to the new-client model means when that model's local part is
+    the initial, untrained one (``first_state="initial"``) of an algorithm that keeps a part per client (under
+    FedRep the global body with an untrained head: no client's model); ``None`` otherwise, and for an
+    explicit ``predict="new_client"`` (a choice, said in the log line)."""
+    federation = strategy.federation
+    local = list(federation.local_names) if federation is not None else []
+    if mode != "new_client" or not local or strategy.config.first_state != "initial":
+        return None
+    return (
+        "trainer.predict on batches that carry no client (not a FederatedDataModule's) predicts with the model "
+        f"a client that never trained gets: the global part with the initial, untrained {_some(local)}, which "
+        f"algorithm {strategy.algorithm.name!r} trains per client, so no client's model makes these "
+        "predictions. Predict with datamodule=<the federated data module> for each client's own model, or with "
+        "strategy.client_model(i) for client i's; pass predict='new_client' to choose this model (a log line "
+        "then says so, without this warning)."
+    )
 
 
 def prediction_client(strategy: Any, args: tuple, kwargs: dict) -> None:

@@ -120,8 +120,8 @@ class FederatedStrategyMixin(StrategyAPI):
             (needs a federated data module's batches: each client's test samples, client after client);
             ``"new_client"``, the model a client that never trained gets (global body, initial head);
             ``"auto"``, personalized where the batches carry their clients (a federated data module), else
-            new_client. A log line says which ran; ``prediction_mode`` holds it and
-            ``prediction_clients`` the client of each batch.
+            new_client (a warning if its local part is the untrained initial one). A log line says which
+            ran; ``prediction_mode`` holds it and ``prediction_clients`` the client of each batch.
         engine_memory: bytes a lockstep group may take (tensors, gradients, optimizer state, one step's
             activations, cached features, per client); ``None``: half a GPU's free memory, a quarter of
             the host's RAM.
@@ -212,7 +212,7 @@ class FederatedStrategyMixin(StrategyAPI):
         self._predict_loader: EvalLoader | None = None
         self._batched_evaluation: BatchedEvaluation | None = None
         self._pending: dict[str, Any] | None = None
-        self._restored = False
+        self._restored = self._module_alone = False  # _module_alone: evaluating.take_federation_state
         self._labels_checked: set[str] = set()
         self._checkpoint_path: Any = None
 
@@ -255,7 +255,7 @@ class FederatedStrategyMixin(StrategyAPI):
         if fit:
             check_optimizers_cover_split(self.optimizers, module, federation.split)
         federation.attach(module, self.optimizers)
-        federation.initialize(self.root_device)
+        self._module_alone = evaluating.take_federation_state(self, fit, self._module_alone)
         self.algorithm.setup(module, federation.split, trainer.datamodule)
         evaluating.setup(self, trainer)
         federation.collective = self.collective
