@@ -132,6 +132,17 @@ class ClientMetrics:
         for name, flags in state["options"].items():
             self.options.setdefault(name, flags)
 
+    def prefixed(self, prefix: str) -> ClientMetrics:
+        """A copy whose metrics are named ``prefix + name`` (``finetune/val/acc`` for a fine-tuning round's
+        ``val/acc``), the same clients and samples."""
+        renamed = ClientMetrics()
+        for name in self.names:
+            renamed.sums[prefix + name].update(self.sums[name])
+            renamed.counts[prefix + name].update(self.counts[name])
+        renamed.samples.update(self.samples)
+        renamed.options = {prefix + name: dict(flags) for name, flags in self.options.items()}
+        return renamed
+
     def summary(self, name: str) -> dict[str, float]:
         """The metric ``name`` reduced over the clients of :meth:`per_client` (:func:`summarize`): suffix
         (``""``, ``"_weighted"``, ``"_std"``, ``"_p10"``, ``"_min"``) -> value."""
@@ -165,6 +176,28 @@ class EvaluationPass:
         self.headline = headline
         """Whether headline metrics are computed; turned off (with a warning) if ``model(x)`` fails."""
         self.metrics = ClientMetrics()
+        """The pass's per-client sums, under the stage's own names (``val/acc``), whatever :attr:`prefix`."""
+        self.prefix = ""
+        """What the pass's names carry in front (``"finetune/"`` after a fine-tuning round), set with
+        :meth:`name_under` when the pass is logged."""
+
+    def name_under(self, prefix: str) -> None:
+        """Name the pass's results ``prefix + name`` (``finetune/val/acc``): :attr:`key` and
+        :meth:`named_metrics` (the logged summary takes the same prefix in
+        :func:`~lightning_fedrep.evaluation_records.pass_values`)."""
+        self.prefix = prefix
+
+    @property
+    def key(self) -> str:
+        """The pass's key in ``strategy.client_metrics``: its stage under its prefix (``"val"``, ``"test"``,
+        ``"finetune/val"``), so that ``client_metrics[key]`` holds the per-client values of the summary
+        logged under the same names."""
+        return self.prefix + self.stage
+
+    def named_metrics(self) -> ClientMetrics:
+        """The per-client metrics under the pass's names: :attr:`metrics` itself, or a copy named
+        ``prefix + name`` (``finetune/val/acc``) after :meth:`name_under`."""
+        return self.metrics.prefixed(self.prefix) if self.prefix else self.metrics
 
     def step(
         self,

@@ -57,13 +57,16 @@ def pass_values(
     evaluation: EvaluationPass, history: History, round_index: int, prefix: str, in_fit: bool
 ) -> dict[str, float]:
     """The values to log for a finished pass: every metric's summary over clients (names prefixed with a
-    fine-tuning round's ``prefix``). A validation in fit also records the round in ``history`` (a fine-tuning
-    round's summary as ``history.finetune``) and adds the last-10 means, their round count and ``round``."""
+    fine-tuning round's ``prefix``). A validation in fit also records the round in ``history``: a federated
+    round's summary and per-client values, with the last-10 means, their round count and ``round`` added to
+    the values; a fine-tuning round's summary as ``history.finetune`` and as recorded columns of its round
+    (``history.csv``'s row of that round), outside the federated rounds' figures."""
     values = evaluation.summary(prefix)
     if not in_fit:
         return values
     if prefix:
         history.finetune = dict(values)
+        history.record(round_index, values)
         return values
     names = evaluation.metrics.names
     history.add_evaluation(round_index, values)

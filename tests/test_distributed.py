@@ -115,6 +115,8 @@ def test_fedavg_with_partial_participation_and_fine_tuning_on_two_processes_equa
     for held in ranks:
         assert_same_federation(single, held)
         assert held["results"]["finetune"] == single["results"]["finetune"]
+        # the fine-tuned models' per-client values, apart from the last federated round's ``val_acc``
+        assert len(held["finetune_val_acc"]) == 8 and held["finetune_val_acc"] == single["finetune_val_acc"]
         # fine-tuned bodies differ per client: each rank received the others' fine-tuned tensors
         bodies = [held["clients"][c]["body.0.weight"] for c in held["clients"]]
         assert not torch.equal(bodies[0], bodies[1])

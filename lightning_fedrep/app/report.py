@@ -8,8 +8,10 @@ One run: accuracy vs round (client mean, with the band down to the 10th percenti
 client), accuracy vs simulated time (when ``sim/time`` was recorded), the per-client accuracy
 histogram of the last evaluation, a client x round accuracy heatmap, participation per client, the
 partition's labels per client, and the neural-collapse metrics (when logged). Several runs: accuracy
-vs round (and vs simulated time) of each run in one figure. Needs matplotlib (``pip install
-lightning-fedrep[plots]``).
+vs round (and vs simulated time) of each run in one figure. Fine-tuned models (HeadFineTuning) appear
+under their own name, finetune/val/acc, beside the federated rounds' val/acc. First a line per run: what
+it trained (fedavg + head fine-tuning) and its figures (val/acc of the last federated round, finetune/val/acc
+of the fine-tuned models). Needs matplotlib (``pip install lightning-fedrep[plots]``).
 
 The figures themselves are :mod:`lightning_fedrep.callbacks.figures` (``RunSummary`` draws the same ones after
 a run); its public names stay importable from here.
@@ -24,6 +26,7 @@ from pathlib import Path
 from lightning_fedrep.callbacks.figures import (
     COUNTS,
     FIGURES,
+    finetuned,
     headline,
     higher_is_better,
     overlay_figures,
@@ -32,11 +35,12 @@ from lightning_fedrep.callbacks.figures import (
     run_labels,
     save,
 )
-from lightning_fedrep.callbacks.run_files import HISTORY
+from lightning_fedrep.callbacks.run_files import HISTORY, read_rows
 
 __all__ = [
     "COUNTS",
     "FIGURES",
+    "figures_line",
     "headline",
     "higher_is_better",
     "main",
@@ -46,6 +50,21 @@ __all__ = [
     "run_labels",
     "save",
 ]
+
+
+def figures_line(run: Path, label: str) -> str:
+    """One line naming ``run`` (``label``) with its headline figures from ``history.csv``: the last federated
+    round's ``val/acc`` and, after fine-tuning rounds, the fine-tuned models' ``finetune/val/acc`` beside it."""
+    history = read_rows(run / HISTORY)
+    metric = headline(sorted({k for r in history for k in r}))
+    if metric is None:
+        return f"{label}: no {HISTORY} figures"
+    shown = []
+    for name, what in ((metric, "last federated round"), (finetuned(metric), "fine-tuned models")):
+        rows = [r for r in history if name in r]
+        if rows:
+            shown.append(f"{name} {rows[-1][name]:.4g} ({what}, round {int(rows[-1]['round'])})")
+    return f"{label}: " + ", ".join(shown)
 
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:
@@ -65,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     missing = [str(run) for run in args.runs if not (run / HISTORY).is_file()]
     if missing:
         parser.error(f"not a run folder (no {HISTORY}): {', '.join(missing)}")
+    for run, label in zip(args.runs, run_labels(args.runs)):
+        print(figures_line(run, label))
     if len(args.runs) == 1:
         paths = save(run_figures(args.runs[0]), args.out or args.runs[0] / FIGURES)
     else:

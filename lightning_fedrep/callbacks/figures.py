@@ -8,16 +8,30 @@ histogram of the last evaluation, a client x round accuracy heatmap, participati
 partition's labels per client, and the neural-collapse metrics (when logged). Several runs
 (:func:`overlay_figures`): accuracy vs round (and vs simulated time) of each run in one figure. Needs
 matplotlib (``pip install lightning-fedrep[plots]``).
+
+A run with fine-tuning rounds (``HeadFineTuning``) shows its fine-tuned models under their own names beside
+the federated rounds': the fine-tuning round's ``finetune/val/acc`` as a marker of its own at its round, and
+the histogram of ``clients_finetune_val.csv``'s ``finetune/val/acc`` beside that of ``clients_val.csv``'s
+``val/acc`` (the last federated round's); its runs are named ``fedavg + head fine-tuning``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_fedrep.callbacks.run_files import CLIENTS, HISTORY, PARTICIPATION, PARTITION, read_rows
+from lightning_fedrep.callbacks.finetuning import FINETUNE_PREFIX
+from lightning_fedrep.callbacks.run_files import (
+    CLIENTS,
+    HISTORY,
+    PARTICIPATION,
+    PARTITION,
+    read_rows,
+    stage_files,
+)
 
 FIGURES = "figures"
 COUNTS = ("clients", "rounds", "samples")
@@ -52,14 +66,34 @@ def higher_is_better(metric: str) -> bool:
     return not words & {"loss", "error", "err", "mse", "mae", "ce", "nll", "rmse", "perplexity"}
 
 
-def run_label(run: Path, parents: int = 0) -> str:
-    """A run's name in a legend: its algorithm (from ``summary.json``) and its folder, with ``parents`` of
-    the folders above it (``exp1/fedrep``)."""
+def method(summary: dict[str, Any]) -> str | None:
+    """What a run trained, from its ``summary.json``: the algorithm, with the fine-tuning that followed it
+    (``"fedavg + head fine-tuning"``; ``"+ fine-tuning"`` for a summary that measured fine-tuning but does not
+    describe it); ``None`` without an algorithm."""
+    algorithm = summary.get("algorithm")
+    if not algorithm:
+        return None
+    described = summary.get("fine_tuning")
+    if isinstance(described, dict) and described.get("label"):
+        return f"{algorithm} + {described['label']}"
+    if (summary.get("results") or {}).get("finetune"):
+        return f"{algorithm} + fine-tuning"
+    return str(algorithm)
+
+
+def read_summary(run: Path) -> dict[str, Any]:
+    """A run folder's ``summary.json`` (``{}`` if it has none)."""
     summary = run / "summary.json"
-    algorithm = json.loads(summary.read_text()).get("algorithm") if summary.is_file() else None
+    return json.loads(summary.read_text()) if summary.is_file() else {}
+
+
+def run_label(run: Path, parents: int = 0) -> str:
+    """A run's name in a legend: what it trained (:func:`method`: the algorithm and its fine-tuning, from
+    ``summary.json``) and its folder, with ``parents`` of the folders above it (``exp1/fedrep``)."""
+    trained = method(read_summary(run))
     parts = run.resolve().parts
     name = "/".join(parts[max(1, len(parts) - 1 - parents) :]) if len(parts) > 1 else str(run)
-    return f"{algorithm} ({name})" if algorithm and algorithm not in name else name
+    return f"{trained} ({name})" if trained and trained not in name else name
 
 
 def run_labels(runs: Sequence[Path]) -> list[str]:
@@ -78,10 +112,34 @@ def _columns(rows: list[dict[str, float]]) -> list[str]:
     return sorted({k for row in rows for k in row})
 
 
-def _curve(ax: Any, rows: list[dict[str, float]], x: str, metric: str, label: str, band: bool) -> None:
+def finetuned(metric: str) -> str:
+    """The name of ``metric`` measured on the fine-tuned models: ``finetune/val/acc`` for ``val/acc``."""
+    return FINETUNE_PREFIX + metric
+
+
+def _finetuned_points(
+    ax: Any, rows: list[dict[str, float]], x: str, metric: str, label: str, color: Any = None
+) -> None:
+    """The fine-tuning rounds' ``finetune/<metric>`` (history.csv rows of their own) as markers, if any."""
+    name = finetuned(metric)
+    points = [r for r in rows if name in r and x in r]
+    if points:
+        ax.plot(
+            [r[x] for r in points],
+            [r[name] for r in points],
+            linestyle="none",
+            marker="*",
+            markersize=10,
+            color=color,
+            label=label,
+        )
+
+
+def _curve(ax: Any, rows: list[dict[str, float]], x: str, metric: str, label: str, band: bool) -> Any:
+    """The client mean of ``metric`` against ``x`` (with the band below it); returns the line's colour."""
     points = [r for r in rows if metric in r and x in r]
     xs = [r[x] for r in points]
-    ax.plot(xs, [r[metric] for r in points], marker="o", markersize=3, label=label)
+    (line,) = ax.plot(xs, [r[metric] for r in points], marker="o", markersize=3, label=label)
     low = f"{metric}_min"
     if band and all(low in r and f"{metric}_p10" in r for r in points) and points:
         # the summaries are the lowest client and the 10th percentile: the worst clients for an accuracy,
@@ -93,6 +151,7 @@ def _curve(ax: Any, rows: list[dict[str, float]], x: str, metric: str, label: st
         )
         percentile = "10th percentile" if accuracy else "10th percentile (lowest losses)"
         ax.plot(xs, [r[f"{metric}_p10"] for r in points], linestyle="--", linewidth=1, label=percentile)
+    return line.get_color()
 
 
 def axes(plt: Any, title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
@@ -124,19 +183,20 @@ def run_figures(run: Path, stage: str | None = None) -> dict[str, Any]:
     if metric:
         fig, ax = axes(plt, f"{metric} over clients, per round", "round", metric)
         _curve(ax, history, "round", metric, "client mean", band=True)
+        _finetuned_points(ax, history, "round", metric, f"{finetuned(metric)} (fine-tuned, client mean)")
         ax.legend()
         figures["accuracy_vs_round"] = fig
         if any("sim/time" in r for r in history):
             fig, ax = axes(plt, f"{metric} vs simulated time", "simulated time", metric)
             _curve(ax, history, "sim/time", metric, "client mean", band=True)
+            _finetuned_points(
+                ax, history, "sim/time", metric, f"{finetuned(metric)} (fine-tuned, client mean)"
+            )
             ax.legend()
             figures["accuracy_vs_time"] = fig
-    last, stage = _last_per_client(run, clients, stage)
-    name = headline(_columns(last), stage) if last else None
-    if name:
-        fig, ax = axes(plt, f"{name} per client (last {stage} evaluation)", name, "clients")
-        ax.hist([r[name] for r in last if name in r], bins=min(20, max(5, len(last) // 2)))
-        figures["client_histogram"] = fig
+    per_client, stage = _last_per_client(run, clients, stage)
+    if per_client:
+        figures["client_histogram"] = _histogram(plt, per_client, stage)
     if clients and metric:
         rounds = sorted({int(r["round"]) for r in clients})
         ids = sorted({int(r["client"]) for r in clients})
@@ -176,16 +236,51 @@ def run_figures(run: Path, stage: str | None = None) -> dict[str, Any]:
 
 def _last_per_client(
     run: Path, clients: list[dict[str, float]], stage: str | None
-) -> tuple[list[dict[str, float]], str]:
-    written = {s: run / f"clients_{s}.csv" for s in ("val", "test") if (run / f"clients_{s}.csv").is_file()}
+) -> tuple[dict[str, list[float]], str]:
+    """The per-client values the histogram shows, by metric name, and their stage: the headline metric of each
+    ``clients_<key>.csv`` of ``stage`` (``val/acc`` of ``clients_val.csv``, then ``finetune/val/acc`` of
+    ``clients_finetune_val.csv``), by default the stage of the file written last; else the last round of
+    ``clients.csv``."""
+    written: dict[str, list[tuple[str, Path]]] = {}
+    for path in stage_files(run):
+        key = path.stem.removeprefix("clients_").replace("_", "/")  # run_files.stage_file, read back
+        written.setdefault(key.rpartition("/")[2], []).append((key, path))
     if stage is None and written:
-        stage = max(written, key=lambda s: written[s].stat().st_mtime_ns)
+        stage = max(written, key=lambda s: max(p.stat().st_mtime_ns for _, p in written[s]))
+    stage = stage or "val"
     if stage in written:
-        return read_rows(written[stage]), stage
+        values = {}
+        for key, path in sorted(written[stage], key=lambda kp: (kp[0] != stage, kp[0])):
+            rows = read_rows(path)
+            name = headline(_columns(rows), key)
+            if name and any(name in r for r in rows):
+                values[name] = [r[name] for r in rows if name in r]
+        return values, stage
     if clients:
-        last = max(r["round"] for r in clients)
-        return [r for r in clients if r["round"] == last], "val"
-    return [], "val"
+        last = [r for r in clients if r["round"] == max(r["round"] for r in clients)]
+        name = headline(_columns(last), "val")
+        return ({name: [r[name] for r in last if name in r]} if name else {}), "val"
+    return {}, stage
+
+
+def _histogram(plt: Any, per_client: dict[str, list[float]], stage: str) -> Any:
+    """The per-client values of each metric as a histogram, several named in a legend (same bins)."""
+    names = list(per_client)
+    title = f"{names[0]} per client (last {stage} evaluation)"
+    if len(names) > 1:
+        title = f"{' and '.join(names)} per client (last {stage} evaluation of each)"
+    fig, ax = axes(plt, title, ", ".join(names), "clients")
+    clients = max(len(v) for v in per_client.values())
+    bins = min(20, max(5, clients // 2))
+    if len(names) == 1:
+        ax.hist(per_client[names[0]], bins=bins)
+        return fig
+    values = [v for name in names for v in per_client[name] if math.isfinite(v)]
+    span = (min(values), max(values)) if values else None
+    for name in names:
+        ax.hist(per_client[name], bins=bins, range=span, alpha=0.6, label=name)
+    ax.legend()
+    return fig
 
 
 def _partition_figure(plt: Any, rows: list[dict[str, float]]) -> Any:
@@ -222,7 +317,8 @@ def overlay_figures(runs: Sequence[Path]) -> dict[str, Any]:
             continue
         fig, ax = axes(plt, f"{metric} (client mean)", xlabel, metric)
         for rows, label in zip(histories.values(), run_labels(list(histories))):
-            _curve(ax, rows, x, metric, label, band=False)
+            color = _curve(ax, rows, x, metric, label, band=False)
+            _finetuned_points(ax, rows, x, metric, f"{label}: {finetuned(metric)}", color)
         ax.legend()
         fig.tight_layout()
         figures[stem] = fig

@@ -12,6 +12,11 @@ from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.internals import set_max_rounds
 from lightning_fedrep.plan import RoundPlan
 
+FINETUNE_PREFIX = "finetune/"
+"""What the names of a fine-tuning round's validation carry in front: ``finetune/val/acc`` (the summary over
+clients, ``strategy.results()["finetune"]``) and its per-client values (``client_metrics["finetune/val"]``,
+``clients_finetune_val.csv``)."""
+
 
 class HeadFineTuning(FederatedCallback):
     """After the federated rounds, every client fine-tunes its own model on its own training data.
@@ -21,7 +26,10 @@ class HeadFineTuning(FederatedCallback):
     ``mode="full"`` trains the whole model (the FedAvg-FT paper's protocol). Nothing is aggregated:
     each client keeps its fine-tuned model, and validation/test then run on the fine-tuned models.
     Validation after a fine-tuning round is logged under ``finetune/`` (``finetune/val/acc``) so it
-    stays out of the federated rounds' figures (``strategy.results()["finetune"]``).
+    stays out of the federated rounds' figures (``strategy.results()["finetune"]``); its per-client values
+    carry the same names (``strategy.client_metrics["finetune/val"].per_client("finetune/val/acc")``,
+    ``clients_finetune_val.csv``), while ``val/acc`` and ``client_metrics["val"]`` stay the last federated
+    round's, the global model's for FedAvg.
 
     The callback appends ``rounds`` rounds to ``max_epochs`` when fit starts (each is one pass of
     ``epochs`` local epochs, or ``steps`` steps, over all clients), so set ``max_epochs`` to the
@@ -69,8 +77,28 @@ class HeadFineTuning(FederatedCallback):
         if self.federated_rounds is None or plan.round < self.federated_rounds:
             return plan
         return plan.replace(
-            clients=range(plan.num_clients), phases=(self.phase,), aggregate=False, prefix="finetune/"
+            clients=range(plan.num_clients), phases=(self.phase,), aggregate=False, prefix=FINETUNE_PREFIX
         )
+
+    @property
+    def label(self) -> str:
+        """What the callback adds to the algorithm, in words for a run's name: ``"head fine-tuning"`` or
+        ``"full fine-tuning"``."""
+        return f"{self.mode} fine-tuning"
+
+    def describe(self) -> dict[str, Any]:
+        """The fine-tuning as ``RunSummary`` records it (``summary.json``'s ``fine_tuning``): :attr:`label`,
+        ``mode``, ``epochs`` or ``steps``, ``rounds``, the ``prefix`` of its validation's names and the
+        ``federated_rounds`` before it (``None`` before fit)."""
+        return {
+            "label": self.label,
+            "mode": self.mode,
+            "epochs": self.phase.epochs,
+            "steps": self.phase.steps,
+            "rounds": self.rounds,
+            "prefix": FINETUNE_PREFIX,
+            "federated_rounds": self.federated_rounds,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {"federated_rounds": self.federated_rounds}

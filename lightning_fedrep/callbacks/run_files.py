@@ -6,7 +6,10 @@ the end of every ``fit``/``validate``/``test``), and read back by ``lightning-fe
 - ``clients.csv``: one row per (evaluated round, client) with that client's validation metrics;
 - ``participation.csv``: how many federated rounds each client was sampled for;
 - ``partition.csv``: each client's training samples per label (when the data has integer labels);
-- ``clients_<stage>.csv``: each client's metrics of the last ``<stage>`` evaluation (``val``, ``test``).
+- ``clients_<stage>.csv``: each client's metrics of the last ``<stage>`` evaluation (``val``, ``test``), one file
+  per key of ``strategy.client_metrics``: ``clients_val.csv`` holds the last federated round's ``val/acc``
+  ..., and after ``HeadFineTuning`` ``clients_finetune_val.csv`` the fine-tuned models' ``finetune/val/acc``
+  ... (the per-client values of the summaries logged under the same names).
 """
 
 from __future__ import annotations
@@ -69,18 +72,30 @@ def partition_rows(datamodule: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def stage_file(key: str) -> str:
+    """The file name of the per-client metrics kept under ``key`` in ``strategy.client_metrics``:
+    ``clients_val.csv``, ``clients_test.csv``, ``clients_finetune_val.csv`` (``finetune/val``)."""
+    return f"clients_{key.replace('/', '_')}.csv"
+
+
+def stage_files(folder: Path) -> list[Path]:
+    """The ``clients_<stage>.csv`` files in a run folder (not ``clients.csv``), by name."""
+    return sorted(p for p in folder.glob("clients_*.csv") if p.is_file())
+
+
 def write_stage_files(folder: Path, strategy: Any) -> list[Path]:
-    """``clients_<stage>.csv``: each client's metrics of the strategy's last evaluation of each stage."""
+    """``clients_<stage>.csv``: each client's metrics of the strategy's last evaluation of each stage (each key
+    of ``strategy.client_metrics`` but the sanity check, :func:`stage_file`), columns named as the metrics."""
     written = []
-    for stage, metrics in strategy.client_metrics.items():
-        if stage == "sanity":
+    for key, metrics in strategy.client_metrics.items():
+        if key == "sanity":
             continue
         rows: dict[int, dict[str, Any]] = {}
         for name in metrics.names:
             for client, value in metrics.per_client(name).items():
                 row = rows.setdefault(client, {"client": client, "samples": metrics.samples.get(client)})
                 row[name] = value
-        path = folder / f"clients_{stage}.csv"
+        path = folder / stage_file(key)
         write_rows(path, [rows[c] for c in sorted(rows)], first=["client", "samples"])
         written.append(path)
     return written

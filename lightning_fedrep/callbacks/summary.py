@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lightning_fedrep.arguments import check_bool
 from lightning_fedrep.callbacks.figures import FIGURES, run_figures, save
+from lightning_fedrep.callbacks.finetuning import HeadFineTuning
 from lightning_fedrep.callbacks.run_files import HISTORY, write_run_files, write_stage_files
 from lightning_fedrep.lightning.callback import FederatedCallback
 
@@ -28,20 +29,45 @@ def run_folder(trainer: L.Trainer) -> Path:
     return Path(save_dir) / str(logger.name) / version
 
 
+def fine_tuning(trainer: L.Trainer) -> dict[str, Any] | None:
+    """The run's ``HeadFineTuning`` as it describes itself (:meth:`HeadFineTuning.describe`), ``None``
+    without one: ``summary.json``'s ``fine_tuning``, which names the run ``fedavg + head fine-tuning``."""
+    described = [c.describe() for c in trainer.callbacks if isinstance(c, HeadFineTuning)]
+    return described[0] if described else None
+
+
+def stage_keys(per_client: dict[str, Any], stage: str) -> list[str]:
+    """The keys of ``per_client`` that hold an evaluation of ``stage``: the stage itself (``"val"``), then the
+    same stage under a prefix (``"finetune/val"``, a fine-tuning round's validation)."""
+    return [k for k in per_client if k == stage] + [k for k in per_client if k.endswith(f"/{stage}")]
+
+
+def headline_of(per_client: dict[str, Any], key: str) -> str | None:
+    """The metric a per-client table shows for ``key``: ``<key>/acc`` if measured, else ``<key>/loss``."""
+    for name in (f"{key}/acc", f"{key}/loss"):
+        if per_client.get(name):
+            return name
+    return None
+
+
 class RunSummary(FederatedCallback):
     """At the end of every ``fit``, ``validate`` and ``test`` (once per call, after the strategy's
     evaluation), write what the run measured into its folder and print a per-client table.
 
     ``summary.json`` holds the final and last-10-round figures (``strategy.results()``), every client's
-    metrics of the last evaluation of each stage, the history, faults and the run's configuration (the
-    CLI fills it in); beside it ``history.csv``, ``clients.csv`` (per client, per round),
-    ``participation.csv``, ``partition.csv``, ``clients_<stage>.csv`` (see
+    metrics of the last evaluation of each stage (``per_client``, keyed as ``strategy.client_metrics``:
+    ``val``, ``test``, and ``finetune/val`` for the fine-tuned models' ``finetune/val/acc`` ...), the
+    fine-tuning (``fine_tuning``: ``HeadFineTuning``'s description, or ``None``), the history, faults and
+    the run's configuration (the CLI fills it in); beside it ``history.csv``, ``clients.csv`` (per client,
+    per round), ``participation.csv``, ``partition.csv``, ``clients_<stage>.csv`` (see
     ``lightning_fedrep.callbacks.run_files``) and, with matplotlib and ``figures=True``, the PNGs of
     ``lightning_fedrep.callbacks.figures`` under ``figures/`` (``lightning-fedrep report`` draws them again).
     The folder is ``dirpath``, by default the Trainer's run folder (next to ``checkpoints/``). With a
     ``WandbLogger`` the per-client metrics go to W&B as a table and a histogram, the figures as images,
     and validation metrics are plotted against the round; with a ``TensorBoardLogger`` the figures go
-    to TensorBoard.
+    to TensorBoard. The printed table and W&B's ``clients/<key>`` table and histogram come one per key
+    of the stage, each named as the summary it belongs to (``val/acc`` the last federated round's,
+    ``finetune/val/acc`` the fine-tuned models').
 
     Args:
         dirpath: the folder the files go to (``None``: the Trainer's run folder).
@@ -84,6 +110,7 @@ class RunSummary(FederatedCallback):
             per_client[stage]["samples"] = dict(metrics.samples)
         return {
             "algorithm": strategy.algorithm.name,
+            "fine_tuning": fine_tuning(trainer),
             "rounds_completed": trainer.current_epoch,
             "global_step": trainer.global_step,
             "results": strategy.results(),
@@ -116,37 +143,49 @@ class RunSummary(FederatedCallback):
             write_stage_files(folder, self.strategy(trainer))
         if self.figures and not trainer.fast_dev_run:  # a smoke run draws nothing (its loggers are off too)
             self._draw(trainer, folder, stage)
-        per_client = summary["per_client"].get(stage, {})
-        accuracy = per_client.get(f"{stage}/acc") or per_client.get(f"{stage}/loss")
-        if accuracy:
-            self._to_wandb(trainer, stage, per_client)
+        # fit's figures are its last round's and its fine-tuning's; validate/test report what the call measured
+        results = summary["results"]
+        figures = (
+            {**results.get("final", {}), **results.get("finetune", {})}
+            if call == "fit"
+            else summary["metrics"]
+        )
+        for key in stage_keys(summary["per_client"], stage):
+            per_client = summary["per_client"][key]
+            name = headline_of(per_client, key)
+            if name is None:
+                continue
+            self._to_wandb(trainer, key, per_client, name)
             if self.print_table:
-                name = f"{stage}/acc" if per_client.get(f"{stage}/acc") else f"{stage}/loss"
-                print(f"\nPer-client {name} ({len(accuracy)} clients), summary in {self.path}")
-                for row in range(0, len(accuracy), 10):
-                    chunk = list(accuracy.items())[row : row + 10]
-                    print("  " + "  ".join(f"#{c:<4d}{v:<9.4g}" for c, v in chunk))
-                # fit's figures are its last round's; validate/test report what this call measured
-                figures = (
-                    summary["results"].get("final", {})
-                    if call == "fit"
-                    else {k: v for k, v in summary["metrics"].items() if k.startswith(f"{stage}/")}
-                )
-                shown = {k: v for k, v in figures.items() if k.split("/")[-1].startswith(name.split("/")[-1])}
-                print("  " + "   ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+                self._print_table(per_client[name], name, figures)
 
-    def _to_wandb(self, trainer: L.Trainer, stage: str, per_client: dict[str, dict[int, float]]) -> None:
+    def _print_table(self, values: dict[int, float], name: str, figures: dict[str, float]) -> None:
+        """The per-client values of ``name``, ten clients a line, then the summaries of the same name."""
+        print(f"\nPer-client {name} ({len(values)} clients), summary in {self.path}")
+        for row in range(0, len(values), 10):
+            chunk = list(values.items())[row : row + 10]
+            print("  " + "  ".join(f"#{c:<4d}{v:<9.4g}" for c, v in chunk))
+        key, _, metric = name.rpartition("/")
+        shown = {
+            k: v
+            for k, v in figures.items()
+            if k.rpartition("/")[0] == key and k.rpartition("/")[2].startswith(metric)
+        }
+        print("  " + "   ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+
+    def _to_wandb(
+        self, trainer: L.Trainer, key: str, per_client: dict[str, dict[int, float]], name: str
+    ) -> None:
         for logger in trainer.loggers:
             if not isinstance(logger, WandbLogger):
                 continue
             names = [n for n in per_client if n != "samples"]
             clients = sorted(per_client["samples"])
             rows = [[c, per_client["samples"][c]] + [per_client[n].get(c) for n in names] for c in clients]
-            logger.log_table(key=f"clients/{stage}", columns=["client", "samples", *names], data=rows)
-            key = f"{stage}/acc" if f"{stage}/acc" in per_client else f"{stage}/loss"
+            logger.log_table(key=f"clients/{key}", columns=["client", "samples", *names], data=rows)
             import wandb
 
-            logger.experiment.log({f"clients/{stage}_hist": wandb.Histogram(list(per_client[key].values()))})
+            logger.experiment.log({f"clients/{key}_hist": wandb.Histogram(list(per_client[name].values()))})
 
     def _draw(self, trainer: L.Trainer, folder: Path, stage: str) -> None:
         try:

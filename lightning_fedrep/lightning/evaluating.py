@@ -113,7 +113,9 @@ def end(strategy: Any, stage: str) -> None:
     if evaluation is not None:
         strategy.headline_metrics = evaluation.headline
         if evaluation.metrics.samples:
-            strategy.client_metrics[stage] = evaluation.metrics
+            strategy.client_metrics["sanity" if stage == "sanity" else evaluation.key] = (
+                evaluation.named_metrics()
+            )
     strategy.federation.end_evaluation()
 
 
@@ -146,9 +148,13 @@ def log(strategy: Any, evaluation: EvaluationPass) -> None:
     trainer = module.trainer
     if collective.distributed:
         gather_pass(evaluation, collective.all_gather_object)
+    prefix = ""
+    if evaluation.stage == "val" and federation.round_index >= 0 and federation.client_sizes is not None:
+        prefix = strategy.round_plan(federation.round_index).prefix
+    evaluation.name_under(prefix)  # a fine-tuning round's per-client values: client_metrics["finetune/val"]
     if evaluation.metrics.samples:  # complete now: callbacks' on_*_end hooks run before the strategy's
-        strategy.client_metrics["sanity" if trainer.sanity_checking else evaluation.stage] = (
-            evaluation.metrics
+        strategy.client_metrics["sanity" if trainer.sanity_checking else evaluation.key] = (
+            evaluation.named_metrics()
         )
     notes = [non_finite_note(evaluation)]
     if not trainer.sanity_checking:
@@ -156,9 +162,6 @@ def log(strategy: Any, evaluation: EvaluationPass) -> None:
     for note in notes:
         loading.warn(note)
     in_fit = evaluation.stage == "val" and trainer.state.fn == "fit" and not trainer.sanity_checking
-    prefix = ""
-    if evaluation.stage == "val" and federation.round_index >= 0 and federation.client_sizes is not None:
-        prefix = strategy.round_plan(federation.round_index).prefix
     if in_fit:
         strategy._run.validated_round = federation.round_index
     values = pass_values(evaluation, federation.history, federation.round_index, prefix, in_fit)

@@ -153,6 +153,9 @@ def holdings(strategy: FederatedStrategy, trainer: L.Trainer, rounds: int) -> di
         "server": dict(federation.server_tensors),
         "history": strategy.history,
         "val_acc": strategy.client_metrics["val"].per_client("val/acc"),
+        "finetune_val_acc": strategy.client_metrics["finetune/val"].per_client("finetune/val/acc")
+        if "finetune/val" in strategy.client_metrics
+        else {},
         "global_step": trainer.global_step,
         "participants": [len(strategy.round_plan(r).clients) for r in range(rounds)],
         "results": strategy.results(),
