@@ -187,6 +187,21 @@ class SmoothingNet(TinyNet):
         return F.cross_entropy(self(x), y, label_smoothing=0.2)
 
 
+class CountingStepsNet(TinyNet):
+    """Declares cross-entropy; its ``training_step`` counts its calls in an attribute (a write the engine,
+    which runs no ``training_step``, would make on its probe batches only)."""
+
+    fedrep_loss = "cross_entropy"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
 class LSTMNet(TinyNet):
     """Declares cross-entropy; its body is an ``nn.LSTM`` (6 inputs read as 3 steps of 2), which
     ``torch.func.vmap`` cannot batch."""
@@ -416,6 +431,7 @@ CASES = [
     ),
     Refused(S + 'engine="vectorized"), model=SmoothingNet())', ValueError, "engine", "set-up"),
     Refused(S + 'engine="vectorized"), model=LSTMNet())', ValueError, "engine", "set-up"),
+    Refused(S + 'engine="vectorized"), model=CountingStepsNet())', ValueError, "engine", "set-up"),
     Refused(
         S + "engine_steps_per_call=4), model=AdamNet(), max_steps=3)",
         ValueError,

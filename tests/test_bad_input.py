@@ -53,7 +53,7 @@ def test_a_label_the_model_cannot_score_is_refused_before_any_step_naming_the_cl
     (Lightning loads the validation data at the fit's start). The expected client, label and class count are
     the data's and TinyNet's."""
     train, test = client_sets(bad_client=2, bad_label=label, split=split)
-    model = CountingNet()
+    model = TinyNet()
     model.fedrep_loss = "cross_entropy"  # lets the vectorized engine run it
     strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, engine=engine)
     datamodule = FederatedDataModule.from_client_datasets(train, test, batch_size=8)

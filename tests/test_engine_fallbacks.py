@@ -10,6 +10,7 @@ in ``tests/test_engine_equivalence.py``), and closed forms where a message is ab
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 
@@ -504,18 +505,18 @@ def test_the_probe_draws_nothing_from_the_runs_random_generators(model):
 # ----------------------------------------------------------------------------- kernels that are not deterministic, several processes
 
 
+FORWARD_CALLS = itertools.count()
+"""``LastBitsNet``'s calls, kept outside the module as a GPU's scheduling is (a count on the module would be
+a write of its ``training_step``, which the probe now refuses: ``tests/test_training_step_side_effects.py``)."""
+
+
 class LastBitsNet(Net):
     """Its head sums over the features in the opposite order on every other call: the two forwards differ
     in the last bits only, as GPU kernels that are not deterministic (atomics) do."""
 
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
     def forward(self, x):
-        self.calls += 1
         features, weight = self.body(x)[:, None, :], self.classifier.weight
-        if self.calls % 2 == 0:
+        if next(FORWARD_CALLS) % 2:
             features, weight = features.flip(-1), weight.flip(-1)
         return (features * weight).sum(-1) + self.classifier.bias
 

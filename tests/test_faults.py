@@ -32,9 +32,12 @@ class FaultyNet(TinyNet):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         key = (self.trainer.current_epoch, self.trainer.strategy.current_client)
-        self._steps[key] = self._steps.get(key, 0) + 1
         kind = self.faults.get(key)
-        if kind is not None and self._steps[key] == 2:
+        # counts only where it injects: a step that writes nothing keeps the vectorized engine
+        if kind is None:
+            return loss
+        self._steps[key] = self._steps.get(key, 0) + 1
+        if self._steps[key] == 2:
             if kind == "raise":
                 raise RuntimeError("injected failure")
             return loss * float("nan")

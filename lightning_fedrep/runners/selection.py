@@ -27,7 +27,7 @@ from lightning_fedrep.runners.constraints import Constraints
 from lightning_fedrep.runners.lockstep.contract import declared_loss
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
 from lightning_fedrep.runners.lockstep.fusion import StepsPerCall, resolve_steps_per_call
-from lightning_fedrep.runners.lockstep.probe import vectorize_problem
+from lightning_fedrep.runners.lockstep.probe import SIDE_EFFECTS, vectorize_problem
 from lightning_fedrep.runners.lockstep.runner import LockstepRunner
 from lightning_fedrep.runners.lockstep.validity import federation_reasons, module_reasons, trainer_reasons
 from lightning_fedrep.runners.report import PER_BATCH_FORWARD, RunnerReport
@@ -140,17 +140,10 @@ def start_engine(
         return Decision(engine)
     if engine.probe_problem is not None or engine.loss_terms_problem is not None:
         reason = engine.probe_problem or engine.loss_terms_problem
-        fix = (
-            "The engine runs no training_step: it trains mean(fedrep_loss(module(x), y)) on (inputs, targets) "
-            "batches and logs only 'train/loss'; make the module match that"
-            if engine.probe_problem is not None
-            else "Declare forward_features/forward_head on the module (its features being what the loss terms "
-            "take)"
-        )
         if mode == "vectorized":
             raise ValueError(
-                f"engine='vectorized' cannot run here: {reason}. {fix}, or pass engine='auto' (falls back to "
-                "the sequential path) or engine='sequential'."
+                f"engine='vectorized' cannot run here: {reason}. {_probe_fix(reason, engine.probe_problem)}, or "
+                "pass engine='auto' (falls back to the sequential path) or engine='sequential'."
             )
         report = RunnerReport.sequential(reason, "first loader")
         return Decision(None, report, f"lightning_fedrep: sequential engine ({reason}).")
@@ -182,6 +175,25 @@ def start_engine(
     how = engine.split.how if cached else ""
     report = RunnerReport.vectorized(f"{cache}; {widths}", "first loader", cached, how)
     return Decision(engine, report, f"lightning_fedrep: vectorized engine ({cache}; {widths}).")
+
+
+def _probe_fix(reason: str, probe_problem: str | None) -> str:
+    """How to make the module run on the engine, for a refusal of ``engine="vectorized"`` on the probe batches."""
+    if probe_problem is None:
+        return "Declare forward_features/forward_head on the module (its features being what the loss terms take)"
+    fixes = []
+    if not reason.startswith(SIDE_EFFECTS):
+        fixes.append(
+            "the engine runs no training_step: it trains mean(fedrep_loss(module(x), y)) on (inputs, targets) "
+            "batches and logs only 'train/loss'; make the module match that"
+        )
+    if SIDE_EFFECTS in reason:
+        fixes.append(
+            "move those writes out of training_step: compute a metric in validation_step (it runs per client on "
+            "every engine), count local steps in a FederatedCallback's on_client_end (result.steps)"
+        )
+    joined = "; ".join(fixes)
+    return joined[0].upper() + joined[1:]
 
 
 def _vectorize_problem(

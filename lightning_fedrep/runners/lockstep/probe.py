@@ -11,7 +11,10 @@ step: on the device, in the trainer's precision) and says why they differ, if th
   than float error: kernels that are not deterministic, GPU atomics, differ only in the last bits);
 - ``training_step``'s loss is not the declared loss's mean (an extra term, label smoothing, ...);
 - ``training_step`` logs something the engine would not (it logs only ``train/loss``, the clients'
-  mean loss), since those ``self.log`` calls would vanish on the engine.
+  mean loss), since those ``self.log`` calls would vanish on the engine;
+- ``training_step`` writes into the module besides its loss (updates a torchmetrics metric, counts in an
+  attribute, writes a buffer, appends to a list, registers a hook: :mod:`.side_effects` says what is
+  compared), since those writes would happen on the probe batches only.
 
 :func:`vectorize_problem` then runs what the engine runs instead of the step, once per phase kind of the
 round: ``torch.func.vmap`` of the declared loss over two clients' copies of the module's tensors and its
@@ -21,8 +24,9 @@ batching rule) is a reason, not a crash in the first round.
 Both sides run in train mode under ``torch.no_grad`` with the same random seed (``fork_rng``: the run's
 own random streams are untouched), so a ``training_step`` that draws random numbers the model's forward
 does not (noise on the inputs) differs, while one whose forward draws them identically matches.
-``self.log`` is captured (nothing reaches Lightning) and torchmetrics states are restored afterwards;
-any other side effect of the user's step (a counter) happens once per probe batch.
+``self.log`` is captured (nothing reaches Lightning) and the module's state is put back afterwards
+(:func:`~.side_effects.restored`: metric states, buffers, attributes, hooks), so probing changes no run;
+state outside the module (a global, a callback's attribute) is neither compared nor put back.
 """
 
 from __future__ import annotations
@@ -35,10 +39,19 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fedrep.runners.lockstep.contract import FeatureSplit, LossFn, mse_per_sample
+from lightning_fedrep.runners.lockstep.side_effects import (
+    named_side_effects,
+    restored,
+    side_effects,
+    state_prints,
+)
 from lightning_fedrep.untouched import untouched_modes, untouched_random_state
 
 ENGINE_LOG = "train/loss"
 """The one metric the engine logs from its steps (the mean loss of the clients that stepped)."""
+
+SIDE_EFFECTS = "training_step has side effects"
+"""How a reason about what ``training_step`` writes besides its loss starts (:mod:`.side_effects`)."""
 
 PROBE_SEED = 20_231
 """The seed both sides of the comparison run under (and, plus one, the second forward's)."""
@@ -201,7 +214,7 @@ def _step_problem(
     module: nn.Module, loss_fn: LossFn, loss_name: str, batch: Any, batch_idx: int, where: str
 ) -> str | None:
     x, y = batch
-    with torch.no_grad(), _restored_metrics(module):
+    with torch.no_grad(), restored(module):
         output = _seeded(lambda: module(x), x.device)
         if not isinstance(output, Tensor):
             return (
@@ -216,10 +229,12 @@ def _step_problem(
             return "the module's forward is random (it differs between two seeds: a random op inside forward)"
         declared = per_sample.mean()
         with _captured_logs(module) as logged:
+            before = state_prints(module)
             try:
                 returned = _seeded(lambda: module.training_step(batch, batch_idx), x.device)
             except Exception as error:  # noqa: BLE001 (outside Lightning's loop: the sequential path decides)
                 return f"training_step raised {type(error).__name__} on the probe ({where}): {error}"
+            written = side_effects(before, state_prints(module))
     loss = _step_loss(returned)
     if isinstance(loss, str):
         return f"training_step {loss} ({where})"
@@ -228,7 +243,19 @@ def _step_problem(
             f"training_step's loss {loss.item():.6g} differs from the declared {loss_name} "
             f"{declared.item():.6g} ({where}): the engine would train the declared loss"
         )
-    return _logs_problem(logged, loss)
+    problems = [_logs_problem(logged, loss), _side_effects_problem(written, where)]
+    return "; ".join(p for p in problems if p is not None) or None
+
+
+def _side_effects_problem(written: list[str], where: str) -> str | None:
+    """What ``training_step`` wrote into the module (:func:`side_effects`): the engine runs no step, so those
+    writes would happen on the probe batches only (a metric would count two batches, a counter two steps)."""
+    if not written:
+        return None
+    return (
+        f"{SIDE_EFFECTS}: it {named_side_effects(written)} ({where}); the engine runs no training_step, so "
+        "they would happen on its probe batches only"
+    )
 
 
 def _declared_losses(loss_fn: LossFn, loss_name: str, output: Tensor, y: Tensor, where: str) -> Tensor | str:
@@ -335,31 +362,3 @@ def _captured_logs(module: nn.Module) -> Iterator[dict[str, Any]]:
         yield logged
     finally:
         del module.log
-
-
-@contextmanager
-def _restored_metrics(module: nn.Module) -> Iterator[None]:
-    """Every torchmetrics ``Metric`` in the module keeps the state it had (the probe updates none)."""
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover (torchmetrics comes with lightning)
-        yield
-        return
-    saved = [(m, _metric_state(m)) for m in module.modules() if isinstance(m, Metric)]
-    try:
-        yield
-    finally:
-        for metric, state in saved:
-            for name, value in state.items():
-                setattr(metric, name, value)
-
-
-def _metric_state(metric: nn.Module) -> dict[str, Any]:
-    names = [*metric._defaults, "_update_count", "_computed", "_forward_cache"]
-    state = {}
-    for name in names:
-        value = getattr(metric, name, None)
-        state[name] = (
-            value.clone() if isinstance(value, Tensor) else list(value) if isinstance(value, list) else value
-        )
-    return state
