@@ -174,9 +174,12 @@ class EvaluationPass:
         self._capture = capture
         self._batch_size = batch_size
         self.headline = headline
-        """Whether headline metrics are computed; turned off (with a warning) if ``model(x)`` fails."""
+        """Whether headline metrics are computed; turned off (with a warning) if ``model(x)`` fails, does not
+        fit the labels, or the batches are not ``(x, y)`` pairs."""
         self.metrics = ClientMetrics()
         """The pass's per-client sums, under the stage's own names (``val/acc``), whatever :attr:`prefix`."""
+        self.logged: set[str] = set()
+        """Every key the user's step logged in this pass (also those that go to Lightning unchanged)."""
         self.prefix = ""
         """What the pass's names carry in front (``"finetune/"`` after a fine-tuning round), set with
         :meth:`name_under` when the pass is logged."""
@@ -212,9 +215,25 @@ class EvaluationPass:
         self.metrics.samples[client] += size
         with self._capture(module, self.metrics, client, size) as user_keys:
             output = run_step()
+        self.logged |= user_keys
         if self.headline and isinstance(batch, list | tuple) and len(batch) == 2:
             self._add_headline(module, batch, client, size, user_keys, precision_context)
+        elif self.headline:
+            self._turn_off_headline_without_pairs(batch, user_keys)
         return output
+
+    def nothing_logged_note(self) -> str | None:
+        """After the pass: what to say when it evaluated samples but recorded no metric at all (the user's
+        step logged nothing and no headline metric was computed), else ``None``."""
+        if not self.metrics.samples or self.metrics.names or self.logged:
+            return None
+        step = "validation_step" if self.stage == "val" else f"{self.stage}_step"
+        return (
+            f"The {self.stage} pass logged no metric, so it evaluated nothing: {step} logs nothing (self.log) "
+            f"and the headline {self.stage}/acc and {self.stage}/loss are not computed (headline_metrics=False, "
+            f"or turned off by an earlier warning). Log a metric in {step}, or give (x, y) batches and "
+            "headline_metrics=True, for the pass to measure the clients' models."
+        )
 
     def _add_headline(
         self,
@@ -246,6 +265,23 @@ class EvaluationPass:
             key = f"{self.stage}/{name}"
             if key not in user_keys:
                 self.metrics.add(key, client, total.item(), size)
+
+    def _turn_off_headline_without_pairs(self, batch: Any, user_keys: set[str]) -> None:
+        """The batches are not ``(x, y)`` pairs (dicts, triples): the strategy cannot tell input from label
+        to run ``model(x)``; say so, unless the user's step logs both headline keys itself, and stop."""
+        self.headline = False
+        missing = [f"{self.stage}/{n}" for n in ("acc", "loss") if f"{self.stage}/{n}" not in user_keys]
+        if not missing:
+            return
+        shown = f"dicts with keys {sorted(map(str, batch))}" if isinstance(batch, dict) else _describe(batch)
+        warnings.warn(
+            f"{' and '.join(missing)} are not computed: the {self.stage} batches are {shown}, not (x, y) pairs, "
+            "so the strategy cannot run model(x) and compare it with the labels. Give (input, label) samples, "
+            f"or log {self.stage}/acc (and {self.stage}/loss) in your evaluation step yourself (summarized over "
+            "clients as the headline is), or pass headline_metrics=False to silence this.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _turn_off_headline(self, output: Any, target: Any, user_keys: set[str]) -> None:
         """``model(x)`` does not fit the target (a tuple, another shape): say so, unless the user's step

@@ -290,6 +290,25 @@ def named(dataset: TensorDataset) -> TensorDataset:
     return relabelled
 
 
+class DictSamples(torch.utils.data.Dataset):
+    """``dataset``'s samples as ``{"x": input, "y": label}`` dicts, with no ``targets``."""
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        x, y = self.dataset[index]
+        return {"x": x, "y": y}
+
+
+def floats(dataset: TensorDataset) -> TensorDataset:
+    """``dataset`` with its class ids as floats (``3.0``)."""
+    return TensorDataset(dataset.tensors[0], dataset.tensors[1].float())
+
+
 def scoring(spec: Any, algorithm: str = "fedrep") -> Any:
     """A copy of the registered ``algorithm`` whose evaluation scores ``spec`` (an ``EvaluationSpec``)."""
     scored = copy.copy(ALGORITHMS[algorithm])
@@ -509,6 +528,24 @@ CASES = [
         TypeError,
         "train_set",
         "set-up",
+    ),
+    Refused(
+        "fit(datamodule=FederatedDataModule(DictSamples(train), test, ShardPartitioner(8, 2)))",
+        TypeError,
+        "targets",
+        "set-up",
+    ),
+    Refused(
+        S
+        + "clients_per_round=1.0), datamodule=FederatedDataModule.from_client_datasets([floats(train)], [test]))",
+        ValueError,
+        "y.long()",
+        "set-up",
+    ),
+    Refused(
+        "FederatedDataModule.from_client_datasets([train], [test], val=[test], val_fraction=0.2)",
+        ValueError,
+        "val_fraction",
     ),
     # callbacks
     Refused("HeadFineTuning(epochs=0)", ValueError, "epochs"),

@@ -284,7 +284,7 @@ def test_constructor_errors(ctor, match):
         (torch.ones(100, dtype=torch.bool), None, 0, "integer class ids"),
         (torch.zeros(100, 10, dtype=torch.long), None, 0, "must be 1-D"),
         (torch.zeros(0, dtype=torch.long), None, 0, "empty"),
-        (torch.arange(100) % 4, torch.rand(10), 0, "test_labels must hold integer"),
+        (torch.arange(100) % 4, torch.rand(10), 0, "test_labels has labels of dtype torch.float32"),
         (torch.arange(100) % 4, None, -1, "non-negative"),
         (torch.arange(100) % 4, None, 1.5, "seed must be an int"),
         (torch.arange(3), None, 0, "exceeds the number of train samples|only 3"),

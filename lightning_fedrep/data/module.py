@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -10,7 +11,12 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_fedrep.arguments import check_bool, check_int, check_real
-from lightning_fedrep.data.labels import has_string_labels, string_labels_error
+from lightning_fedrep.data.labels import (
+    has_string_labels,
+    integer_labels_error,
+    string_labels_error,
+    unseen_classes_note,
+)
 from lightning_fedrep.data.loaders import ClientData, EvalLoader, RoundLoader, _BatchFetcher
 from lightning_fedrep.data.partition import Partitioner
 from lightning_fedrep.plan import round_generator
@@ -18,32 +24,63 @@ from lightning_fedrep.plan import round_generator
 
 def dataset_labels(dataset: Dataset, name: str = "The data set") -> torch.Tensor:
     """Integer labels of a map-style data set: ``targets`` (torchvision), a TensorDataset's second
-    tensor, or ``dataset[i][1]`` for each sample as a last resort. String labels are refused, naming the
-    data set (``name``)."""
+    tensor, or ``dataset[i][1]`` of each ``(input, label)`` sample as a last resort. String labels, float or
+    one-hot labels, and samples without a position 1 (dicts) are refused, naming the data set (``name``)."""
     targets = getattr(dataset, "targets", None)
     if targets is None and isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1:
         targets = dataset.tensors[1]
     if targets is None:
-        targets = [dataset[i][1] for i in range(len(dataset))]
+        targets = [_sample_label(dataset[i], name) for i in range(len(dataset))]
     if has_string_labels(targets):
         raise string_labels_error(name, targets[0])
     labels = torch.as_tensor(targets)
     if labels.is_floating_point() or labels.dim() != 1:
-        raise ValueError(
-            "Partitioning needs one integer class label per sample, got labels of dtype "
-            f"{labels.dtype} and shape {tuple(labels.shape)}. For regression data, build the data module "
-            "with FederatedDataModule.from_client_datasets(...) instead."
+        raise integer_labels_error(
+            name,
+            labels,
+            "partitioning",
+            "For regression data (real targets), split the data yourself and build the data module with "
+            "FederatedDataModule.from_client_datasets(...).",
         )
     return labels.long()
+
+
+def _sample_label(sample: Any, name: str) -> Any:
+    """The label of one ``(input, label)`` sample; a dict sample (or one without a second entry) is refused:
+    which of its entries is the label is not for the package to guess."""
+    pair = isinstance(sample, Sequence) and not isinstance(sample, str | bytes)
+    pair = pair or (isinstance(sample, torch.Tensor) and sample.dim() > 0)
+    if pair and len(sample) >= 2:
+        return sample[1]
+    kind = (
+        f"dicts with keys {sorted(map(str, sample))}"
+        if isinstance(sample, Mapping)
+        else f"{type(sample).__name__} values"
+    )
+    raise TypeError(
+        f"{name} stores no labels (no `targets` attribute) and its samples are {kind}, not (input, label) pairs, "
+        "so the partitioner cannot read each sample's class. Give the data set a `targets` attribute holding one "
+        "integer class id per sample, as torchvision's data sets do (e.g. dataset.targets = "
+        "torch.tensor([dataset[i][<label key>] for i in range(len(dataset))])), or split the data over clients "
+        "yourself and use FederatedDataModule.from_client_datasets(...)."
+    )
 
 
 class FederatedDataModule(L.LightningDataModule):
     """The clients' data for a federated ``Trainer.fit``/``validate``/``test``.
 
     Give either whole data sets and a ``partitioner`` (which splits them over clients once, in
-    ``setup``), or explicit per-client data sets with :meth:`from_client_datasets`. Each client may
-    carve a validation split off its training data (``val_fraction``); validation then runs on it,
-    otherwise on the client's test split, as the papers do.
+    ``setup``), or explicit per-client data sets with :meth:`from_client_datasets`.
+
+    **Validation.** With ``val_fraction > 0`` each client keeps ``round(val_fraction * n)`` of its ``n``
+    training samples (at most ``n - 1``) for validation: a random subset drawn by a generator seeded with
+    ``(seed, -1, client)``, so the same seed carves the same split, whatever the other clients hold. The
+    client trains on the rest, and ``Trainer.validate``, the per-round validation, ``val/acc`` and any
+    ``ModelCheckpoint``/``EarlyStopping`` that monitors it then see data that is neither trained on nor
+    tested on. ``val_fraction=0`` (the default) keeps the papers' protocol: there is no validation split,
+    and validation runs on each client's *test* split, so ``validate()`` and ``test()`` give the same
+    numbers (:attr:`has_validation_split` says which; a fit that selects rounds on a ``val/`` metric then
+    warns, see ``docs/concepts.md``).
 
     ``train_dataloader`` returns one :class:`~lightning_fedrep.data.loaders.RoundLoader` (the strategy
     drives it round by round) and ``val_dataloader``/``test_dataloader`` one
@@ -60,7 +97,8 @@ class FederatedDataModule(L.LightningDataModule):
         partitioner: how the data sets are split over clients (:class:`Partitioner`).
         batch_size: the training batch size.
         eval_batch_size: the batch size of validation and test.
-        val_fraction: the share of each client's training data kept for validation (0: none).
+        val_fraction: the share of each client's training data kept for validation, in ``[0, 1)`` (0: no
+            validation split; validation runs on the test split, the papers' protocol).
         num_workers: ``DataLoader`` worker processes that load batches.
         pin_memory: pin the batches' memory (faster host-to-GPU copies).
         collate_fn: how samples become a batch (``None``: PyTorch's default collation).
@@ -115,21 +153,43 @@ class FederatedDataModule(L.LightningDataModule):
         cls,
         train: Sequence[Dataset],
         test: Sequence[Dataset] | None = None,
+        val: Sequence[Dataset] | None = None,
         **kwargs: Any,
     ) -> FederatedDataModule:
-        """A data module whose clients are given explicitly: ``train[i]`` (and ``test[i]``) is client i's."""
+        """A data module whose clients are given explicitly: ``train[i]`` (and ``test[i]``, ``val[i]``) is
+        client i's. ``val``: each client's own validation set (instead of carving one off its training data
+        with ``val_fraction``, which it excludes). ``kwargs`` go to the constructor."""
         module = cls(**kwargs)
-        if test is not None and len(test) != len(train):
+        for name, sets in (("test", test), ("val", val)):
+            if sets is not None and len(sets) != len(train):
+                raise ValueError(
+                    f"from_client_datasets got {len(train)} client training sets but {len(sets)} {name} sets; "
+                    "give one per client."
+                )
+        if val is not None and module.val_fraction > 0:
             raise ValueError(
-                f"Got {len(train)} client training sets but {len(test)} test sets; give one per client."
+                f"from_client_datasets got the clients' validation sets (val=...) and val_fraction="
+                f"{module.val_fraction}, which would carve another validation split off their training data: "
+                "give one of them (drop val_fraction to validate on the given sets)."
             )
         module._set_clients(
-            [ClientData(d, torch.arange(len(d))) for d in train],
-            [ClientData(d, torch.arange(len(d))) for d in test] if test is not None else None,
+            _whole(train),
+            _whole(test) if test is not None else None,
+            _whole(val) if val is not None else None,
         )
         return module
 
-    def _set_clients(self, train: list[ClientData], test: list[ClientData] | None) -> None:
+    def _set_clients(
+        self,
+        train: list[ClientData],
+        test: list[ClientData] | None,
+        val: list[ClientData] | None = None,
+        note_unseen_classes: bool = True,
+    ) -> None:
+        """Keep the clients' splits: ``val`` as given, else carved off ``train`` by ``val_fraction``; then
+        ``max_train_samples`` caps the training samples. The one place every way of building clients goes
+        through (partitioners, explicit data sets, natural users), so it warns here when a client's
+        evaluation split holds classes its training data lacks (``note_unseen_classes``)."""
         if not train:
             raise ValueError("A federated data module needs at least one client.")
         empty = [cid for cid, c in enumerate(train) if len(c) == 0]
@@ -137,18 +197,27 @@ class FederatedDataModule(L.LightningDataModule):
             raise ValueError(
                 f"Clients {empty[:10]} have no training samples; use fewer clients or another partition."
             )
-        if self.val_fraction > 0:
-            val, kept = [], []
-            for cid, data in enumerate(train):
-                perm = torch.randperm(len(data), generator=round_generator(self.seed, -1, cid))
-                n_val = int(round(self.val_fraction * len(data)))
-                n_val = min(n_val, len(data) - 1)
-                val.append(ClientData(data.dataset, data.indices[perm[:n_val]].sort().values))
-                kept.append(ClientData(data.dataset, data.indices[perm[n_val:]].sort().values))
-            train, self._val = kept, val
+        if val is None and self.val_fraction > 0:
+            train, val = self._carve_validation(train)
         if self.max_train_samples is not None:
             train = [self._capped(cid, data, self.max_train_samples) for cid, data in enumerate(train)]
-        self._train, self._test = train, test
+        self._train, self._val, self._test = train, val, test
+        if note_unseen_classes:
+            for split, clients in (("val", val), ("test", test)):
+                note = unseen_classes_note(train, clients, split) if clients is not None else None
+                if note is not None:
+                    warnings.warn(f"{type(self).__name__}: {note}", UserWarning, stacklevel=3)
+
+    def _carve_validation(self, train: list[ClientData]) -> tuple[list[ClientData], list[ClientData]]:
+        """Each client's training samples split in two, ``(kept for training, validation)``: a random
+        ``round(val_fraction * n)`` of its ``n`` samples (at most ``n - 1``) drawn with ``(seed, -1, client)``."""
+        kept, val = [], []
+        for cid, data in enumerate(train):
+            perm = torch.randperm(len(data), generator=round_generator(self.seed, -1, cid))
+            n_val = min(int(round(self.val_fraction * len(data))), len(data) - 1)
+            val.append(ClientData(data.dataset, data.indices[perm[:n_val]].sort().values))
+            kept.append(ClientData(data.dataset, data.indices[perm[n_val:]].sort().values))
+        return kept, val
 
     def _capped(self, client: int, data: ClientData, samples: int) -> ClientData:
         """A seeded random subset of at most ``samples`` of one client's training samples."""
@@ -182,6 +251,12 @@ class FederatedDataModule(L.LightningDataModule):
         self._require_setup()
         return len(self._train)
 
+    @property
+    def has_validation_split(self) -> bool:
+        """Whether validation runs on a split of its own (carved by ``val_fraction``, or given), rather than
+        on each client's test split (the papers' protocol, ``val_fraction=0``). Known before ``setup``."""
+        return self._val is not None or self.val_fraction > 0
+
     def client_num_samples(self, client: int) -> int:
         """Number of training samples of ``client``."""
         self._require_setup()
@@ -205,14 +280,18 @@ class FederatedDataModule(L.LightningDataModule):
         data = self.client_data(client, split)
         return self._fetcher.batches(data.dataset, [data.indices[b] for b in index_batches])
 
-    def _derived(self, train: list[ClientData], test: list[ClientData] | None) -> FederatedDataModule:
+    def _derived(
+        self, train: list[ClientData], val: list[ClientData] | None, test: list[ClientData] | None
+    ) -> FederatedDataModule:
+        """A data module over these clients' splits as they are (nothing carved or capped again; the
+        unseen-classes warning was this module's to give)."""
         module = FederatedDataModule(
             batch_size=self.batch_size,
             eval_batch_size=self.eval_batch_size,
             seed=self.seed,
         )
         module._fetcher = self._fetcher
-        module._set_clients(train, test)
+        module._set_clients(train, test, val, note_unseen_classes=False)
         return module
 
     def holdout(
@@ -222,7 +301,7 @@ class FederatedDataModule(L.LightningDataModule):
 
         ``new_clients`` is a count or a fraction of the clients, chosen by a generator seeded with
         ``seed`` (the data module's seed by default). Returns ``(federation, new)``; both keep their
-        clients' train and test splits, renumbered from 0 in their original order.
+        clients' train, validation and test splits, renumbered from 0 in their original order.
         """
         self._require_setup()
         n = len(self._train)
@@ -234,19 +313,19 @@ class FederatedDataModule(L.LightningDataModule):
         perm = torch.randperm(n, generator=round_generator(self.seed if seed is None else seed, -2))
         new = sorted(perm[:count].tolist())
         old = sorted(perm[count:].tolist())
-        test = self._val if self._val is not None else self._test
 
         def pick(ids: list[int]) -> FederatedDataModule:
-            return self._derived(
-                [self._train[i] for i in ids], [test[i] for i in ids] if test is not None else None
-            )
+            def some(clients: list[ClientData] | None) -> list[ClientData] | None:
+                return [clients[i] for i in ids] if clients is not None else None
+
+            return self._derived(some(self._train), some(self._val), some(self._test))
 
         return pick(old), pick(new)
 
     def with_train_samples(self, samples: int, seed: int | None = None) -> FederatedDataModule:
         """The same clients with at most ``samples`` training samples each (a random subset drawn with
-        ``seed``, the data module's own when ``None``), test splits unchanged: the few-shot data of the
-        new-client protocol."""
+        ``seed``, the data module's own when ``None``), validation and test splits unchanged: the few-shot
+        data of the new-client protocol."""
         self._require_setup()
         if samples < 1:
             raise ValueError(f"samples must be >= 1, got {samples}.")
@@ -255,8 +334,7 @@ class FederatedDataModule(L.LightningDataModule):
         for cid, data in enumerate(self._train):
             perm = torch.randperm(len(data), generator=round_generator(generator_seed, -3, cid))
             train.append(ClientData(data.dataset, data.indices[perm[:samples]].sort().values))
-        test = self._val if self._val is not None else self._test
-        return self._derived(train, test)
+        return self._derived(train, self._val, self._test)
 
     def _require_setup(self) -> None:
         if self._train is None:
@@ -267,6 +345,7 @@ class FederatedDataModule(L.LightningDataModule):
         return RoundLoader(self._train, self.batch_size, self.seed, self._fetcher)
 
     def val_dataloader(self) -> EvalLoader:
+        """Each client's validation split (``val_fraction`` or given), else its test split."""
         self._require_setup()
         clients = self._val if self._val is not None else self._test
         if clients is None:
@@ -298,3 +377,8 @@ class FederatedDataModule(L.LightningDataModule):
                 f"The checkpoint was made with data seed {state['seed']} but this data module has seed "
                 f"{self.seed}; the clients' data would differ. Use seed={state['seed']}."
             )
+
+
+def _whole(datasets: Sequence[Dataset]) -> list[ClientData]:
+    """One client per data set, holding all of its samples."""
+    return [ClientData(d, torch.arange(len(d))) for d in datasets]

@@ -33,6 +33,8 @@ from typing import Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from lightning_fedrep.data.labels import integer_labels_error
+
 __all__ = [
     "ClientSplit",
     "DirichletPartitioner",
@@ -122,10 +124,7 @@ def _labels_to_numpy(labels: object, name: str) -> np.ndarray:
                 f"{name} must be a 1-D integer tensor of class ids, got {type(labels).__name__}."
             ) from err
     if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-        raise ValueError(
-            f"{name} must hold integer class ids, got dtype {tensor.dtype}; convert them first, "
-            f"e.g. labels.long() (or pass class indices, not one-hot/soft labels)."
-        )
+        raise integer_labels_error(name, tensor, "partitioning")
     if tensor.dim() != 1:
         raise ValueError(
             f"{name} must be 1-D (one class id per sample), got shape {tuple(tensor.shape)}; "

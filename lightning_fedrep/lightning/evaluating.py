@@ -15,6 +15,7 @@ from lightning_fedrep.evaluation import EvaluationPass
 from lightning_fedrep.evaluation_records import gather_pass, non_finite_note, partial_pass_note, pass_values
 from lightning_fedrep.lightning import internals, loading
 from lightning_fedrep.lightning.capture import batch_size_of, capture_logs
+from lightning_fedrep.lightning.monitoring import warn_selection_on_test_data
 from lightning_fedrep.sharding import IdleStep
 
 PREDICTION_MODES = {
@@ -29,9 +30,12 @@ def setup(strategy: Any, trainer: Any) -> None:
     """At the strategy's ``setup``: the warning of an evaluation of the module's own weights alone
     (:func:`warn_module_alone`), the adaptation the algorithm's ``EvaluationSpec.adapt`` asks for, its
     module and data checked now (``None`` without one). A ``FineTunedEvaluation`` is refused with an
-    algorithm's own ``EvaluationSpec.forward`` (its heads would be fine-tuned for the module's forward)."""
+    algorithm's own ``EvaluationSpec.forward`` (its heads would be fine-tuned for the module's forward). A fit
+    whose callbacks select rounds on validation metrics computed on test data warns."""
     if strategy._module_alone:
         warn_module_alone(strategy, str(trainer.state.fn.value))
+    if trainer.state.fn == "fit":
+        warn_selection_on_test_data(trainer)
     spec = strategy.federation.evaluation_spec
     if spec.forward is not None and any(isinstance(c, FineTunedEvaluation) for c in trainer.callbacks):
         raise ValueError(
@@ -156,7 +160,7 @@ def log(strategy: Any, evaluation: EvaluationPass) -> None:
         strategy.client_metrics["sanity" if trainer.sanity_checking else evaluation.key] = (
             evaluation.named_metrics()
         )
-    notes = [non_finite_note(evaluation)]
+    notes = [non_finite_note(evaluation), evaluation.nothing_logged_note()]
     if not trainer.sanity_checking:
         notes.insert(0, _partial_pass_note(strategy, evaluation))
     for note in notes:

@@ -12,6 +12,7 @@ from lightning_fedrep.data.labels import (
     check_client_labels,
     has_string_labels,
     output_width,
+    refuse_float_class_labels,
     string_labels_error,
 )
 from lightning_fedrep.data.loaders import EvalLoader, RoundLoader
@@ -125,8 +126,9 @@ def warn(note: str | None) -> None:
 
 
 def check_labels(strategy: Any, loader: RoundLoader | EvalLoader) -> None:
-    """Refuse string labels, and labels the model cannot score (at or above its number of outputs on a
-    probe batch, or the data module's ``num_classes``), naming the client: once per split and call."""
+    """Refuse string labels, float class ids (whole numbers below the model's number of outputs), and
+    labels the model cannot score (at or above its number of outputs on a probe batch, or the data module's
+    ``num_classes``), naming the client: once per split and call."""
     split = "train" if isinstance(loader, RoundLoader) else loader.stage
     if split in strategy._labels_checked or not loader.clients:
         return
@@ -137,11 +139,14 @@ def check_labels(strategy: Any, loader: RoundLoader | EvalLoader) -> None:
             if isinstance(loader, RoundLoader)
             else loader.first_batch()
         )
+    first = "client 0" if isinstance(loader, RoundLoader) else "the first client"
     if isinstance(probe, list | tuple) and len(probe) == 2 and has_string_labels(probe[1]):
-        first = "client 0" if isinstance(loader, RoundLoader) else "the first client"
         raise string_labels_error(f"The {split} data of {first}", probe[1][0])
     module = strategy.lightning_module
     convert_input = module.trainer.precision_plugin.convert_input
+    if strategy.headline_metrics:  # else model(x) may not be class scores
+        where = f"The {split} data of {first} (its first batch)"
+        refuse_float_class_labels(module, probe, strategy.root_device, where, convert_input)
     num_classes = (  # headline_metrics=False: model(x) may not be class scores
         output_width(module, probe, strategy.root_device, convert_input)
         if strategy.headline_metrics
