@@ -144,8 +144,8 @@ class ClientMetrics:
         return renamed
 
     def summary(self, name: str) -> dict[str, float]:
-        """The metric ``name`` reduced over the clients of :meth:`per_client` (:func:`summarize`): suffix
-        (``""``, ``"_weighted"``, ``"_std"``, ``"_p10"``, ``"_min"``) -> value."""
+        """The metric ``name`` reduced over the clients of :meth:`per_client` (``evaluation.summarize``):
+        suffix (``""``, ``"_weighted"``, ``"_std"``, ``"_p10"``, ``"_min"``) -> value."""
         per_client = self.per_client(name)
         clients = list(per_client)
         values = torch.tensor([per_client[c] for c in clients])
