@@ -301,7 +301,7 @@ class Method:
 METHODS = {
     "fedrep": Method(
         algorithm="fedrep",
-        description="FedRep: 10 head epochs (body frozen) then {body} body epoch(s) (head frozen); body averaged",
+        description="FedRep: {head} head epochs (body frozen) then {body} body epoch(s) (head frozen); body averaged",
     ),
     "fedper": Method(
         algorithm="fedper",
@@ -317,7 +317,7 @@ METHODS = {
     ),
     "fedavg_ft": Method(
         algorithm="fedavg",
-        description="FedAvg + FT: FedAvg, then one extra round in which every client fine-tunes {ft} for 10 epochs",
+        description="FedAvg + FT: FedAvg, then one extra round in which every client fine-tunes {ft} for {ft_epochs} epochs",
         callbacks=(head_fine_tuning,),
     ),
     "local": Method(
@@ -359,7 +359,7 @@ PAPER_COLUMNS = (
     "femnist_150_3",
 )
 
-FT_DESCRIPTION = "\nthen one extra round in which every client fine-tunes {ft} for 10 epochs\n(the protocol of FedAvg + FT)"
+FT_DESCRIPTION = "\nthen one extra round in which every client fine-tunes {ft} for {ft_epochs} epochs\n(the protocol of FedAvg + FT)"
 WEIGHTING_NOTE = "Server: the unweighted mean of the uploads (weighting: uniform), as {script}'s w / m."
 BASELINES = {
     "fedprox": Method(
@@ -560,12 +560,21 @@ def column_clients(column: str) -> int:
     return int(column.rsplit("_", 2)[-2])
 
 
+TABLE1_HEAD_EPOCHS = 10
+TABLE1_FT_EPOCHS = 10
+"""FedRep's head epochs and FedAvg + FT's fine-tuning epochs in the Table 1 recipes (the official code's)."""
+
+
 def table1_recipe(column: str, method: str) -> tuple[str, str]:
     setting, spec = TABLE1[column], table1_methods()[method]
     script, script_epochs = setting.fedavg_script
     local_epochs = script_epochs if spec.algorithm == "fedavg" else setting.body_epochs
     strategy = family_strategy(
-        spec, participation=0.1, head_epochs=10, body_epochs=local_epochs, lg_shared=setting.lg_shared
+        spec,
+        participation=0.1,
+        head_epochs=TABLE1_HEAD_EPOCHS,
+        body_epochs=local_epochs,
+        lg_shared=setting.lg_shared,
     )
     if spec.algorithm in ("fedrep", "fedper", "lg_fedavg"):  # the official aliasing of w_locals
         strategy["first_state"] = "average"
@@ -577,7 +586,7 @@ def table1_recipe(column: str, method: str) -> tuple[str, str]:
         rounds, local_epochs = 1, 10
     headline = "val/acc" if spec.official_local else setting.headline  # main_local.py: unweighted
     path = f"{setting.folder}/{column.split('_', 1)[1]}_{method}.yaml"
-    callbacks = [make(10, setting.ft_mode) for make in spec.callbacks]
+    callbacks = [make(TABLE1_FT_EPOCHS, setting.ft_mode) for make in spec.callbacks]
     model_args = {**setting.model_args, **(setting.step_rule_model_args if spec.step_rule else {})}
     recipe = {
         "seed_everything": 0,
@@ -625,6 +634,8 @@ def table1_recipe(column: str, method: str) -> tuple[str, str]:
             local_rounds=local_rounds,
             share="10%",
             ft="every layer" if setting.ft_mode == "full" else "only the head",
+            ft_epochs=TABLE1_FT_EPOCHS,
+            head=TABLE1_HEAD_EPOCHS,
         )
         + f".\nPaper: {paper_number(column, method):.2f}% mean client test accuracy (FedRep {paper_number(column, 'fedrep'):.2f}%)."
         + (f"\n{epochs}" if (epochs := local_epochs_note(spec, setting)) else "")
@@ -642,6 +653,9 @@ def table1_recipe(column: str, method: str) -> tuple[str, str]:
 
 
 DIGITS_LG_SHARED = ("body.2", "classifier")
+DIGITS_HEAD_EPOCHS = 5
+DIGITS_FT_EPOCHS = 5
+"""FedRep's head epochs and FedAvg + FT's fine-tuning epochs in the digits demos."""
 
 
 def digits_model_and_data() -> dict:
@@ -661,22 +675,26 @@ def digits_model_and_data() -> dict:
 def digits_recipe(method: str) -> tuple[str, str]:
     spec = METHODS[method]
     strategy = family_strategy(
-        spec, participation=0.5, head_epochs=5, body_epochs=1, lg_shared=DIGITS_LG_SHARED
+        spec, participation=0.5, head_epochs=DIGITS_HEAD_EPOCHS, body_epochs=1, lg_shared=DIGITS_LG_SHARED
     )
     rounds = (1 if spec.official_local else 15) if spec.algorithm == "local" else 30
-    callbacks = [make(5) for make in spec.callbacks]
-    # no checkpoints for the one-minute demo
-    trainer = trainer_section(
-        "digits", f"digits-{method}", rounds, strategy, callbacks, accelerator="cpu", checkpoints=False
-    )
+    callbacks = [make(DIGITS_FT_EPOCHS) for make in spec.callbacks]
+    # checkpoints/last.ckpt after every round: what `lightning-fedrep test --ckpt_path` reads in the docs
+    trainer = trainer_section("digits", f"digits-{method}", rounds, strategy, callbacks, accelerator="cpu")
     header = (
         "Offline demo on scikit-learn's handwritten digits: 20 clients with 2 classes each, "
         + ("every client each round" if spec.algorithm == "local" else "half of them per round")
         + ", a 64-64-32-10 MLP.\n"
         + spec.description.format(
-            body=1, lg="+".join(DIGITS_LG_SHARED), local_rounds=rounds, share="50%", ft="only the head"
-        ).replace("10 head epochs", "5 head epochs")
-        + ".\nNot a paper setting: a small, real, offline stand-in that runs in about a minute on 2 CPU cores."
+            head=DIGITS_HEAD_EPOCHS,
+            body=1,
+            lg="+".join(DIGITS_LG_SHARED),
+            local_rounds=rounds,
+            share="50%",
+            ft="only the head",
+            ft_epochs=DIGITS_FT_EPOCHS,
+        )
+        + ".\nNot a paper setting: a small, real, offline stand-in, quick on a CPU."
         + f"\nRead {headline_figure(spec).replace('`', '')}, as in this method's paper recipes."
         + f"\nRun: lightning-fedrep fit --config recipes/digits/{method}.yaml"
     )

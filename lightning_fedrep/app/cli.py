@@ -7,6 +7,10 @@
     lightning-fedrep fit --config recipes/digits/fedrep.yaml --seeds 1,2,3   # sibling run folders seed-1, ...
     lightning-fedrep table runs/digits [more run folders or folders holding them]   # mean ± std over seeds
 
+``lightning-fedrep --help`` lists them all. A setting the command refuses (when the objects are built or
+at the fit's set-up) stops it with one paragraph and exit status 2, and leaves no run folder behind
+(:mod:`lightning_fedrep.app.refusals`, :class:`lightning_fedrep.app.runfolder.RunFolderRecord`).
+
 Models and data modules are chosen by ``class_path`` (any LightningModule and any
 ``FederatedDataModule``), the strategy by ``trainer.strategy`` (a ``class_path`` with its
 ``init_args``, or a registered name such as ``fedrep``). W&B runs offline unless you are logged in.
@@ -27,11 +31,11 @@ from typing import Any, NoReturn
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 import lightning_fedrep  # noqa: F401  (registers the strategy names)
@@ -41,12 +45,15 @@ import lightning_fedrep.data.low_rank  # noqa: F401
 import lightning_fedrep.models  # noqa: F401  (short class names: --model MLPClassifier, --model.help ...)
 from lightning_fedrep.app import seeds as seed_sweep
 from lightning_fedrep.app.quiet import quiet_unactionable_messages
+from lightning_fedrep.app.refusals import Refused, refusal_message, traceback_wanted
 from lightning_fedrep.app.runfolder import (
     CHECKPOINTS,
+    RunFolderRecord,
     config_filename,
     folder_of_checkpoint,
     launcher_run_id,
     missing_checkpoint,
+    missing_folders,
     new_run_folder,
     place_run,
     run_name,
@@ -72,15 +79,40 @@ RUN_FOLDER_VARIABLE = "LIGHTNING_FEDREP_RUN_FOLDER"
 """Set by the command to its run folder, so that the processes Lightning's launcher starts share it; set
 by the user, every command of the process (and of every process) writes into that folder."""
 _RUN_FOLDER_GIVEN: str | None = None
-_SWEEP: seed_sweep.Sweep | None = None
-"""The seed of the ``--seeds`` run now being built (``None`` outside a sweep)."""
 """The variable's value when ``build_cli`` was entered: the caller's choice (the command's own setting is
 restored when it returns)."""
+_SWEEP: seed_sweep.Sweep | None = None
+"""The seed of the ``--seeds`` run now being built (``None`` outside a sweep)."""
+
+PROGRAM = "lightning-fedrep"
+DESCRIPTION = (
+    "Personalized federated learning with PyTorch Lightning: runs recipe YAMLs (fit, validate, test, predict; "
+    "fit --seeds runs once per seed) and reads finished run folders (table, report)."
+)
+FIT_DESCRIPTION = (
+    "Runs the full optimization routine: one federated training, one Lightning epoch per round. "
+    f"{seed_sweep.FLAG} S1,S2,... runs it once per seed (see {PROGRAM} --help)."
+)
+SUBCOMMANDS = {
+    "fit": f"Trains the federation, one Lightning epoch per round ({seed_sweep.FLAG}: once per seed).",
+    "validate": "Scores each client's personalized model on its validation data (--ckpt_path).",
+    "test": "Scores each client's personalized model on its test data (--ckpt_path).",
+    "predict": "Each client's predictions by its personalized model (--ckpt_path), saved in the run folder.",
+    "table": "Mean ± std over seeds of each recipe's figure, beside the paper's number, from run folders.",
+    "report": "Draws a run folder's figures again, or overlays several runs in one figure.",
+}
+"""The one-line summaries ``--help`` lists: Lightning's subcommands, then the two :func:`main` runs itself
+(before any LightningCLI parsing)."""
+SEEDS_HELP = (
+    "fit only: run fit once per seed (--seeds 1,2,3), each seed s into its own run folder seed-<s> beside "
+    "the others, with seed_everything and the strategy's and the data's seed set to s; "
+    f"{PROGRAM} table reads them."
+)
 
 
 def refuse(message: str) -> NoReturn:
     """Stop the command with ``message`` on one line of standard error and exit status 2 (argparse's)."""
-    sys.stderr.write(f"lightning-fedrep: error: {message}\n")
+    sys.stderr.write(f"{PROGRAM}: error: {message}\n")
     raise SystemExit(2)
 
 
@@ -95,23 +127,50 @@ def check_strategy_name(name: str) -> None:
     )
     close = difflib.get_close_matches(name, list(StrategyRegistry), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    refuse(
+    raise Refused(
         f"trainer.strategy={name!r} is not a registered strategy.{hint} This package's: "
         f"{', '.join(ours)} (or class_path: lightning_fedrep.FederatedStrategy); Lightning's: "
         f"{', '.join(sorted(n for n in StrategyRegistry if n not in ours and 'find_unused' not in n))}."
     )
 
 
-def configuration_error(error: BaseException) -> str:
-    """The cause of a failed instantiation: jsonargparse reports a class's own error among the union's
-    alternatives ("Expected a <class 'str'>", ...); keep only the class's."""
-    lines = [line.strip()[2:] for line in str(error).splitlines() if line.strip().startswith("- ")]
-    causes = [
-        line
-        for line in lines
-        if not line.startswith(("Expected a", "Not a valid subclass", "Problem with given class_path"))
-    ]
-    return "; ".join(causes) if causes else str(error).splitlines()[0]
+class RunStart(Callback):
+    """Notes when the command's run gets past its set-up: its first training batch (or, for validate,
+    test and predict, its first evaluation batch). A refusal before that takes back what the command
+    added to the file system; after it, the run folder stays."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.started = True
+
+    @override
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.started = self.started or not trainer.sanity_checking
+
+    @override
+    def on_test_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.started = True
+
+    @override
+    def on_predict_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.started = True
+
+
+def list_package_commands(parser: LightningArgumentParser) -> None:
+    """Complete what ``--help`` lists: ``table`` and ``report`` (which :func:`main` runs itself) beside
+    Lightning's subcommands, each with its line of :data:`SUBCOMMANDS` (Lightning's own lines are cut from
+    the Trainer's docstrings mid-sentence), and ``--seeds`` (which :func:`main` takes off the command line)."""
+    subcommands = parser._subcommands_action  # jsonargparse's action holding Lightning's subcommands
+    if subcommands is not None:
+        for listed in subcommands._choices_actions:  # argparse's entries of the subcommand list
+            listed.help = SUBCOMMANDS.get(listed.dest, listed.help)
+        for name, summary in SUBCOMMANDS.items():
+            if name not in subcommands.choices:
+                subcommands.add_subcommand(name, LightningArgumentParser(description=summary), help=summary)
+    parser.add_argument(seed_sweep.FLAG, metavar="S1,S2,...", default=None, help=SEEDS_HELP)
 
 
 class LogConfigCallback(SaveConfigCallback):
@@ -129,7 +188,53 @@ class LogConfigCallback(SaveConfigCallback):
 
 class FedRepCLI(LightningCLI):
     """LightningCLI whose data modules are ``FederatedDataModule`` subclasses; hands the run's
-    configuration to ``RunSummary`` so ``summary.json`` records it."""
+    configuration to ``RunSummary`` so ``summary.json`` records it. A refusal (see
+    :mod:`lightning_fedrep.app.refusals`) while it builds the objects or sets the run up stops it with one
+    paragraph and exit status 2, after taking back what it added to the file system."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.run_start = RunStart()
+        self._run_record: RunFolderRecord | None = None
+        defaults = dict(kwargs.pop("trainer_defaults", None) or {})
+        defaults["callbacks"] = [*_as_list(defaults.get("callbacks")), self.run_start]
+        try:
+            super().__init__(*args, trainer_defaults=defaults, **kwargs)
+        except Exception as error:
+            message = refusal_message(error)
+            if message is None:
+                raise
+            self._take_back_refused_run()
+            if traceback_wanted():
+                raise
+            sys.stderr.write(f"{PROGRAM}: error: {message}\n")
+            raise SystemExit(2) from None
+
+    @override
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+    ) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        list_package_commands(self.parser)
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Parse as Lightning does; refuse what only :func:`main` runs (``table``, ``report``, ``--seeds``), which
+        ``--help`` lists but a :func:`build_cli` call would not run."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand in SUBCOMMANDS and subcommand not in self.subcommands():
+            raise Refused(f"{subcommand} is run by {PROGRAM} ({__name__}.main), not by build_cli.")
+        if self.config.get(seed_sweep.FLAG[2:]) is not None:
+            raise Refused(f"{seed_sweep.FLAG} is read by {PROGRAM} ({__name__}.main), not by build_cli.")
+
+    def _take_back_refused_run(self) -> None:
+        """A refusal before the run started: end its W&B run (files closed) and remove what the command
+        added to the file system (nothing of a run folder that existed before, nothing on other ranks)."""
+        if self.run_start.started or self._run_record is None:
+            return
+        if hasattr(self, "trainer"):
+            self._finish_wandb()
+        self._run_record.remove_additions()
 
     def before_instantiate_classes(self) -> None:
         if "WANDB_MODE" not in os.environ and not wandb_credentials_present():
@@ -139,10 +244,7 @@ class FedRepCLI(LightningCLI):
         if isinstance(strategy, str):
             check_strategy_name(strategy)
         if _SWEEP is not None:
-            try:
-                seed_sweep.check_single_process(config)
-            except ValueError as error:
-                refuse(str(error))
+            seed_sweep.check_single_process(config)
             seed_sweep.apply_seed(config, _SWEEP.seed)
         if self.subcommand in ("fit", "validate", "test", "predict"):
             self.run_folder = self._place_run(config)
@@ -153,7 +255,7 @@ class FedRepCLI(LightningCLI):
         ``LIGHTNING_FEDREP_RUN_FOLDER``, the launcher job's, or a new one."""
         missing = missing_checkpoint(config.get("ckpt_path"))
         if missing:
-            refuse(f"{missing}; pass the path of a checkpoint file (or best/last).")
+            raise Refused(f"{missing}; pass the path of a checkpoint file (or best/last).")
         folder = folder_of_checkpoint(config.get("ckpt_path"))
         if folder is not None and _allows_new_federation(config):
             rank_zero_info(
@@ -162,26 +264,25 @@ class FedRepCLI(LightningCLI):
             )
             folder = None
         resumed = folder is not None
-        self._made_folders: list[Path] = []
         given = os.environ.get(RUN_FOLDER_VARIABLE)
         if given and (int(os.environ.get("LOCAL_RANK", "0")) > 0 or given == _RUN_FOLDER_GIVEN):
             folder = Path(given)  # a process Lightning's launcher started, or the user's choice
             resumed = resumed or (folder / "config.yaml").is_file()
+            record = RunFolderRecord.existing_or_new(folder)
         elif folder is None:
             root = Path(config.trainer.get("default_root_dir") or ".")
             job = launcher_run_id()
-            if _SWEEP is not None:  # --seeds: a sibling of the sweep's other seeds
-                group = _SWEEP.group or new_run_folder(root, run_name(config))
-                folder = seed_sweep.seed_folder(group, _SWEEP.seed)
-            elif job is not None:
+            if job is not None and _SWEEP is None:
                 folder = root / run_name(config) / job
                 resumed = (folder / "config.yaml").is_file()
+                record = RunFolderRecord.existing_or_new(folder)
                 folder.mkdir(parents=True, exist_ok=True)
             else:
-                first = root / run_name(config)
-                self._made_folders = [p for p in (first, *first.parents) if not p.exists()]
-                folder = new_run_folder(root, run_name(config))
-                self._made_folders.insert(0, folder)
+                folder, record = _new_folder(root, run_name(config))
+        else:  # the run of ckpt_path
+            record = RunFolderRecord.existing_or_new(folder)
+        if rank_zero_only.rank == 0:  # other processes leave the shared folder to the first
+            self._run_record = record
         os.environ[RUN_FOLDER_VARIABLE] = str(folder)  # inherited by the processes the launcher starts
         folder = folder.resolve()
         place_run(config, folder, resumed, self.subcommand)
@@ -190,23 +291,6 @@ class FedRepCLI(LightningCLI):
                 "ignore", message=f"Checkpoint directory {re.escape(str(folder / CHECKPOINTS))} exists"
             )
         return folder
-
-    @override
-    def instantiate_classes(self) -> None:
-        """Build the configured objects; a bad value stops the command with its cause on one line (not a
-        traceback through the parser), unless ``LIGHTNING_FEDREP_TRACEBACK=1``."""
-        try:
-            super().instantiate_classes()
-        except (ValueError, TypeError) as error:
-            if os.environ.get("LIGHTNING_FEDREP_TRACEBACK") == "1":
-                raise
-            try:
-                refuse(
-                    f"the configuration is not valid: {configuration_error(error)}\n"
-                    "(set LIGHTNING_FEDREP_TRACEBACK=1 for the full traceback)"
-                )
-            except SystemExit as stop:
-                raise stop from None
 
     @override
     def _parse_ckpt_path(self) -> None:
@@ -218,21 +302,18 @@ class FedRepCLI(LightningCLI):
         except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile):
             subcommand = self.config.get("subcommand")
             path = self.config[subcommand].get("ckpt_path") if subcommand else None
-            if path is None or os.environ.get("LIGHTNING_FEDREP_TRACEBACK") == "1":
+            if path is None or traceback_wanted():
                 raise
             try:
                 _read_checkpoint(path, weights_only=True)
             except CheckpointError as error:
-                try:
-                    refuse(f"ckpt_path={str(path)!r}: {_one_line(error)}")
-                except SystemExit as stop:
-                    raise stop from None
+                raise Refused(f"ckpt_path={str(path)!r}: {_one_line(error)}") from None
             raise
 
     def _check_checkpoint(self) -> None:
         """Refuse ``ckpt_path`` when it was saved by another federation than this command's data (and, for
-        ``fit``, strategy settings), on one line, before anything is written (the new run folder this
-        command made is removed); what the strategy would refuse once the data are loaded."""
+        ``fit``, strategy settings), on one line, before anything is written; what the strategy would refuse
+        once the data are loaded."""
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         path = config.get("ckpt_path")
         strategy = self.trainer.strategy
@@ -242,15 +323,9 @@ class FedRepCLI(LightningCLI):
             checkpoint = _read_checkpoint(path, weights_only=config.get("weights_only") is not False)
             strategy.checkpoint_changes(checkpoint, self.datamodule, self.subcommand or "fit")
         except (CheckpointError, FederationMismatch) as error:
-            if os.environ.get("LIGHTNING_FEDREP_TRACEBACK") == "1":
+            if traceback_wanted():
                 raise
-            for made in getattr(self, "_made_folders", []):
-                if made.is_dir() and not any(made.iterdir()):
-                    made.rmdir()
-            try:
-                refuse(f"ckpt_path={str(path)!r}: {_one_line(error)}")
-            except SystemExit as stop:
-                raise stop from None
+            raise Refused(f"ckpt_path={str(path)!r}: {_one_line(error)}") from None
 
     def _attach_config(self) -> None:
         """Hand the configuration to ``RunSummary``; point checkpoints, the summary and the saved config at
@@ -349,6 +424,29 @@ def _one_line(error: Exception) -> str:
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
+def _new_folder(root: Path, name: str) -> tuple[Path, RunFolderRecord]:
+    """A new run folder under ``root/name`` (for ``--seeds``, the seed's folder beside the sweep's other
+    seeds) and the record of every folder making it created."""
+    made = missing_folders(root / name)
+    if _SWEEP is None:
+        folder = new_run_folder(root, name)
+        return folder, RunFolderRecord.new(folder, [folder, *made])
+    group = _SWEEP.group
+    if group is None:  # the sweep's first seed makes the sweep's folder
+        group = new_run_folder(root, name)
+        made.insert(0, group)
+    else:
+        made = []
+    folder = seed_sweep.seed_folder(group, _SWEEP.seed)
+    return folder, RunFolderRecord.new(folder, [folder, *made])
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
 def _allows_new_federation(config: Any) -> bool:
     """Whether the configured strategy sets ``allow_new_federation`` (a ``class_path`` with ``init_args``)."""
     strategy = config.trainer.get("strategy")
@@ -369,6 +467,11 @@ def build_cli(args: ArgsType = None, run: bool = True) -> FedRepCLI:
             subclass_mode_data=True,
             save_config_callback=LogConfigCallback,
             save_config_kwargs={"overwrite": False},
+            parser_kwargs={
+                "prog": PROGRAM,
+                "description": DESCRIPTION,
+                "fit": {"description": FIT_DESCRIPTION},
+            },
             args=args,
             run=run,
         )

@@ -1,4 +1,4 @@
-"""The README's quickstart: FedRep on scikit-learn's digits, offline, on the CPU in about a minute.
+"""The README's quickstart: FedRep on scikit-learn's digits, offline, on the CPU.
 
 Run with ``make demo`` or ``python -m lightning_fedrep.quickstart``. It trains FedRep (20 clients,
 2 classes each, half of them per round) and, for comparison, FedAvg's single global model on the same

@@ -18,14 +18,20 @@ Processes started by Lightning's own launcher share the folder of the command th
 started by another launcher each run the command: under ``torchrun`` or ``srun`` with more than one task,
 the run id is the launcher's job (``torchrun-<rendezvous id>``, ``slurm-<job id>.<step>``), the same in
 every process; or set ``LIGHTNING_FEDREP_RUN_FOLDER`` to the folder for every process.
+
+A command refused before its run starts (a setting refused when the objects are built or at the fit's
+set-up) leaves nothing behind: :class:`RunFolderRecord` notes what the command added (the folders it
+made, or the entries an existing run folder held before) and removes exactly that.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +81,60 @@ def new_run_folder(root: Path, name: str) -> Path:
         except FileExistsError:  # another run started in the same second
             n += 1
             folder = root / name / f"{stamp}-{n}"
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and those of its parents that do not exist yet, deepest first: what making ``folder``
+    would create."""
+    return [path for path in (folder, *folder.parents) if not path.exists()]
+
+
+@dataclass(frozen=True)
+class RunFolderRecord:
+    """What a command adds to the file system for its run folder, noted when the folder is chosen (before
+    anything is written), so that a refused command can take exactly that away again.
+
+    ``made``: the folders the command creates, deepest first (the run folder itself first when it is
+    new). ``before``: for a run folder that already existed (a run continued with ``--ckpt_path``, a folder
+    named by ``LIGHTNING_FEDREP_RUN_FOLDER``), every path it held; ``None`` for a new one.
+    """
+
+    folder: Path
+    made: tuple[Path, ...] = ()
+    before: frozenset[Path] | None = None
+
+    @classmethod
+    def new(cls, folder: Path, made: list[Path]) -> RunFolderRecord:
+        """The record of a run folder this command made (with the parents in ``made``)."""
+        return cls(folder, tuple(made))
+
+    @classmethod
+    def existing_or_new(cls, folder: Path) -> RunFolderRecord:
+        """The record of ``folder`` as it is now: its contents if it exists, else the folders writing into
+        it will make."""
+        if folder.is_dir():
+            return cls(folder, (), frozenset(folder.rglob("*")))
+        return cls(folder, tuple(missing_folders(folder)))
+
+    def remove_additions(self) -> None:
+        """Remove what the command added: the folders it made (with everything in them; a parent only if
+        nothing else was put there meanwhile), or the paths that were not in the existing run folder."""
+        if self.before is not None:
+            for path in sorted(self.folder.rglob("*"), key=lambda p: len(p.parts)):
+                if path not in self.before and (path.exists() or path.is_symlink()):
+                    _remove(path)
+        for folder in self.made:
+            if folder == self.folder:
+                shutil.rmtree(folder, ignore_errors=True)
+            elif folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def launcher_run_id(environ: dict[str, str] | None = None) -> str | None:
