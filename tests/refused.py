@@ -224,6 +224,24 @@ class AdamNet(TinyNet):
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
+class ScaledOutputNet(TinyNet):
+    """Declares its loss, but its output is not ``head(features(x))``: the head's output is doubled."""
+
+    fedrep_loss = "cross_entropy"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.classifier(self.body(x))
+
+
+class StepScheduledNet(TinyNet):
+    """An ``ExponentialLR`` that Lightning steps at every training step (``interval="step"``)."""
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 class BodyOptimizerNet(TinyNet):
     """Its optimizer holds the body only (the head is never trained)."""
 
@@ -358,7 +376,7 @@ CASES = [
     Refused("FedCP(lamda=-1.0)", ValueError, "lamda"),
     Refused("FedCP(tau=0.0)", ValueError, "tau"),
     Refused(
-        'fit(FedRepStrategy(head="classifier", algorithm=FedCP()), model=AdamNet())',
+        'fit(FedRepStrategy(head="classifier", algorithm=FedCP()), model=ScaledOutputNet())',
         ValueError,
         "forward_features",
         "set-up",
@@ -440,6 +458,7 @@ CASES = [
     Refused("fit(accumulate_grad_batches=2)", ValueError, "accumulate_grad_batches", "set-up"),
     Refused("fit(limit_train_batches=0.5)", ValueError, "limit_train_batches", "set-up"),
     Refused("fit(overfit_batches=2)", ValueError, "overfit_batches", "set-up"),
+    Refused("fit(model=StepScheduledNet())", ValueError, "interval", "set-up"),
     Refused("evaluate(tiny_datamodule(classes_per_client=4))", ValueError, "partition", "set-up"),
     Refused('evaluate(tiny_datamodule(num_clients=4), "predict")', ValueError, "num_clients", "set-up"),
     Refused(

@@ -78,14 +78,30 @@ def fedrep_reference(runs) -> dict:
     return single
 
 
-def test_two_processes_on_the_engine_equal_one_process(runs, fedrep_reference):
+@pytest.fixture(scope="module")
+def engine_two(runs) -> list[dict]:
+    """FedRep, 4 rounds, on the vectorized engine on two processes (what each rank held)."""
+    return fit(runs / "fedrep_two", "--devices", "2", "--rounds", "4", "--engine", "vectorized")
+
+
+def test_two_processes_on_the_engine_equal_one_process(engine_two, fedrep_reference):
     """FedRep on the vectorized engine, clients dealt to 2 ranks (lockstep schedules of unequal length,
     so one rank idles): the body, every head and the personalized accuracy equal one process's."""
-    ranks = fit(runs / "fedrep_two", "--devices", "2", "--rounds", "4", "--engine", "vectorized")
+    ranks = engine_two
     for held in ranks:  # every rank holds the whole federation
         assert held["world_size"] == 2
         assert_same_federation(fedrep_reference, held, atol=ENGINE_ATOL)
     assert ranks[0]["global_step"] < fedrep_reference["global_step"]  # each rank ran only its share
+
+
+def test_the_engines_train_loss_is_the_rounds_mean_over_every_rank(runs, engine_two):
+    """The last round's ``train/loss`` on 2 processes is the mean over both ranks' clients (one process's value,
+    the same losses to float error) on every rank. Fails if each rank logged its own clients' mean (no
+    gathering in ``FederatedRun.log_round_loss``): the ranks' shares differ."""
+    (single,) = fit(runs / "fedrep_engine_one", "--devices", "1", "--rounds", "4", "--engine", "vectorized")
+    assert single["train_loss"] is not None
+    for held in engine_two:
+        assert held["train_loss"] == pytest.approx(single["train_loss"], rel=1e-6)
 
 
 FEDAVG_FT = ("--algorithm", "fedavg", "--clients-per-round", "0.5", "--rounds", "3", "--finetune", "full")

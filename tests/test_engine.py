@@ -324,13 +324,6 @@ class LBFGSNet(Net):
         return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
 
 
-class StepSchedulerNet(Net):
-    def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
 class HookNet(Net):
     def on_before_optimizer_step(self, optimizer):
         pass
@@ -358,7 +351,6 @@ FALLBACKS = [
     ("lbfgs", LBFGSNet, {}, {}, "LBFGS is not an optimizer the engine knows"),
     ("clipping", Net, {"gradient_clip_val": 1.0}, {}, "gradient clipping"),
     ("no_loss", NoLossNet, {}, {}, "declares no pure loss"),
-    ("step_scheduler", StepSchedulerNet, {}, {}, "step-interval LR scheduler"),
     ("hook", HookNet, {}, {}, "overrides on_before_optimizer_step"),
     ("local_buffers", BufferNet, {}, {"buffers": "local"}, "buffers kept per client"),
 ]
@@ -378,9 +370,7 @@ def test_auto_falls_back_naming_the_reason_and_vectorized_refuses(
     lines = [r.getMessage() for r in caplog.records if "lightning_fedrep:" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: sequential engine (")
     assert reason in lines[0]
-    facts = constraints_of(
-        trainer, strategy.lightning_module, trainer.optimizers, trainer.lr_scheduler_configs
-    )
+    facts = constraints_of(trainer, strategy.lightning_module, trainer.optimizers)
     found = module_reasons(strategy.lightning_module, strategy.federation.layout, facts) + trainer_reasons(
         facts
     )
@@ -399,9 +389,7 @@ def test_auto_runs_the_engine_where_exact_and_says_so(caplog):
     assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: vectorized engine (")
     assert "head phases on cached features" in lines[0]
     module = strategy.lightning_module
-    facts = constraints_of(
-        module.trainer, module, module.trainer.optimizers, module.trainer.lr_scheduler_configs
-    )
+    facts = constraints_of(module.trainer, module, module.trainer.optimizers)
     assert module_reasons(module, strategy.federation.layout, facts) == []
 
 

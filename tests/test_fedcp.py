@@ -340,6 +340,13 @@ class NoLoss(DeclaredNet):
     fedrep_loss = None
 
 
+class ScaledOutput(LossNet):
+    """Its ``forward`` is not ``head(features(x))`` (the head's output is doubled) and it declares no split."""
+
+    def forward(self, x):
+        return 2 * self.classifier(self.body(x))
+
+
 class RefuseAtStep(Callback):
     def on_train_batch_start(self, *args):
         raise AssertionError("a step ran before the refusal")
@@ -349,15 +356,45 @@ class RefuseAtStep(Callback):
     "model, message",
     [
         (LayerNormHead, r"head.*nn\.Linear.*classifier\.1\.weight"),
-        (LossNet, "forward_features"),
+        (
+            ScaledOutput,
+            "declares no forward_features/forward_head, and its forward is not its head 'classifier'",
+        ),
         (NoLoss, "fedrep_loss"),
     ],
 )
 def test_a_module_fedcp_cannot_run_is_refused_at_setup(model, message):
-    """Refused before any step: a head with a non-linear layer, a module without ``forward_features`` /
-    ``forward_head``, a module without ``fedrep_loss``. Fails without ``FedCP.setup``'s checks."""
+    """Refused before any step: a head with a non-linear layer, a module that is not ``head(features(x))``
+    (neither declared nor a head module called last), a module without ``fedrep_loss``. Fails without
+    ``FedCP.setup``'s checks."""
     with pytest.raises(ValueError, match=message):
         fit(FedCP(), engine="sequential", model=model(), callbacks=[RefuseAtStep()])
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_a_forward_of_head_of_body_runs_as_the_declared_split(engine):
+    """``LossNet`` declares no ``forward_features``/``forward_head``; its ``forward`` is ``classifier(body(x))``,
+    which FedCP finds as the vectorized engine does. It trains (with the MMD term) and scores bit for bit as the
+    same module with the split declared (``DeclaredNet``). Fails on the code before: refused at setup ("FedCP
+    needs the module's declared feature split")."""
+    runs = []
+    for model_class in (LossNet, DeclaredNet):
+        torch.manual_seed(0)
+        runs.append(fit(FedCP(lamda=0.5), engine=engine, model=model_class(lr=LR)))
+    (detected, _, dm, *_), (declared, *_) = runs
+    assert detected.runner_report.engine == declared.runner_report.engine == engine
+    assert detected.federation.server_tensors.keys() == declared.federation.server_tensors.keys()
+    for name, value in declared.federation.server_tensors.items():
+        assert torch.equal(detected.federation.server_tensors[name], value), name
+    for name, value in declared.global_tensors().items():
+        assert torch.equal(detected.global_tensors()[name], value), name
+    for client in range(NUM_CLIENTS):
+        assert all(
+            map(torch.equal, detected.federation.store.get(client), declared.federation.store.get(client))
+        )
+        x, _ = _xy(dm, client, "test")
+        with torch.no_grad():
+            assert torch.equal(detected.client_model(client)(x), declared.client_model(client)(x)), client
 
 
 @pytest.mark.parametrize("arguments", [{"lamda": -1.0}, {"tau": 0.0}, {"lamda": float("nan")}])

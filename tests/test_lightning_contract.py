@@ -312,36 +312,6 @@ def test_strategy_optimizer_step_runs_after_the_closure_once_per_batch():
     assert sequence == ["module.training_step", "strategy.optimizer_step"] * 3
 
 
-def test_step_metrics_reach_loggers_on_exactly_the_steps_written():
-    """``step_metrics_reach_loggers``: the steps it names are the steps whose ``on_step`` values the
-    loggers receive (``log_every_n_steps``)."""
-    from lightning.pytorch.loggers import Logger
-
-    class Recorder(Logger):
-        name, version = "recorder", 0
-        steps: list = []
-
-        def log_metrics(self, metrics, step=None):
-            if "value" in metrics:
-                self.steps.append(int(metrics["value"]))
-
-        def log_hyperparams(self, *args, **kwargs):
-            pass
-
-    class Logging(Net):
-        def training_step(self, batch, batch_idx):
-            self.reach.append(internals.step_metrics_reach_loggers(self.trainer))
-            self.log("value", float(self.trainer.global_step), on_step=True, on_epoch=False)
-            return super().training_step(batch, batch_idx)
-
-    model = Logging([7])
-    model.reach = []
-    recorder = Recorder()
-    trainer = quiet_trainer(max_epochs=1, limit_val_batches=0, logger=recorder, log_every_n_steps=3)
-    trainer.fit(model)
-    assert [i for i, reach in enumerate(model.reach) if reach] == recorder.steps == [2, 5]
-
-
 class RoundStartSnapshot(Callback):
     """Takes the loops' state as epoch 1's first batch starts; at epoch 1's third batch writes a checkpoint
     holding that state instead of the current one."""

@@ -42,7 +42,7 @@ class Recording:
         return user_step()
 
     def logged_loss(self):
-        return None
+        return ()
 
     def step(self, optimizer_step, closure):
         self.stepped += 1

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 
 from lightning_fedrep.algorithms import Algorithm
 from lightning_fedrep.checkpoint_payload import (
@@ -40,6 +42,27 @@ class NothingRan:
 
 
 NOTHING_RAN = NothingRan()
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """A local step's training loss as it enters the round's ``train/loss`` (a lockstep step's: every client's
+    that took it): ``total`` is each client's mean loss on its batch times the batch's samples, summed over the
+    clients, ``samples`` the sum of those samples (``total / samples``: the mean loss per sample)."""
+
+    total: Tensor
+    samples: Tensor
+
+    def __add__(self, other: StepLoss) -> StepLoss:
+        return StepLoss(self.total + other.total, self.samples + other.samples)
+
+
+def step_loss(losses: Tensor, samples: Tensor) -> StepLoss:
+    """The :class:`StepLoss` of local steps with mean losses ``losses`` on batches of ``samples`` each (tensors of
+    one shape; a local step that did not run has ``samples`` 0). Summed in at least float32, samples counted
+    exactly (int64), on the losses' device, without a synchronization."""
+    dtype = torch.promote_types(losses.dtype, torch.float32)
+    return StepLoss((losses.detach().to(dtype) * samples.to(dtype)).sum(), samples.sum().to(torch.int64))
 
 
 class Notify(Protocol):
@@ -70,8 +93,9 @@ class Runner(Protocol):
         """``training_step``'s value: the user's step plus loss terms, the lockstep losses, or
         :data:`NOTHING_RAN`."""
 
-    def logged_loss(self) -> Callable[[], Any] | None:
-        """What computes the step's loss to log as ``train/loss`` (``None``: the user's step logs its own)."""
+    def logged_loss(self) -> Sequence[StepLoss]:
+        """The step's losses for the round's ``train/loss``, one per local step it ran (a lockstep step: every
+        client's), in order; empty where nothing ran, or where the user's step ran (it logs its own)."""
 
     def step(self, optimizer_step: Callable[..., Any], closure: Callable[[], Any]) -> Any:
         """The optimizer step (``optimizer_step()`` runs the user's with ``closure``, ``optimizer_step(c)``
@@ -240,6 +264,8 @@ class FederatedRun:
         """The Trainer's loops as they were when the open round started (a rolled-back round resumes there)."""
         self.validated_round = -1
         """The last round validated in this fit."""
+        self.round_loss: StepLoss | None = None
+        """The open round's training loss so far, of the steps whose runner computed it (:meth:`loss`)."""
 
     # ------------------------------------------------------------------ rounds
     def plan(self, round_index: int) -> RoundPlan:
@@ -259,6 +285,7 @@ class FederatedRun:
         plan = self.plan(round_index)
         if not federation.round_open:
             self.runner.open_round(plan)
+            self.round_loss = None
             self.round_start_loops = loops()
             federation.open_round(plan)
             self.bus.notify("on_round_start", plan)
@@ -271,19 +298,32 @@ class FederatedRun:
         user_step: Callable[[], Any],
         automatic: bool,
         round_ends: Callable[[], bool],
-        log: Callable[[Callable[[], Any]], None],
+        log: Callable[[float, int], None],
     ) -> Any:
         """``training_step``'s value. Under manual optimization the step is over when it returns: the
-        round closes after its last step. ``log`` receives what computes the runner's loss to log (the
-        lockstep runner's; the face decides whether the loggers want it now)."""
+        round closes after its last step. After the round's last step, ``log(mean, samples)`` receives the
+        round's training loss where the runner computed it (see :meth:`log_round_loss`)."""
         output = self.runner.loss(batch, batch_idx, user_step)
-        logged = self.runner.logged_loss()
-        if logged is not None:
-            log(logged)
+        for loss in self.runner.logged_loss():  # one by one: a fused call sums as its unfused steps do
+            self.round_loss = loss if self.round_loss is None else self.round_loss + loss
+        if round_ends():
+            self.log_round_loss(log)
         if not automatic:
             self.step_done(round_ends)
             return None if output is NOTHING_RAN else output
         return self.zero() if output is NOTHING_RAN else output
+
+    def log_round_loss(self, log: Callable[[float, int], None]) -> None:
+        """At the round's last step, on every process: the round's training loss where the runner computed it
+        (the lockstep engine, a step rule), summed over the processes, as ``log(mean, samples)``: the mean over
+        every local step of every client of the step's mean loss, weighted by its batch's samples (the mean
+        loss per trained sample); nothing where the user's ``training_step`` ran (it logs its own)."""
+        loss, self.round_loss = self.round_loss, None
+        mine = (0.0, 0) if loss is None else (float(loss.total), int(loss.samples))
+        every = self.federation.collective.all_gather_object(mine)
+        total, samples = sum(t for t, _ in every), sum(n for _, n in every)
+        if samples:
+            log(total / samples, samples)
 
     def optimizer_step(
         self,

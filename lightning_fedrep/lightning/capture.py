@@ -1,6 +1,7 @@
-"""The Lightning side of a personalized evaluation pass: what the user's evaluation step logs, captured per
-client, and a batch's size as Lightning infers it. Given to
-:class:`~lightning_fedrep.evaluation.EvaluationPass`, which stays Lightning-free."""
+"""What the user's steps log, as the federation needs it. Evaluation: what the user's evaluation step logs,
+captured per client, and a batch's size as Lightning infers it (given to
+:class:`~lightning_fedrep.evaluation.EvaluationPass`, which stays Lightning-free). Training: the values
+``training_step`` logs with Lightning's default timing, logged once per round (:func:`logged_per_round`)."""
 
 from __future__ import annotations
 
@@ -61,5 +62,31 @@ def capture_logs(
     module.log = log
     try:
         yield keys
+    finally:
+        del module.log
+
+
+@contextmanager
+def logged_per_round(module: L.LightningModule) -> Iterator[None]:
+    """While the user's ``training_step`` runs in a federated fit: a value it logs with Lightning's default
+    timing (neither ``on_step`` nor ``on_epoch`` given; also through ``log_dict``) is logged with
+    ``on_step=False, on_epoch=True``: once per round, under its own name, the round's mean (Lightning's epoch
+    mean: every local step's value weighted by its batch's size) in every logger. Lightning's default, per
+    step, would reach the loggers only every ``log_every_n_steps``-th Lightning step: rarely or never in a
+    round of few steps. A timing the step gives is Lightning's."""
+    original = module.log
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:  # flags given by position
+            arguments = _LOG_SIGNATURE.bind(module, name, value, *args, **kwargs).arguments
+            arguments.pop("self")
+            kwargs, name, value, args = arguments, arguments.pop("name"), arguments.pop("value"), ()
+        if kwargs.get("on_step") is None and kwargs.get("on_epoch") is None:
+            kwargs = {**kwargs, "on_step": False, "on_epoch": True}
+        original(name, value, *args, **kwargs)
+
+    module.log = log
+    try:
+        yield
     finally:
         del module.log

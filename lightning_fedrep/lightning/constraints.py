@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import lightning as L
 import torch
@@ -41,10 +40,7 @@ rate: fused calls change how often, not what (the progress bar counts calls, ``T
 
 
 def constraints_of(
-    trainer: L.Trainer,
-    module: L.LightningModule,
-    optimizers: Sequence[torch.optim.Optimizer],
-    lr_scheduler_configs: Sequence[Any],
+    trainer: L.Trainer, module: L.LightningModule, optimizers: Sequence[torch.optim.Optimizer]
 ) -> Constraints:
     """What the runner selection needs of ``trainer`` and ``module``."""
     overridden = tuple(
@@ -54,7 +50,6 @@ def constraints_of(
         precision=str(trainer.precision),
         gradient_clip_val=trainer.gradient_clip_val,
         optimizers=tuple(optimizers),
-        step_schedulers=any(config.interval == "step" for config in lr_scheduler_configs),
         automatic_optimization=module.automatic_optimization,
         overridden_hooks=overridden,
         convert_input=trainer.precision_plugin.convert_input,

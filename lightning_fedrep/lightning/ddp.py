@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_fedrep.algorithms import ALGORITHMS
 from lightning_fedrep.collective import ProcessGroupCollective
 from lightning_fedrep.lightning import internals
-from lightning_fedrep.lightning.strategy import FederatedStrategyMixin
+from lightning_fedrep.lightning.strategy import FederatedStrategyMixin, takes_federated_settings
 
 _LOST_PEER = re.compile(r"Connection (closed|reset) by peer|timed out|Timeout|Broken pipe|watchdog", re.I)
 """How torch.distributed reports that a peer process is gone or did not answer (gloo and NCCL)."""
@@ -55,6 +55,7 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
 
     strategy_name = "federated_ddp"
 
+    @takes_federated_settings
     def __init__(
         self,
         *args: Any,

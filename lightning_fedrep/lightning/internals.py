@@ -77,16 +77,6 @@ def replace_default_progress_bar(trainer: L.Trainer, bar_class: type[TQDMProgres
             trainer.callbacks[index] = bar_class(refresh_rate=callback.refresh_rate, leave=callback._leave)
 
 
-def step_metrics_reach_loggers(trainer: L.Trainer) -> bool:
-    """Whether a value logged with ``on_step=True`` in the training step being run reaches the loggers.
-
-    Relies on: the logger connector's ``should_update_logs`` (every ``log_every_n_steps``-th step, or
-    when stopping) decides which steps' values are written; ``fast_dev_run`` writes every step. The
-    vectorized engine logs its per-step loss only then (``self.log`` costs a millisecond a call).
-    """
-    return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
-
-
 def loops_state_at_round_start(trainer: L.Trainer, round_index: int) -> dict[str, Any]:
     """The loops' checkpoint state as it is before the round's first batch, taken while that batch starts:
     a checkpoint holding it resumes at the round's first batch (used for a round rolled back on an

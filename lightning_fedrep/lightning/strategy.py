@@ -12,6 +12,7 @@ relied on beyond the documented hooks lives in :mod:`lightning_fedrep.lightning.
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -54,7 +55,12 @@ from lightning_fedrep.federation.run import CallbackBus, FederatedRun, has_loss_
 from lightning_fedrep.lightning import evaluating, internals, loading
 from lightning_fedrep.lightning.api import StrategyAPI
 from lightning_fedrep.lightning.callback import FederatedCallback
-from lightning_fedrep.lightning.checks import check_optimizers_cover_split, check_trainer_flags
+from lightning_fedrep.lightning.capture import logged_per_round
+from lightning_fedrep.lightning.checks import (
+    check_lr_schedulers,
+    check_optimizers_cover_split,
+    check_trainer_flags,
+)
 from lightning_fedrep.lightning.constraints import constraints_of
 from lightning_fedrep.runners.lockstep.evaluation import BatchedEvaluation
 from lightning_fedrep.runners.lockstep.fusion import check_steps_per_call
@@ -254,6 +260,7 @@ class FederatedStrategyMixin(StrategyAPI):
         module, federation = self.lightning_module, self.federation
         if fit:
             check_optimizers_cover_split(self.optimizers, module, federation.split)
+            check_lr_schedulers(self.lr_scheduler_configs, module.automatic_optimization)
         federation.attach(module, self.optimizers)
         self._module_alone = evaluating.take_federation_state(self, fit, self._module_alone)
         self.algorithm.setup(module, federation.split, trainer.datamodule)
@@ -264,7 +271,7 @@ class FederatedStrategyMixin(StrategyAPI):
         self._run.bus = CallbackBus(self._callbacks, terms, trainer, module)
         federation.timing = any(c.needs_client_timing for c in self._callbacks)
         _refuse_manual_loss_terms(fit and not module.automatic_optimization, self.algorithm, self._run.bus)
-        constraints = constraints_of(trainer, module, self.optimizers, self.lr_scheduler_configs)
+        constraints = constraints_of(trainer, module, self.optimizers)
         loading.say(
             self._selection.setup(self._run, constraints, module, self.algorithm, self.collective, fit)
         )
@@ -287,18 +294,17 @@ class FederatedStrategyMixin(StrategyAPI):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Called for each training batch (inside the optimizer closure in automatic optimization): the
-        runner's loss (the user's step plus the loss terms; on the lockstep runner every active client's
-        loss, summed, without the user's step). Under manual optimization, the round closes after its last
-        step. A step that trains nothing (an idle process, a failed client) returns a zero that needs grad
-        (``None`` under manual optimization)."""
+        """Called for each training batch (inside the optimizer closure in automatic optimization): the runner's
+        loss (the user's step, its default-timed logs once per round, plus the loss terms; on the lockstep runner
+        the active clients' losses, summed; ``train/loss`` once per round). Under manual optimization, the round
+        closes after its last step. A step that trains nothing returns a zero that needs grad (manual: ``None``)."""
         module = self.lightning_module
-        trainer = module.trainer
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        user_step = lambda: super(FederatedStrategyMixin, self).training_step(*args, **kwargs)  # noqa: E731
-        round_ends = lambda: internals.round_ends_now(trainer)  # noqa: E731
-        log = lambda loss: _log_train_loss(module, loss)  # noqa: E731
+        step = lambda: super(FederatedStrategyMixin, self).training_step(*args, **kwargs)  # noqa: E731
+        round_ends = lambda: internals.round_ends_now(module.trainer)  # noqa: E731
+        log = lambda mean, samples: _log_round_loss(module, mean, samples, self.collective.distributed)  # noqa: E731
+        user_step = lambda: _user_training_step(module, step)  # noqa: E731
         return self._run.loss(batch, batch_idx, user_step, module.automatic_optimization, round_ends, log)
 
     @override
@@ -464,11 +470,33 @@ class FederatedStrategyMixin(StrategyAPI):
             )  # else its validation first
 
 
-def _log_train_loss(module: L.LightningModule, loss: Callable[[], Any]) -> None:
-    """Log the lockstep runner's mean loss as ``train/loss`` when the loggers would see it."""
-    trainer = module.trainer
-    if internals.step_metrics_reach_loggers(trainer) or internals.round_ends_now(trainer):
-        module.log("train/loss", loss(), on_step=True, batch_size=1)
+def takes_federated_settings(init: Callable[..., None]) -> Callable[..., None]:
+    """Give a federated strategy's ``__init__(self, *args, <its own keyword settings>, **kwargs)`` the signature
+    it really takes: the federated settings of :class:`FederatedStrategyMixin` in place of ``*args``, then its own
+    keyword-only settings, then ``**kwargs`` (passed on to Lightning's strategy). ``help()``, ``inspect.signature``,
+    IDEs and LightningCLI read it; applied once, where the class is defined."""
+    own = inspect.signature(init, eval_str=True)
+    federated = inspect.signature(FederatedStrategyMixin.__init__, eval_str=True)
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    self_parameter, *own_parameters = own.parameters.values()
+    settings = [p for name, p in federated.parameters.items() if name != "self" and p.kind not in variadic]
+    keywords = [p for p in own_parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    rest = [p for p in own_parameters if p.kind is inspect.Parameter.VAR_KEYWORD]
+    init.__signature__ = own.replace(parameters=[self_parameter, *settings, *keywords, *rest])
+    return init
+
+
+def _user_training_step(module: L.LightningModule, step: Callable[[], Any]) -> Any:
+    """The user's ``training_step`` (``step``), its default-timed logs logged once per round."""
+    with logged_per_round(module):
+        return step()
+
+
+def _log_round_loss(module: L.LightningModule, mean: float, samples: int, distributed: bool) -> None:
+    """Log the round's training loss where the runner computed it (the lockstep engine, a step rule) as
+    ``train/loss``, at the round's last step, as the user's default-timed logs are: once per round, in every
+    logger (``samples``: what Lightning weighs it by; every process logs the same total, synchronized)."""
+    module.log("train/loss", mean, on_step=False, on_epoch=True, batch_size=samples, sync_dist=distributed)
 
 
 def _roll_back(run: FederatedRun | None) -> bool:
@@ -607,6 +635,7 @@ class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
 
     strategy_name = "federated"
 
+    @takes_federated_settings
     def __init__(self, *args: Any, device: str | torch.device | None = None, **kwargs: Any):
         super().__init__(*args, device=device or "cpu", **kwargs)
         # Lightning fills ``parallel_devices`` from ``Trainer(accelerator=..., devices=...)``; the

@@ -28,7 +28,6 @@ class Constraints:
         precision: the Trainer's precision (``"32-true"``, ...).
         gradient_clip_val: the Trainer's gradient clipping (``None``/0: none).
         optimizers: the module's optimizers.
-        step_schedulers: whether an LR scheduler ticks per step.
         automatic_optimization: the module's optimization mode.
         overridden_hooks: the module's step hooks that override Lightning's (the engine steps its copies).
         convert_input: what Lightning does to a training batch before the step (precision).
@@ -41,7 +40,6 @@ class Constraints:
     precision: str = "32-true"
     gradient_clip_val: float | None = None
     optimizers: Sequence[torch.optim.Optimizer] = ()
-    step_schedulers: bool = False
     automatic_optimization: bool = True
     overridden_hooks: tuple[str, ...] = ()
     convert_input: Callable[[Any], Any] = field(default=lambda batch: batch)

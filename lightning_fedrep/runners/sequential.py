@@ -11,7 +11,7 @@ from torch import Tensor
 
 from lightning_fedrep.federation import Federation
 from lightning_fedrep.federation.objective import Objective, StepOutcome, StepView, pure_loss
-from lightning_fedrep.federation.run import NOTHING_RAN, Notify, live_view
+from lightning_fedrep.federation.run import NOTHING_RAN, Notify, StepLoss, live_view, step_loss
 from lightning_fedrep.losses import LossFn
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.lockstep.probe import batch_pair
@@ -61,6 +61,8 @@ class SequentialRunner:
         self.loss_fn = loss_fn
         self._outcome: StepOutcome | None = None
         """The step rule's outcome of the step being run (its client_state is written after the step)."""
+        self._rule_samples = 0
+        """The samples of the batch the step rule ran on (what its loss is weighted by in ``train/loss``)."""
 
     def schedule(self, plan: RoundPlan, own: bool = True) -> RoundPlan:
         return plan
@@ -123,7 +125,7 @@ class SequentialRunner:
                 f"The step rule {rule.name!r} returned gradients for {unknown}, which the phase does not train "
                 f"(it trains {sorted(view.trained)})."
             )
-        self._outcome = outcome
+        self._outcome, self._rule_samples = outcome, x.shape[0]
         live = dict(self.module.named_parameters())
         return _surrogate({n: live[n] for n in outcome.grads}, outcome.grads)
 
@@ -157,11 +159,13 @@ class SequentialRunner:
             found.append(term.fn(replace(view, features=features)))
         return found
 
-    def logged_loss(self) -> Callable[[], Any] | None:
-        """The step rule's loss (the user's step, which did not run, logs nothing); else ``None``: the
-        user's step logs its own."""
+    def logged_loss(self) -> list[StepLoss]:
+        """The step rule's loss on its batch (the user's step, which did not run, logs nothing); else none:
+        the user's step logs its own."""
         outcome = self._outcome
-        return None if outcome is None else (lambda: outcome.loss.detach())
+        if outcome is None:
+            return []
+        return [step_loss(outcome.loss.detach().reshape(()), torch.tensor(self._rule_samples))]
 
     def step(self, optimizer_step: Callable[..., Any], closure: Callable[[], Any]) -> Any:
         """The user's optimizer step; the objective's gradient transforms run after the closure's backward

@@ -5,11 +5,11 @@ processes run."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_fedrep.collective import Collective
-from lightning_fedrep.federation.run import NOTHING_RAN, Runner
+from lightning_fedrep.federation.run import NOTHING_RAN, Runner, StepLoss
 from lightning_fedrep.plan import RoundPlan, plan_fingerprint
 from lightning_fedrep.sharding import RankSchedule, StepSchedule, rank_schedule
 
@@ -56,8 +56,8 @@ class Sharded:
     def loss(self, batch: Any, batch_idx: int, user_step: Callable[[], Any]) -> Any:
         return NOTHING_RAN if self._idle else self.runner.loss(batch, batch_idx, user_step)
 
-    def logged_loss(self) -> Callable[[], Any] | None:
-        return None if self._idle else self.runner.logged_loss()
+    def logged_loss(self) -> Sequence[StepLoss]:
+        return () if self._idle else self.runner.logged_loss()
 
     def step(self, optimizer_step: Callable[[], Any], closure: Callable[[], Any]) -> Any:
         if self._idle:

@@ -159,6 +159,9 @@ def holdings(strategy: FederatedStrategy, trainer: L.Trainer, rounds: int) -> di
         "global_step": trainer.global_step,
         "participants": [len(strategy.round_plan(r).clients) for r in range(rounds)],
         "results": strategy.results(),
+        "train_loss": trainer.callback_metrics["train/loss"].item()
+        if "train/loss" in trainer.callback_metrics
+        else None,
     }
 
 

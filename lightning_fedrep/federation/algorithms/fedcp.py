@@ -53,6 +53,13 @@ from lightning_fedrep.federation.algorithm import (
     EvaluationSpec,
     ServerTensors,
 )
+from lightning_fedrep.federation.feature_split import (
+    FeatureSplit,
+    declares_split,
+    find_feature_split_on_data,
+    head_input,
+    head_owner,
+)
 from lightning_fedrep.federation.objective import (
     Objective,
     PureLoss,
@@ -204,13 +211,21 @@ def fedcp_forward(
 ) -> Tensor:
     """FedCP's scored prediction (``EvaluationSpec.forward``): ``h_p(rep * pm) + h_g(rep * gm)`` with the
     noise-free gate, ``module`` holding the global extractor and the client's personalized head, ``server``
-    the global CPN and head; the context is the rows' sum of the client's head weight."""
+    the global CPN and head; the context is the rows' sum of the client's head weight. ``rep`` and the heads
+    are the module's declared ``forward_features``/``forward_head``, else (a ``forward`` that is
+    ``head(body(x))``, verified at set-up) the head submodule's input and the head submodule."""
     head_g = _prefixed(server, HEAD_G)
     weights = [module.get_parameter(n) for n, t in head_g.items() if t.dim() == 2]
-    rep = module.forward_features(x)
-    gate_in = rep * F.normalize(_context(weights)[None], p=2, dim=1)
-    pm, gm = _gate(_prefixed(server, CPN), gate_in, None)
-    return module.forward_head(rep * pm) + _call(module, "forward_head", head_g, rep * gm)
+    if declares_split(module):
+        rep = module.forward_features(x)
+        pm, gm = _gate(_prefixed(server, CPN), rep * F.normalize(_context(weights)[None], p=2, dim=1), None)
+        return module.forward_head(rep * pm) + _call(module, "forward_head", head_g, rep * gm)
+    owner = head_owner(tuple(head_g))
+    head = module.get_submodule(owner)
+    rep = head_input(module, owner, x)
+    pm, gm = _gate(_prefixed(server, CPN), rep * F.normalize(_context(weights)[None], p=2, dim=1), None)
+    own = {n.removeprefix(f"{owner}."): t for n, t in head_g.items()}
+    return head(rep * pm) + torch.func.functional_call(head, own, (rep * gm,))
 
 
 def _per_sample_loss(module: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
@@ -225,17 +240,29 @@ def _per_sample_loss(module: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
     )
 
 
+def _find_split(module: nn.Module, head: Sequence[str], datamodule: Any) -> FeatureSplit:
+    """The module as ``head(features(x))`` (declared, or its head submodule called last), verified on a few
+    training inputs as the vectorized engine verifies it; refuses a module that is neither."""
+    split = find_feature_split_on_data(module, tuple(head), datamodule)
+    if split is not None:
+        return split
+    name = type(module).__name__
+    found = (
+        "its forward_head(forward_features(x)) is not its forward(x), or forward_features reads the head"
+        if declares_split(module)
+        else f"it declares no forward_features/forward_head, and its forward is not its head "
+        f"{head_owner(tuple(head)) or list(head)!r} applied last to the body's output"
+    )
+    raise ValueError(
+        f"FedCP needs the module as head(features(x)), but on a client's first training samples {found}. Define "
+        f"forward_features(x) (the body's output) and forward_head(features) on {name}, with forward(x) == "
+        "forward_head(forward_features(x)), or make forward return head(body(x))."
+    )
+
+
 def _check_module(module: nn.Module, head: Sequence[str]) -> list[str]:
-    """The head's weight names (layer order); refuses a module without ``forward_features``/``forward_head``
-    or a head whose parameters are not all ``nn.Linear`` weights and biases."""
-    if not (
-        callable(getattr(module, "forward_features", None))
-        and callable(getattr(module, "forward_head", None))
-    ):
-        raise ValueError(
-            f"FedCP needs the module's declared feature split: define forward_features(x) (the body's output) and "
-            f"forward_head(features) on {type(module).__name__}, with forward(x) == forward_head(forward_features(x))."
-        )
+    """The head's weight names (layer order); refuses a head whose parameters are not all ``nn.Linear`` weights
+    and biases."""
     weights = []
     for name in head:
         owner, _, kind = name.rpartition(".")
@@ -265,9 +292,10 @@ class FedCP(Algorithm):
     tensors: server ``"cpn.*"`` (the CPN: ``linear.weight [2d, d]``, ``linear.bias``, ``norm.weight``,
     ``norm.bias [2d]``), ``"hg.*"`` (the global head, starting as the module's head) and ``"noise_key"``;
     per client ``"cpn_i.*"`` (its CPN during the round, taken from the server at its first step) and
-    ``"context"`` (``[d]``). Evaluation scores ``fedcp_forward``. Needs the module's ``fedrep_loss``, its
-    declared feature split (``forward_features``/``forward_head``) and a head of ``nn.Linear`` layers (refused
-    at ``setup``) and one ``Phase("all")`` per federated round (refused when the round is planned: a client
+    ``"context"`` (``[d]``). Evaluation scores ``fedcp_forward``. Needs the module's ``fedrep_loss``, the
+    module as ``head(features(x))`` (declared ``forward_features``/``forward_head``, or a ``forward`` that returns
+    its head submodule applied last to the body's output, found and verified on a client's first training samples
+    as the vectorized engine finds it) and a head of ``nn.Linear`` layers (refused at ``setup``) and one ``Phase("all")`` per federated round (refused when the round is planned: a client
     takes the global CPN at its first step of the round). Runners: both (the step rule runs per client inside
     the lockstep runner's ``vmap``; the Gumbel noise is a hash of counters, not ``torch.rand``).
 
@@ -295,6 +323,7 @@ class FedCP(Algorithm):
         if self.tau == 0:
             raise ValueError("FedCP(tau=0) is not a temperature: give tau > 0 (the official 1).")
         self._module: nn.Module | None = None
+        self._split: FeatureSplit | None = None
         self._weights: list[str] = []
         self._head: tuple[str, ...] = ()
         self._loss: Callable[[Tensor, Tensor], Tensor] | None = None
@@ -305,10 +334,12 @@ class FedCP(Algorithm):
         return True
 
     def setup(self, module: nn.Module, split: Any, datamodule: Any) -> None:
-        """Refuse a module FedCP cannot run (see the class docstring); keep it to run its parts functionally."""
+        """Refuse a module FedCP cannot run (see the class docstring); keep it, and its feature split, to run its
+        parts functionally."""
         self._weights = _check_module(module, split.head)
         self._head = tuple(split.head)
         self._loss = _per_sample_loss(module)
+        self._split = _find_split(module, split.head, datamodule)
         self._module = module
 
     scales_lr = False  # configure_round only checks the phases
@@ -364,8 +395,8 @@ class FedCP(Algorithm):
         return server.replace(shared=shared, tensors=tensors), {}
 
     def _step(self, loss: PureLoss, view: StepView, x: Tensor, y: Tensor) -> StepOutcome:
-        module = self._module
-        if module is None:
+        split = self._split
+        if split is None:
             raise RuntimeError("FedCP's step needs setup() to have run.")
         tensors = dict(view.tensors)
         if view.step == 0:  # the round's first step: the global CPN, the context of the round-start head
@@ -381,15 +412,13 @@ class FedCP(Algorithm):
         lamda, tau, per_sample = self.lamda, self.tau, self._loss
         base = None
         if lamda:
-            base = _call(module, "forward_features", {**tensors, **_server_body(view)}, x).detach()
+            base = split.features({**tensors, **_server_body(view)}, x).detach()
 
         def objective(trained: Mapping[str, Tensor], policy: Mapping[str, Tensor]) -> Tensor:
             full = {**tensors, **trained}
-            rep = _call(module, "forward_features", full, x)
+            rep = split.features(full, x)
             pm, gm = _gate(policy, rep * c, noise, tau)
-            out = _call(module, "forward_head", full, rep * pm) + _call(
-                module, "forward_head", {**full, **head_g}, rep * gm
-            )
+            out = split.head(full, rep * pm) + split.head({**full, **head_g}, rep * gm)
             value = masked_mean(per_sample(out, y), view.mask)
             return value + lamda * _mmd(rep, base, view.mask) if base is not None else value
 

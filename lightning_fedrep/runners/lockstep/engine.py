@@ -21,6 +21,7 @@ from lightning_fedrep.algorithms import PART_GROUPS
 from lightning_fedrep.feature_chunks import FEATURE_CHUNK, feature_chunk_of
 from lightning_fedrep.federation import ClientResult, Federation
 from lightning_fedrep.federation.objective import LossTerm, Objective, StepRule, StepView, pure_loss
+from lightning_fedrep.federation.run import StepLoss, step_loss
 from lightning_fedrep.losses import masked_mean
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import move_to_device
@@ -135,6 +136,8 @@ class LockstepEngine:
         """Small tensors made once per segment (client ids, lane indices, active masks)."""
         self._rule_state: dict[str, Tensor] = {}
         """The last step rule's new declared tensors, stacked by lane (written after the step)."""
+        self._call_losses: list[StepLoss] = []
+        """The losses of the Lightning step's lockstep steps so far (:meth:`call_losses`)."""
         self.step_rules = [o.step.name for o in self.objectives.values() if o.step is not None]
         """The step rules of the phases (they run the whole module: no cached features)."""
         self._cache_decided = split is not None
@@ -424,10 +427,17 @@ class LockstepEngine:
         stays_fused = self.steps_per_call != 1 and self.caches_head(plan)
         return 0.0 if stays_fused else sizing.LOCKSTEP_MARGIN
 
-    def mean_loss(self) -> Tensor:
-        """The mean loss of the clients that stepped in the last lockstep (for logging)."""
-        active = torch.tensor(self._active, device=self.last_losses.device)
-        return self.last_losses[active].mean()
+    def call_losses(self) -> list[StepLoss]:
+        """The last Lightning step's training losses, for the round's ``train/loss``: one per lockstep step of the
+        call, over the clients that stepped, each client's mean loss weighted by its batch's samples."""
+        return self._call_losses
+
+    def _keep_losses(self, losses: Tensor, mask: Tensor) -> None:
+        """A lockstep step's per-client losses (inactive clients' zero): kept as :attr:`last_losses` and added to
+        the call's :class:`StepLoss` list (the clients' samples: ``mask``'s rows, active clients only)."""
+        self.last_losses = losses.detach()
+        samples = mask.reshape(len(mask), -1).sum(1) * self._active_weights(mask.dtype, mask.device)
+        self._call_losses.append(step_loss(self.last_losses, samples))
 
     def schedule(self, plan: RoundPlan) -> LockstepPlan:
         """The round's lockstep schedule (computed once per round plan)."""
@@ -466,6 +476,7 @@ class LockstepEngine:
             self._enter_segment(segment)
         self._step = step
         self._active = segment.active(step)
+        self._call_losses = []
         return started
 
     def fused_loss(self, batches: FusedBatches) -> Tensor:
@@ -572,7 +583,7 @@ class LockstepEngine:
                 lanes_args += (self._segment_clients(mask.device), states)
             losses = over_lanes(client_loss, len(mask))(*lanes_args)
         losses = losses * self._active_weights(losses.dtype, losses.device)
-        self.last_losses = losses.detach()
+        self._keep_losses(losses, mask)
         return losses.sum()
 
     def _rule_loss(self, rule: StepRule, batch: dict[str, Tensor]) -> Tensor:
@@ -605,7 +616,7 @@ class LockstepEngine:
             own, rest, inputs, targets, mask, clients, states
         )
         active = self._active_weights(losses.dtype, losses.device)
-        self.last_losses = (losses * active).detach()
+        self._keep_losses(losses * active, mask)
         self._rule_state = {n: t.detach() for n, t in new_state.items()}
         surrogate = None
         for name, grad in grads.items():
@@ -643,7 +654,7 @@ class LockstepEngine:
         if out is None or not out[0]:  # nothing reached: the eager step says so as autograd does
             return None
         grads, losses = out
-        self.last_losses = losses.detach()
+        self._keep_losses(losses, mask)
         return grads
 
     def _cached_batch(

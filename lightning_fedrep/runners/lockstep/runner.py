@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_fedrep.federation.run import Notify
+from lightning_fedrep.federation.run import Notify, StepLoss
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
 from lightning_fedrep.runners.lockstep.schedule import FusedBatches, LockstepPlan
@@ -48,8 +48,8 @@ class LockstepRunner:
             return self.engine.fused_loss(batch)
         return self.engine.loss(batch)  # the user's step does not run: the declared loss does
 
-    def logged_loss(self) -> Callable[[], Any]:
-        return self.engine.mean_loss
+    def logged_loss(self) -> list[StepLoss]:
+        return self.engine.call_losses()
 
     def step(self, optimizer_step: Callable[[], Any], closure: Callable[[], Any]) -> None:
         closure()  # loss and backward; every client's optimizer steps in end_step

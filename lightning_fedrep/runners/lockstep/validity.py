@@ -86,8 +86,6 @@ def trainer_reasons(constraints: Constraints) -> list[str]:
             f"{type(optimizers[0]).__name__} is not an optimizer the engine knows to be per-parameter "
             f"({', '.join(o.__name__ for o in PER_PARAMETER_OPTIMIZERS)})"
         )
-    if constraints.step_schedulers:
-        reasons.append("a step-interval LR scheduler (it would tick per lockstep, not per client step)")
     return reasons
 
 
