@@ -148,6 +148,30 @@ def test_display_clock_and_lr_callbacks_and_epoch_checkpoints_leave_auto_fused(t
     assert strategy.runner_settings["steps_per_call"] is None
 
 
+class FirstBatchNote(BatchCounter):
+    """Counts batches like :class:`BatchCounter` but declares that a fused call does not change what it
+    means (``acts_per_local_step = False``), as the command's ``RunStart`` does."""
+
+    acts_per_local_step = False
+
+
+def test_a_callback_that_declares_it_does_not_count_local_steps_leaves_auto_fused():
+    """Catches the declaration ignored (the command's ``RunStart``, which notes the first batch, made every
+    run of ``lightning-fedrep`` unfused: one Lightning step per local step) and a fused run that skips the
+    callback's hooks (it still sees every call)."""
+    note = FirstBatchNote()
+    strategy, trainer = fit("vectorized", trainer=dict(callbacks=[note]))
+    assert strategy.runner_settings["steps_per_call"] is None
+    assert note.batches == trainer.global_step > 0
+
+
+def test_the_commands_run_start_note_leaves_auto_fused():
+    from lightning_fedrep.app.cli import RunStart
+
+    strategy, _ = fit("vectorized", trainer=dict(callbacks=[RunStart()]))
+    assert strategy.runner_settings["steps_per_call"] is None
+
+
 def test_a_smoke_run_is_never_fused():
     strategy, trainer = fit("vectorized", engine_steps_per_call=4, trainer=dict(fast_dev_run=True))
     assert strategy.runner_settings["steps_per_call"] == 1 and trainer.global_step == 1

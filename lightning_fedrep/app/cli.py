@@ -139,6 +139,9 @@ class RunStart(Callback):
     test and predict, its first evaluation batch). A refusal before that takes back what the command
     added to the file system; after it, the run folder stays."""
 
+    acts_per_local_step = False
+    """Its batch hooks note the first batch only: the engine may fuse local steps into one Lightning step."""
+
     def __init__(self) -> None:
         self.started = False
 

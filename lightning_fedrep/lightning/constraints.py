@@ -36,7 +36,8 @@ step per local step, so the engine does not fuse lockstep steps (``engine_steps_
 
 NOT_PER_LOCAL_STEP = (ProgressBar, Timer, LearningRateMonitor)
 """Lightning callbacks whose per-batch hooks only display, check the clock or log the (per-round) learning
-rate: fused calls change how often, not what (the progress bar counts calls, ``Timer`` stops at a call's end)."""
+rate: fused calls change how often, not what (the progress bar counts calls, ``Timer`` stops at a call's end).
+A callback of one's own says the same with a class attribute ``acts_per_local_step = False``."""
 
 
 def constraints_of(
@@ -74,7 +75,7 @@ def per_step_needs(trainer: L.Trainer, module: L.LightningModule) -> tuple[str, 
             if every:
                 needs.append(f"ModelCheckpoint saves inside a round (every {every})")
             continue
-        if isinstance(callback, NOT_PER_LOCAL_STEP):
+        if isinstance(callback, NOT_PER_LOCAL_STEP) or not getattr(callback, "acts_per_local_step", True):
             continue
         hooks = _overridden(type(callback), L.Callback)
         if hooks:
