@@ -345,22 +345,6 @@ def register_algorithm(algorithm: Algorithm, *, override: bool = False) -> Algor
     return algorithm
 
 
-BUILT_IN = ("FedRep", "FedPer", "LGFedAvg", "FedAvg", "Local")
-"""The built-in algorithm classes (registered as fedrep, fedper, lg_fedavg, fedavg, local). Each lives in its
-own module of :mod:`lightning_fedrep.federation.algorithms` (``federation/algorithms/fedrep.py``, ...), which
-registers it; ``import lightning_fedrep`` imports them, in this order, before anything can ask for a name."""
-
-
-def __getattr__(name: str) -> type[Algorithm]:
-    """``from lightning_fedrep.algorithms import FedRep`` (the old import path) and the other built-in classes,
-    imported on first use: the algorithm modules import this one."""
-    if name in BUILT_IN:
-        from lightning_fedrep.federation import algorithms
-
-        return getattr(algorithms, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 EPOCH_DEFAULTS = {"head_epochs": 10, "body_epochs": 1, "local_epochs": 1}
 """The strategy's epoch shorthands and their defaults."""
 

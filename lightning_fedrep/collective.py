@@ -1,7 +1,7 @@
 """The processes a federation runs on, and the few collectives it needs (one per round and per pass).
 
 A federation on one process talks to itself: :class:`Collective` returns its inputs. On several
-processes (:class:`~lightning_fedrep.distributed.FederatedDDPStrategy`), :class:`ProcessGroupCollective`
+processes (:class:`~lightning_fedrep.lightning.ddp.FederatedDDPStrategy`), :class:`ProcessGroupCollective`
 runs them on ``torch.distributed``'s default group: an all-reduce of the round's weighted sums, an
 all-gather of what each rank's clients did (their results and local state), of evaluation sums, and of
 each rank's view of the round plan (ranks that disagree fail together, never hang).

@@ -156,7 +156,7 @@ class ClientMetrics:
 CaptureLogs = Callable[[Any, ClientMetrics, int, int], AbstractContextManager[set[str]]]
 """``capture(module, metrics, client, size)``: a context in which the user's step logs into ``metrics`` for
 ``client`` (a batch of ``size`` samples); it yields the set of keys logged
-(:func:`lightning_fedrep.captured_logs.capture_logs`)."""
+(:func:`lightning_fedrep.lightning.capture.capture_logs`)."""
 
 
 class EvaluationPass:

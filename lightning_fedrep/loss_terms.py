@@ -3,7 +3,7 @@
 :class:`LiveStep` is what a callback's deprecated ``loss_term`` is asked for; :class:`VectorizedLossTerm` is
 its pure per-client form (``vectorized_loss_term``). ``FederatedCallback.objective`` adapts both into one
 :class:`~lightning_fedrep.federation.objective.LossTerm`. Free of Lightning, in the core
-(``lightning_fedrep.hooks`` re-exports them).
+(``lightning_fedrep.lightning.callback`` re-exports them).
 """
 
 from __future__ import annotations

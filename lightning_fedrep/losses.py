@@ -1,7 +1,7 @@
 """The training losses a module can declare (``fedrep_loss``), by name or as a callable.
 
 Neutral ground for the engine (which trains the declared loss) and the callbacks (fine-tuning on it):
-no Lightning, no engine. ``lightning_fedrep.engine.contract`` re-exports these names.
+no Lightning, no engine.
 """
 
 from __future__ import annotations

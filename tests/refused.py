@@ -43,6 +43,7 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     FederatedDDPStrategy,
     FedMTL,
     FedProx,
+    FedRep,
     FedRepStrategy,
     FedRoD,
     FineTunedEvaluation,
@@ -59,7 +60,7 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     TwoClassExponential,
     ValidateAtRounds,
 )
-from lightning_fedrep.algorithms import ALGORITHMS, FedRep
+from lightning_fedrep.algorithms import ALGORITHMS
 from lightning_fedrep.app.seeds import parse_seeds, split_seeds  # noqa: F401
 from lightning_fedrep.checkpoints import CheckpointError
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: F401

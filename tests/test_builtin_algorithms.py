@@ -13,8 +13,6 @@ import subprocess
 import sys
 import warnings
 
-import pytest
-
 import lightning_fedrep
 from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase
 
@@ -64,12 +62,10 @@ OLD_ORDER = ["fedrep", "fedper", "lg_fedavg", "fedavg", "local", "ditto", "fedpr
 def test_built_ins_are_classes_identical_to_the_old_instances():
     """Catches a built-in that changed in the move: its name, shares, description or repr (e.g. FedPer's repr
     becoming ``FedPer(...)``), its default phases (e.g. FedRep's body phase first), or a class that is not the
-    registered instance's type, not exported by the package, or not reachable from ``lightning_fedrep.algorithms``
-    (``from lightning_fedrep.algorithms import FedRep``, the old import path)."""
+    registered instance's type or not exported by the package."""
     for name, cls_name, shares, description, text in OLD_BUILT_INS:
         cls = getattr(lightning_fedrep, cls_name)
         assert cls.__module__ == f"lightning_fedrep.federation.algorithms.{name}"
-        assert getattr(lightning_fedrep.algorithms, cls_name) is cls
         registered = ALGORITHMS[name]
         assert type(registered) is cls and issubclass(cls, Algorithm)
         for algorithm in (registered, cls()):
@@ -82,11 +78,6 @@ def test_built_ins_are_classes_identical_to_the_old_instances():
             joint = (Phase("all", epochs=3),)
             split = (Phase("head", epochs=7), Phase("body", epochs=2))
             assert algorithm.default_phases(7, 2, 3) == (split if name == "fedrep" else joint)
-    from lightning_fedrep.algorithms import FedRep
-
-    assert FedRep is lightning_fedrep.FedRep
-    with pytest.raises(AttributeError, match="no attribute 'FedRepp'"):
-        lightning_fedrep.algorithms.FedRepp  # noqa: B018
 
 
 def test_registry_order_is_unchanged_in_a_fresh_process():

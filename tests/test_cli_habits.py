@@ -77,7 +77,7 @@ def command(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
     env.pop("LIGHTNING_FEDREP_TRACEBACK", None)
     return subprocess.run(
-        [sys.executable, "-m", "lightning_fedrep.cli", *args],
+        [sys.executable, "-m", "lightning_fedrep.app.cli", *args],
         capture_output=True,
         text=True,
         cwd=cwd,

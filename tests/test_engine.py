@@ -25,8 +25,8 @@ from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, Phase
 from lightning_fedrep.algorithms import epoch_settings
-from lightning_fedrep.engine import module_reasons, trainer_reasons
 from lightning_fedrep.lightning.constraints import constraints_of
+from lightning_fedrep.runners.lockstep import module_reasons, trainer_reasons
 from tests.fixtures import quiet_trainer
 
 EQUAL = (24,) * 6

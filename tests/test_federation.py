@@ -13,10 +13,10 @@ from torch.nn import functional as F
 
 import lightning_fedrep.federation as federation_module
 from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase
-from lightning_fedrep.clients import ClientStore
 from lightning_fedrep.federation import Federation, FederationConfig
+from lightning_fedrep.federation.aggregation import WeightedAverage
+from lightning_fedrep.federation.store import ClientStore
 from lightning_fedrep.plan import plan_round
-from lightning_fedrep.server import WeightedAverage
 from lightning_fedrep.split import SplitError, resolve_layout
 
 HEAD = ("head.weight", "head.bias")

@@ -35,7 +35,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "arguments",
         "checkpoint_payload",
         "checkpoints",
-        "clients",
         "collective",
         "evaluation",
         "evaluation_records",
@@ -48,25 +47,18 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "losses",
         "stateless",
         "plan",
-        "server",
         "sharding",
         "split",
     ),
-    "runners": ("engine", "engine.*", "runners", "runners.*"),
+    "runners": ("runners", "runners.*"),
     "lightning face": (
         "lightning",  # our lightning_fedrep/lightning/ folder (the distribution is LIGHTNING_MARKER)
         "lightning.*",
-        "strategy",  # the shims below: old import paths of moved modules
-        "distributed",
-        "hooks",
-        "trainer_checks",
-        "lightning_internals",
-        "captured_logs",
         "export",  # reads the strategy's checkpoint payload
     ),
     "callbacks": ("callbacks", "callbacks.*", "participation", "participation.*"),
     "data loaders": ("data", "data.*"),
-    "app": ("app", "app.*", "cli", "quickstart", "newclients"),  # top-level cli, quickstart: ``-m`` shims
+    "app": ("app", "app.*", "newclients"),
 }
 """Module groups: fnmatch patterns on the dotted module name inside the package (``""`` is the package)."""
 
@@ -234,7 +226,7 @@ def test_groups_name_existing_modules() -> None:
 
 def test_dependency_rules_hold() -> None:
     """Catches any import that breaks a rule, e.g. ``engine/runner.py`` importing ``VectorizedLossTerm`` from
-    ``lightning_fedrep.hooks`` again, or ``sharding.py`` importing ``data.loaders`` under TYPE_CHECKING."""
+    ``lightning_fedrep.lightning.callback`` again, or ``sharding.py`` importing ``data.loaders`` under TYPE_CHECKING."""
     assert violations(_package_graph()) == []
 
 
@@ -265,9 +257,6 @@ def test_loss_term_type_lives_with_the_algorithm_api() -> None:
     }
     assert owners and all(group_of(m) == "core" for m, _ in owners), owners
     assert ("federation.objective", "LossTerm") in owners, owners
-    from lightning_fedrep.hooks import VectorizedLossTerm
-
-    assert VectorizedLossTerm is lightning_fedrep.VectorizedLossTerm  # the old import path works
 
 
 ALGORITHM_API = frozenset(
@@ -311,7 +300,7 @@ def test_commands_live_in_the_app_layer() -> None:
     re-sampling's main back in ``data/femnist_sample.py`` (data-preparation commands go to ``scripts/``)."""
     trees = {m: ast.parse(path.read_text()) for m, path in modules().items()}
     commands = {m for m, tree in trees.items() if any(map(_is_main_guard, tree.body))}
-    assert {"app.cli", "cli", "quickstart"} <= commands  # the checker sees the commands that exist
+    assert {"app.cli", "app.quickstart"} <= commands  # the checker sees the commands that exist
     assert {m for m in commands if group_of(m) != "app"} == set()
 
 
@@ -328,14 +317,14 @@ def test_planted_violation_is_found() -> None:
     source = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from .data.loaders import RoundLoader\n"
-        "def f():\n    from lightning_fedrep import hooks\n    import lightning.pytorch as pl\n"
+        "def f():\n    from lightning_fedrep.lightning import callback\n    import lightning.pytorch as pl\n"
     )
     found = imports_of_source("sharding", source, ROOT / "sharding.py")
-    assert found == {"data.loaders", "hooks", LIGHTNING_MARKER}
+    assert found == {"data.loaders", "lightning.callback", LIGHTNING_MARKER}
     assert [line.split(" (")[0] for line in violations({"sharding": frozenset(found)})] == [
         "sharding imports <lightning>",
         "sharding imports data.loaders",
-        "sharding imports hooks",
+        "sharding imports lightning.callback",
     ]
 
 

@@ -1,6 +1,6 @@
 """The README's quickstart: FedRep on scikit-learn's digits, offline, on the CPU.
 
-Run with ``make demo`` or ``python -m lightning_fedrep.quickstart``. It trains FedRep (20 clients,
+Run with ``make demo`` or ``python -m lightning_fedrep.app.quickstart``. It trains FedRep (20 clients,
 2 classes each, half of them per round) and, for comparison, FedAvg's single global model on the same
 data, then prints each client's personalized test accuracy and writes ``runs/quickstart/summary.json``, each
 run's folder (``runs/quickstart/fedrep``, ``.../fedavg``: tables and figures) and both runs' accuracy

@@ -1,4 +1,4 @@
-"""Federated callbacks: each one a :class:`~lightning_fedrep.hooks.FederatedCallback`."""
+"""Federated callbacks: each one a :class:`~lightning_fedrep.lightning.callback.FederatedCallback`."""
 
 from lightning_fedrep.callbacks.evaluation_finetuning import FineTunedEvaluation
 from lightning_fedrep.callbacks.finetuning import HeadFineTuning

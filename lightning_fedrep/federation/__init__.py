@@ -8,7 +8,7 @@ module's own parameters (never rebinding them), so the optimizers keep working:
     plan(r) -> open_round(plan) -> [load_client(c) -> begin_step/end_step ... -> finish_client()]*
             -> close_round()
 
-The Lightning strategy (:mod:`lightning_fedrep.strategy`) calls these from its hooks; tests and
+The Lightning strategy (:mod:`lightning_fedrep.lightning.strategy`) calls these from its hooks; tests and
 other runtimes can drive a federation directly.
 
 Its parts live in one module each: :mod:`.state` (stored state, fingerprint, ``state_dict``), :mod:`.round`

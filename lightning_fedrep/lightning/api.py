@@ -118,7 +118,7 @@ class StrategyAPI:
 
     def feature_split(self, names: Sequence[str], probe: Tensor) -> Any:
         """The live module as ``head(features(x))`` with ``names`` as the head, in evaluation mode, verified
-        on ``probe`` (the engine's detection: a :class:`~lightning_fedrep.engine.FeatureSplit`), or ``None``:
+        on ``probe`` (the engine's detection: a :class:`~lightning_fedrep.federation.feature_split.FeatureSplit`), or ``None``:
         for a callback that computes a frozen body's output once (``FineTunedEvaluation``)."""
         return evaluation_split(self.lightning_module, tuple(names), probe)
 

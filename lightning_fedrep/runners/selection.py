@@ -22,9 +22,9 @@ from lightning_fedrep.collective import Collective
 from lightning_fedrep.federation import Federation
 from lightning_fedrep.federation.algorithm import evaluation_spec
 from lightning_fedrep.federation.run import PHASE_PARTS, FederatedRun, local_objective
+from lightning_fedrep.losses import declared_loss
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import Constraints
-from lightning_fedrep.runners.lockstep.contract import declared_loss
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
 from lightning_fedrep.runners.lockstep.fusion import StepsPerCall, resolve_steps_per_call
 from lightning_fedrep.runners.lockstep.probe import SIDE_EFFECTS, vectorize_problem

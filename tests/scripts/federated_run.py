@@ -31,9 +31,10 @@ from lightning_fedrep import (  # noqa: E402
     FederatedDataModule,
     FederatedDDPStrategy,
     FederatedStrategy,
+    FedRep,  # noqa: E402
     HeadFineTuning,
 )
-from lightning_fedrep.algorithms import FedRep, epoch_settings, register_algorithm  # noqa: E402
+from lightning_fedrep.algorithms import epoch_settings, register_algorithm  # noqa: E402
 from lightning_fedrep.federation import Stacked  # noqa: E402
 
 

@@ -20,20 +20,14 @@ from torch.utils._pytree import tree_map
 from lightning_fedrep.algorithms import PART_GROUPS
 from lightning_fedrep.feature_chunks import FEATURE_CHUNK, feature_chunk_of
 from lightning_fedrep.federation import ClientResult, Federation
+from lightning_fedrep.federation.feature_split import FeatureSplit, find_feature_split, same_tensor
 from lightning_fedrep.federation.objective import LossTerm, Objective, StepRule, StepView, pure_loss
 from lightning_fedrep.federation.run import StepLoss, step_loss
-from lightning_fedrep.losses import masked_mean
+from lightning_fedrep.losses import NAMED_LOSSES, LossFn, masked_mean
 from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import move_to_device
 from lightning_fedrep.runners.lockstep import sizing
 from lightning_fedrep.runners.lockstep.compiled import CompiledHeadStep
-from lightning_fedrep.runners.lockstep.contract import (
-    NAMED_LOSSES,
-    FeatureSplit,
-    LossFn,
-    find_feature_split,
-    same_tensor,
-)
 from lightning_fedrep.runners.lockstep.group import ClientGroup
 from lightning_fedrep.runners.lockstep.probe import loss_label, probe_problem
 from lightning_fedrep.runners.lockstep.schedule import FusedBatches, LockstepPlan, Segment, lockstep_plan

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lightning_fedrep.data.loaders import ClientChunk, EvalLoader
 from lightning_fedrep.evaluation import ClientMetrics, headline_sums_per_client
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.runners.lockstep.contract import FeatureSplit, find_feature_split
+from lightning_fedrep.federation.feature_split import FeatureSplit, find_feature_split
 from lightning_fedrep.untouched import untouched_random_state
 
 EVALUATION_CHUNK_SAMPLES = 4096

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.runners.lockstep.contract import FeatureSplit, LossFn, mse_per_sample
+from lightning_fedrep.federation.feature_split import FeatureSplit
+from lightning_fedrep.losses import LossFn, mse_per_sample
 from lightning_fedrep.runners.lockstep.side_effects import (
     named_side_effects,
     restored,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_fedrep.federation.objective import Objective
-from lightning_fedrep.runners.lockstep.contract import declared_loss
+from lightning_fedrep.losses import declared_loss
 from lightning_fedrep.split import TensorLayout
 
 if TYPE_CHECKING:
