@@ -14,7 +14,8 @@ import sys
 import warnings
 
 import lightning_fedrep
-from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.registry import ALGORITHMS
 
 OLD_BUILT_INS = [
     (
@@ -54,7 +55,7 @@ OLD_BUILT_INS = [
         "Algorithm(name='local', shares=[])",
     ),
 ]
-"""(name, class, shares, description, repr) of each built-in as ``algorithms.py`` registered it before."""
+"""(name, class, shares, description, repr) of each built-in as ``algorithms.py`` (now ``federation/api/``) registered it before."""
 
 OLD_ORDER = ["fedrep", "fedper", "lg_fedavg", "fedavg", "local", "ditto", "fedprox", "scaffold"]
 
@@ -82,10 +83,10 @@ def test_built_ins_are_classes_identical_to_the_old_instances():
 
 def test_registry_order_is_unchanged_in_a_fresh_process():
     """Catches the registration order changing (``StrategyRegistry`` listing, the command's help), e.g. the
-    built-ins imported after Ditto, and ``import lightning_fedrep.algorithms`` alone not registering them all
-    (a circular import would fail here, in a fresh interpreter, too)."""
+    built-ins imported after Ditto, and ``import lightning_fedrep.federation.api.registry`` alone not registering
+    them all (a circular import would fail here, in a fresh interpreter, too)."""
     code = (
-        "import lightning_fedrep.algorithms as a; print(','.join(a.ALGORITHMS))\n"
+        "import lightning_fedrep.federation.api.registry as a; print(','.join(a.ALGORITHMS))\n"
         "from lightning.pytorch.strategies import StrategyRegistry as R\n"
         "print(','.join(n for n in R.available_strategies() if n.split('_ddp')[0] in a.ALGORITHMS))\n"
     )

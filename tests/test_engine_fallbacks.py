@@ -24,9 +24,9 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
-from lightning_fedrep.collective import Collective
-from lightning_fedrep.federation.feature_split import find_feature_split
-from lightning_fedrep.losses import declared_loss
+from lightning_fedrep.federation.collective import Collective
+from lightning_fedrep.federation.module.feature_split import find_feature_split
+from lightning_fedrep.federation.module.losses import declared_loss
 from lightning_fedrep.runners.lockstep import sizing
 from lightning_fedrep.runners.lockstep.probe import loss_label, probe_problem, vectorize_problem
 from lightning_fedrep.runners.selection import start_engine
@@ -606,7 +606,7 @@ def test_a_declared_split_whose_features_read_the_tuned_names_is_not_used():
     body) are read by ``forward_features``: caching the features would train nothing. ``find_feature_split``
     must refuse it (``None``), and accept the same split for the real head. Fails without ``_features_read``
     (the declared split was trusted for any names)."""
-    from lightning_fedrep.federation.feature_split import find_feature_split
+    from lightning_fedrep.federation.module.feature_split import find_feature_split
     from lightning_fedrep.models import MLPClassifier
 
     torch.manual_seed(0)

@@ -30,35 +30,15 @@ LIGHTNING_MARKER = "<lightning>"
 be confused with the package's own ``lightning/`` folder (design section 6.7)."""
 
 GROUPS: dict[str, tuple[str, ...]] = {
-    "core": (
-        "algorithms",
-        "arguments",
-        "checkpoint_payload",
-        "checkpoints",
-        "collective",
-        "evaluation",
-        "evaluation_records",
-        "federation",
-        "feature_chunks",
-        "head_tuning",
-        "federation.*",  # state, round, live, ranks, store, aggregation (issue 25 step 4)
-        "history",
-        "loss_terms",
-        "losses",
-        "stateless",
-        "plan",
-        "sharding",
-        "split",
-    ),
+    "core": ("federation", "federation.*", "evaluation", "evaluation.*"),
     "runners": ("runners", "runners.*"),
     "lightning face": (
         "lightning",  # our lightning_fedrep/lightning/ folder (the distribution is LIGHTNING_MARKER)
         "lightning.*",
-        "export",  # reads the strategy's checkpoint payload
     ),
-    "callbacks": ("callbacks", "callbacks.*", "participation", "participation.*"),
+    "callbacks": ("callbacks", "callbacks.*"),
     "data loaders": ("data", "data.*"),
-    "app": ("app", "app.*", "newclients"),
+    "app": ("app", "app.*"),
 }
 """Module groups: fnmatch patterns on the dotted module name inside the package (``""`` is the package)."""
 
@@ -238,8 +218,9 @@ def test_pending_violations_still_exist() -> None:
 
 def test_loss_term_type_lives_with_the_algorithm_api() -> None:
     """Catches the loss-term type (``LossTerm``, ``Objective``, ``StepView``, or the deprecated
-    ``VectorizedLossTerm``/``LiveStep``) defined in the callback module (``hooks.py``,
-    ``lightning/callback.py``) again, or ``LossTerm`` moved out of ``federation/objective.py``."""
+    ``VectorizedLossTerm``/``LiveStep``) defined in the callback module (``lightning/callback.py``) again or
+    anywhere outside the algorithm API (``federation/api/``), or ``LossTerm`` moved out of
+    ``federation/api/objective.py``."""
     names = (
         "LossTerm",
         "Objective",
@@ -256,17 +237,21 @@ def test_loss_term_type_lives_with_the_algorithm_api() -> None:
         if isinstance(node, ast.ClassDef) and node.name in names
     }
     assert owners and all(group_of(m) == "core" for m, _ in owners), owners
-    assert ("federation.objective", "LossTerm") in owners, owners
+    assert all(m.startswith("federation.api.") for m, _ in owners), owners
+    assert ("federation.api.objective", "LossTerm") in owners, owners
 
 
 ALGORITHM_API = frozenset(
     {
-        "algorithms",
-        "arguments",
-        "federation.aggregation",
-        "federation.algorithm",
-        "federation.feature_split",
-        "federation.objective",
+        "federation.api.aggregation",
+        "federation.api.algorithm",
+        "federation.api.arguments",
+        "federation.api.declared",
+        "federation.api.exchange",
+        "federation.api.objective",
+        "federation.api.registry",
+        "federation.api.scoring",
+        "federation.module.feature_split",
     }
 )
 """What an algorithm module (``federation/algorithms/<name>.py``) may import: the public algorithm API (with
@@ -316,15 +301,15 @@ def test_planted_violation_is_found() -> None:
     """The checker reads imports inside functions and under TYPE_CHECKING, relative ones included."""
     source = (
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from .data.loaders import RoundLoader\n"
+        "if TYPE_CHECKING:\n    from ..data.loaders import RoundLoader\n"
         "def f():\n    from lightning_fedrep.lightning import callback\n    import lightning.pytorch as pl\n"
     )
-    found = imports_of_source("sharding", source, ROOT / "sharding.py")
+    found = imports_of_source("federation.sharding", source, ROOT / "federation" / "sharding.py")
     assert found == {"data.loaders", "lightning.callback", LIGHTNING_MARKER}
-    assert [line.split(" (")[0] for line in violations({"sharding": frozenset(found)})] == [
-        "sharding imports <lightning>",
-        "sharding imports data.loaders",
-        "sharding imports lightning.callback",
+    assert [line.split(" (")[0] for line in violations({"federation.sharding": frozenset(found)})] == [
+        "federation.sharding imports <lightning>",
+        "federation.sharding imports data.loaders",
+        "federation.sharding imports lightning.callback",
     ]
 
 

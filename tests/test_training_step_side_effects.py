@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 from torchmetrics.classification import Accuracy
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
-from lightning_fedrep.losses import declared_loss
+from lightning_fedrep.federation.module.losses import declared_loss
 from lightning_fedrep.runners.lockstep import side_effects
 from lightning_fedrep.runners.lockstep.probe import loss_label, probe_problem
 from tests.fixtures import quiet_trainer

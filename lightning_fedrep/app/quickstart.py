@@ -19,10 +19,10 @@ from pathlib import Path
 import lightning as L
 
 from lightning_fedrep import FederatedStrategy, RunSummary
-from lightning_fedrep.algorithms import epoch_settings
 from lightning_fedrep.app import report
 from lightning_fedrep.app.quiet import quiet_unactionable_messages
 from lightning_fedrep.data.digits import DigitsDataModule
+from lightning_fedrep.federation.api.epochs import epoch_settings
 from lightning_fedrep.models import MLPClassifier
 
 

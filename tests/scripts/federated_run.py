@@ -34,8 +34,9 @@ from lightning_fedrep import (  # noqa: E402
     FedRep,  # noqa: E402
     HeadFineTuning,
 )
-from lightning_fedrep.algorithms import epoch_settings, register_algorithm  # noqa: E402
 from lightning_fedrep.federation import Stacked  # noqa: E402
+from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
+from lightning_fedrep.federation.api.registry import register_algorithm  # noqa: E402
 
 
 class MedianFedRep(FedRep):

@@ -38,15 +38,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.federation.feature_split import FeatureSplit
-from lightning_fedrep.losses import LossFn, mse_per_sample
+from lightning_fedrep.federation.module.feature_split import FeatureSplit
+from lightning_fedrep.federation.module.losses import LossFn, mse_per_sample
+from lightning_fedrep.federation.module.untouched import untouched_modes, untouched_random_state
 from lightning_fedrep.runners.lockstep.side_effects import (
     named_side_effects,
     restored,
     side_effects,
     state_prints,
 )
-from lightning_fedrep.untouched import untouched_modes, untouched_random_state
 
 ENGINE_LOG = "train/loss"
 """The one metric the engine logs from its steps (the mean loss of the clients that stepped)."""

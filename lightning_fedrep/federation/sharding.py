@@ -2,7 +2,7 @@
 
 Lightning synchronizes the processes at every training step, so every rank must run the same number
 of Lightning steps in a round. :func:`rank_schedule` deals the round's clients to the ranks (balanced by
-steps, :func:`~lightning_fedrep.plan.shard_round`), and pads each rank's part with idle steps to the
+steps, :func:`~lightning_fedrep.federation.plan.shard_round`), and pads each rank's part with idle steps to the
 longest rank's, computing every rank's length locally (no collective). An idle step yields
 :data:`IDLE_STEP` instead of a batch: the strategy runs nothing on it and the optimizer does not step.
 :func:`evaluation_shards` deals the evaluation clients the same way, by samples.
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lightning_fedrep.plan import RoundPlan, shard_round
+from lightning_fedrep.federation.plan import RoundPlan, shard_round
 
 
 class PlanBatches(Protocol):

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.stateless import stateless_call
-from lightning_fedrep.untouched import untouched_modes, untouched_random_state
+from lightning_fedrep.federation.module.stateless import stateless_call
+from lightning_fedrep.federation.module.untouched import untouched_modes, untouched_random_state
 
 PROBE_SAMPLES = 16
 """How many training samples :func:`probe_inputs` takes (batch norm needs more than one)."""

@@ -187,7 +187,7 @@ class EvaluationPass:
     def name_under(self, prefix: str) -> None:
         """Name the pass's results ``prefix + name`` (``finetune/val/acc``): :attr:`key` and
         :meth:`named_metrics` (the logged summary takes the same prefix in
-        :func:`~lightning_fedrep.evaluation_records.pass_values`)."""
+        :func:`~lightning_fedrep.evaluation.records.pass_values`)."""
         self.prefix = prefix
 
     @property

@@ -1,7 +1,7 @@
 """Straggler-resilient participation (SRPFL / FLANP): the callback and the latency models it draws from."""
 
-from lightning_fedrep.participation.adaptive import AdaptiveParticipation
-from lightning_fedrep.participation.latency import (
+from lightning_fedrep.callbacks.participation.adaptive import AdaptiveParticipation
+from lightning_fedrep.callbacks.participation.latency import (
     DynamicExponential,
     FixedExponential,
     LatencyModel,

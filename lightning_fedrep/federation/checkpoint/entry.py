@@ -3,7 +3,7 @@
 share back. Lightning-free: the strategy hands in what it read from the Trainer (whether the run was
 interrupted, whether the round's validation is owed) and writes the returned entry.
 
-The file, version and entry checks are in :mod:`lightning_fedrep.checkpoints`.
+The file, version and entry checks are in :mod:`lightning_fedrep.federation.checkpoint.reading`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from lightning_fedrep.checkpoints import CheckpointError, check_version
-from lightning_fedrep.collective import Collective, to_cpu
 from lightning_fedrep.federation import Federation
+from lightning_fedrep.federation.checkpoint.reading import CheckpointError, check_version
+from lightning_fedrep.federation.collective import Collective, to_cpu
 
 CHECKPOINT_KEY = "lightning_fedrep"
 """Where a checkpoint holds the federation's state (every client's, the open round's, the history)."""

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lightning_fedrep.algorithms import Part, Phase, parse_phases
-from lightning_fedrep.arguments import check_clients_per_round
+from lightning_fedrep.federation.api.algorithm import Part, Phase, parse_phases
+from lightning_fedrep.federation.api.arguments import check_clients_per_round
 
 
 def round_generator(seed: int, *keys: int) -> torch.Generator:
@@ -30,7 +30,7 @@ def round_generator(seed: int, *keys: int) -> torch.Generator:
 
 def num_sampled_clients(num_clients: int, clients_per_round: float | int) -> int:
     """How many clients a round samples: a fraction in (0, 1] of ``num_clients`` (a float, rounded to the
-    nearest count, at least one) or a count (an int); see :func:`~lightning_fedrep.arguments.check_clients_per_round`."""
+    nearest count, at least one) or a count (an int); see :func:`~lightning_fedrep.federation.api.arguments.check_clients_per_round`."""
     clients_per_round = check_clients_per_round(clients_per_round)
     if isinstance(clients_per_round, float):
         share = clients_per_round * num_clients

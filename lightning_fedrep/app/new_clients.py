@@ -9,8 +9,8 @@ import lightning as L
 
 from lightning_fedrep.callbacks.finetuning import HeadFineTuning
 from lightning_fedrep.data.module import FederatedDataModule
+from lightning_fedrep.federation.module.split import HeadSpec
 from lightning_fedrep.lightning.strategy import FederatedStrategy
-from lightning_fedrep.split import HeadSpec
 
 
 def evaluate_new_clients(

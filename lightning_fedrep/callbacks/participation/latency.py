@@ -33,8 +33,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_fedrep.arguments import check_bool, check_choice, check_int, check_real
-from lightning_fedrep.plan import round_generator
+from lightning_fedrep.federation.api.arguments import check_bool, check_choice, check_int, check_real
+from lightning_fedrep.federation.plan import round_generator
 
 __all__ = [
     "DynamicExponential",

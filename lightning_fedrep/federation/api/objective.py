@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedrep.losses import masked_mean
-from lightning_fedrep.stateless import stateless_call
+from lightning_fedrep.federation.module.losses import masked_mean
+from lightning_fedrep.federation.module.stateless import stateless_call
 
 __all__ = [
     "GradTransform",

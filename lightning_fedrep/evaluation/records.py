@@ -1,6 +1,6 @@
 """What an evaluation pass leaves behind: the values logged, the history rows and last-10 means, notes.
 
-Lightning-free: the strategy hands in the finished :class:`~lightning_fedrep.evaluation.EvaluationPass`
+Lightning-free: the strategy hands in the finished :class:`~lightning_fedrep.evaluation.metrics.EvaluationPass`
 and what it read from the Trainer (the batches run, the setting that cut the pass), then logs the values
 and warns with the notes returned here.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass, coverage_note
-from lightning_fedrep.history import LAST_ROUNDS, History
+from lightning_fedrep.evaluation.metrics import ClientMetrics, EvaluationPass, coverage_note
+from lightning_fedrep.federation.history import LAST_ROUNDS, History
 
 
 def gather_pass(evaluation: EvaluationPass, all_gather_object: Callable[[Any], list[Any]]) -> None:

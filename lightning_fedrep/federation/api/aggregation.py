@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedrep.collective import Collective, to_cpu
+from lightning_fedrep.federation.collective import Collective, to_cpu
 
 
 class WeightedAverage:

@@ -1,8 +1,8 @@
-"""The deprecated callback loss-term types (superseded by :mod:`lightning_fedrep.federation.objective`).
+"""The deprecated callback loss-term types (superseded by :mod:`lightning_fedrep.federation.api.objective`).
 
 :class:`LiveStep` is what a callback's deprecated ``loss_term`` is asked for; :class:`VectorizedLossTerm` is
 its pure per-client form (``vectorized_loss_term``). ``FederatedCallback.objective`` adapts both into one
-:class:`~lightning_fedrep.federation.objective.LossTerm`. Free of Lightning, in the core
+:class:`~lightning_fedrep.federation.api.objective.LossTerm`. Free of Lightning, in the core
 (``lightning_fedrep.lightning.callback`` re-exports them).
 """
 
@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Part
+from lightning_fedrep.federation.api.algorithm import Part
 
 __all__ = ["LiveStep", "VectorizedLossTerm", "adds_loss_term", "no_loss_term"]
 

@@ -14,7 +14,7 @@ FedRep-SRPFL, LG-FedAvg gives LG-SRPFL, FedAvg gives FLANP.
   round's last step, which pays for the aggregation, are not timed; ``ClientResult.seconds``) and the
   callback keeps an exponential moving average of each client's seconds per step. A client's expected local time is its planned
   steps times that estimate; a client never measured counts as fastest, so it gets measured.
-* **simulated**: a :class:`~lightning_fedrep.participation.latency.LatencyModel` (fixed or dynamic
+* **simulated**: a :class:`~lightning_fedrep.callbacks.participation.latency.LatencyModel` (fixed or dynamic
   exponential speeds, ...) gives each client's latency in the round; the selection uses the current
   round's draws (the server aggregates the first ``n`` models that come back, Remark 3.1).
 * **both** (``latency=...`` and ``measure=True``): the simulated value multiplies the measured seconds
@@ -39,10 +39,10 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_fedrep.arguments import check_bool, check_int, check_optional_int, check_real
+from lightning_fedrep.callbacks.participation.latency import LatencyModel
+from lightning_fedrep.federation.api.arguments import check_bool, check_int, check_optional_int, check_real
+from lightning_fedrep.federation.plan import RoundPlan, sample_clients
 from lightning_fedrep.lightning.callback import FederatedCallback, RoundResult
-from lightning_fedrep.participation.latency import LatencyModel
-from lightning_fedrep.plan import RoundPlan, sample_clients
 
 __all__ = ["AdaptiveParticipation"]
 

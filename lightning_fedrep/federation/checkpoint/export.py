@@ -9,10 +9,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, get_algorithm
-from lightning_fedrep.checkpoint_payload import CHECKPOINT_KEY
-from lightning_fedrep.checkpoints import check_version, read_checkpoint
-from lightning_fedrep.federation.algorithm import EvaluationSpec, evaluation_spec, scored_tensors
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.registry import ALGORITHMS, get_algorithm
+from lightning_fedrep.federation.api.scoring import EvaluationSpec, evaluation_spec, scored_tensors
+from lightning_fedrep.federation.checkpoint.entry import CHECKPOINT_KEY
+from lightning_fedrep.federation.checkpoint.reading import check_version, read_checkpoint
 from lightning_fedrep.federation.store import ClientStore
 
 

@@ -24,24 +24,19 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from lightning_fedrep.federation.aggregation import Aggregator, WeightedAverage
-    from lightning_fedrep.federation.algorithm import (
-        ClientEnd,
-        ClientOutcome,
-        ClientTensors,
-        EvaluationSpec,
-        ServerState,
-        ServerTensors,
-    )
-    from lightning_fedrep.federation.objective import Objective
-    from lightning_fedrep.split import ParameterSplit
+    from lightning_fedrep.federation.api.aggregation import Aggregator, WeightedAverage
+    from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
+    from lightning_fedrep.federation.api.exchange import ClientEnd, ClientOutcome, ServerState
+    from lightning_fedrep.federation.api.objective import Objective
+    from lightning_fedrep.federation.api.scoring import EvaluationSpec
+    from lightning_fedrep.federation.module.split import ParameterSplit
 
 Part = Literal["head", "body", "all"]
 """What trains in a local phase: the head, the body, or both."""
@@ -157,7 +152,7 @@ class Algorithm:
         ``Stacked(like)`` to receive every client's update in :meth:`aggregate` (``average.updates``,
         ``average.stacked()``): coordinate-wise median, trimmed mean, FedNova, as user code.
         """
-        from lightning_fedrep.federation.aggregation import WeightedMean
+        from lightning_fedrep.federation.api.aggregation import WeightedMean
 
         return WeightedMean(like)
 
@@ -179,7 +174,7 @@ class Algorithm:
 
     def configure_round(self, plan: Any, server: ServerState) -> Any:
         """The round's plan as the algorithm wants it: which clients, which phases, per-client settings.
-        ``plan`` and the return value are :class:`~lightning_fedrep.plan.RoundPlan` (typed loosely: the
+        ``plan`` and the return value are :class:`~lightning_fedrep.federation.plan.RoundPlan` (typed loosely: the
         plan module imports this one).
 
         Called once per round when it is first planned, on every process, before the federated
@@ -199,9 +194,9 @@ class Algorithm:
 
     def objective(self, phase: str) -> Objective:
         """The local objective of a phase training ``phase`` (``"head"``, ``"body"``, ``"all"``): loss terms
-        and step transforms (``lightning_fedrep.federation.objective``), run by both runners where they
+        and step transforms (``lightning_fedrep.federation.api.objective``), run by both runners where they
         are vmappable. Called once per fit and phase part, at ``setup``. The default adds nothing."""
-        from lightning_fedrep.federation.objective import Objective
+        from lightning_fedrep.federation.api.objective import Objective
 
         return Objective()
 
@@ -229,7 +224,7 @@ class Algorithm:
         """What evaluation scores for each client (:class:`~lightning_fedrep.EvaluationSpec`: the personal
         model, the global one, a slot, a mixture; optionally adapted first). Asked once, at ``setup``. The
         default scores ``evaluation_slot`` where it is set, else each client's personal model."""
-        from lightning_fedrep.federation.algorithm import EvaluationSpec
+        from lightning_fedrep.federation.api.scoring import EvaluationSpec
 
         if self.evaluation_slot is not None:
             return EvaluationSpec("slot", slot=self.evaluation_slot)
@@ -245,7 +240,7 @@ class Algorithm:
         by its parameter names): it receives the server state (global shared tensors, server tensors), the
         round's reduction and the clients left out, and returns the new server state and history metrics.
         """
-        from lightning_fedrep.federation.algorithm import ClientOutcome
+        from lightning_fedrep.federation.api.exchange import ClientOutcome
 
         return ClientOutcome(upload=end.shared())
 
@@ -273,7 +268,7 @@ _WARNED_V1: weakref.WeakSet[type] = weakref.WeakSet()
 def _warn_v1_aggregate(algorithm: Algorithm) -> None:
     """A ``DeprecationWarning`` (once per class) when ``algorithm``'s class overrides ``aggregate`` with the v1
     signature ``(global_state, average)``; it still runs (``federation/round.py`` tells the two apart)."""
-    from lightning_fedrep.federation.algorithm import uses_results
+    from lightning_fedrep.federation.api.exchange import uses_results
 
     cls = type(algorithm)
     if cls.aggregate is Algorithm.aggregate or uses_results(algorithm) or cls in _WARNED_V1:
@@ -293,86 +288,4 @@ def _warn_v1_aggregate(algorithm: Algorithm) -> None:
         "server.replace(shared=...) makes the new state).",
         DeprecationWarning,
         stacklevel=level,
-    )
-
-
-ALGORITHMS: dict[str, Algorithm] = {}
-"""The registered algorithms by name (each is also a strategy name after ``import lightning_fedrep``)."""
-
-
-_LISTENERS: list[Callable[[Algorithm], None]] = []
-
-
-def on_register(listener: Callable[[Algorithm], None]) -> None:
-    """Call ``listener(algorithm)`` for every algorithm registered from now on. ``import lightning_fedrep``
-    uses it to add the strategy names (``"name"``, ``"name_ddp"``) to Lightning's registry, so this module
-    stays free of Lightning."""
-    _LISTENERS.append(listener)
-
-
-def register_algorithm(algorithm: Algorithm, *, override: bool = False) -> Algorithm:
-    """Make ``algorithm`` available by name: ``FederatedStrategy(algorithm=algorithm.name)`` and, at any
-    time after ``import lightning_fedrep``, ``Trainer(strategy=algorithm.name)`` and ``"<name>_ddp"``.
-
-    Args:
-        algorithm: the :class:`Algorithm` to register under ``algorithm.name``.
-        override: replace an algorithm registered under the same name (without it, that is an error).
-
-    Returns:
-        ``algorithm``, so a module can write ``MINE = register_algorithm(Mine())``.
-
-    Example:
-        An algorithm that averages only the heads and keeps each client's body, by name:
-
-        >>> import lightning_fedrep
-        >>> from lightning.pytorch.strategies import StrategyRegistry
-        >>> class HeadAverage(lightning_fedrep.Algorithm):
-        ...     def __init__(self):
-        ...         super().__init__("head_average", {"head"}, "average the heads, keep each body")
-        >>> algorithm = lightning_fedrep.register_algorithm(HeadAverage())
-        >>> lightning_fedrep.FederatedStrategy(algorithm="head_average", head="classifier").algorithm.name
-        'head_average'
-        >>> "head_average" in StrategyRegistry and "head_average_ddp" in StrategyRegistry
-        True
-    """
-    if not isinstance(algorithm, Algorithm):
-        raise TypeError(f"register_algorithm takes an Algorithm, got {type(algorithm).__name__}.")
-    if algorithm.name in ALGORITHMS and not override:
-        raise ValueError(f"An algorithm named {algorithm.name!r} is registered already; pass override=True.")
-    ALGORITHMS[algorithm.name] = algorithm
-    for listener in _LISTENERS:
-        listener(algorithm)
-    return algorithm
-
-
-EPOCH_DEFAULTS = {"head_epochs": 10, "body_epochs": 1, "local_epochs": 1}
-"""The strategy's epoch shorthands and their defaults."""
-
-
-def epochs_read(algorithm: Algorithm, epochs: Mapping[str, int]) -> list[str]:
-    """Which of the epoch shorthands ``epochs`` change ``algorithm``'s default phases (FedRep reads
-    ``head_epochs`` and ``body_epochs``, the built-in others ``local_epochs``)."""
-    phases = algorithm.default_phases(**epochs)
-    return [n for n in epochs if algorithm.default_phases(**{**epochs, n: epochs[n] + 1}) != phases]
-
-
-def epoch_settings(algorithm: str | Algorithm, **epochs: int) -> dict[str, int]:
-    """The epoch shorthands among ``epochs`` that ``algorithm`` reads, for a sweep over algorithms with one
-    set of settings: ``FederatedStrategy(algorithm=a, **epoch_settings(a, head_epochs=2, local_epochs=2))``
-    (the strategy refuses a shorthand that has no effect)."""
-    unknown = set(epochs) - set(EPOCH_DEFAULTS)
-    if unknown:
-        raise TypeError(f"epoch_settings takes {sorted(EPOCH_DEFAULTS)}, got {sorted(unknown)}.")
-    read = epochs_read(get_algorithm(algorithm), {**EPOCH_DEFAULTS, **epochs})
-    return {name: value for name, value in epochs.items() if name in read}
-
-
-def get_algorithm(algorithm: str | Algorithm) -> Algorithm:
-    """An algorithm object from a registered name (or the object itself), with an error listing names."""
-    if isinstance(algorithm, Algorithm):
-        return algorithm
-    if isinstance(algorithm, str) and algorithm in ALGORITHMS:
-        return ALGORITHMS[algorithm]
-    raise ValueError(
-        f"Unknown algorithm {algorithm!r}; choose one of {sorted(ALGORITHMS)} or pass an Algorithm object."
     )

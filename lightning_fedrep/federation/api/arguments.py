@@ -126,37 +126,3 @@ def _interval(low: float | None, high: float | None, low_open: bool, high_open: 
     if low is None:
         return f" {'<' if high_open else '<='} {high:g}"
     return f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-
-
-def check_epoch_shorthands(
-    algorithm: Any, phases_given: bool, epochs: dict[str, int], defaults: dict[str, int], owner: str = ""
-) -> None:
-    """Refuse an epoch shorthand (``head_epochs``, ``body_epochs``, ``local_epochs``) set away from its
-    default where it changes nothing: explicit ``phases`` are given, or ``algorithm``'s default phases do
-    not read it (FedAvg has no head phase)."""
-    from lightning_fedrep.algorithms import epochs_read
-
-    changed = {name: value for name, value in epochs.items() if value != defaults[name]}
-    if not changed:
-        return
-    read = epochs_read(algorithm, epochs)
-    for name, value in changed.items():
-        given = f"{owner}({name}={value})" if owner else f"{name}={value}"
-        if phases_given:
-            raise ValueError(
-                f"{given} has no effect: phases=... gives the local work. Drop {name}, or write it into the phases."
-            )
-        if name not in read:
-            phases = ", ".join(_phase_text(p) for p in algorithm.default_phases(**epochs))
-            instead = " and ".join(read) if read else "no epoch setting (use phases=...)"
-            hint = ", or use algorithm='fedrep' for a head phase" if name == "head_epochs" else ""
-            raise ValueError(
-                f"{given} has no effect with algorithm {algorithm.name!r}, whose local work is {phases}, set by "
-                f"{instead}. Drop {name}{hint} (lightning_fedrep.algorithms.epoch_settings keeps only the "
-                "shorthands an algorithm reads)."
-            )
-
-
-def _phase_text(phase: Any) -> str:
-    budget = f"{phase.epochs} epoch(s)" if phase.epochs is not None else f"{phase.steps} step(s)"
-    return f"{phase.train} x {budget}"
