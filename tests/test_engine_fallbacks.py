@@ -270,8 +270,8 @@ def test_forward_returning_a_tuple_falls_back(caplog):
 
 
 def test_dict_batches_fall_back(caplog):
-    """Catches ``'str' object has no attribute 'to'`` in engine/runner.py (fails when ``_batch_problem``
-    returns ``None``)."""
+    """Catches ``'str' object has no attribute 'to'`` in runners/lockstep/engine.py (fails when
+    ``federation.module.batches.batch_problem`` returns ``None``)."""
 
     def data():
         return FederatedDataModule.from_client_datasets(

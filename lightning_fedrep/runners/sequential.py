@@ -11,10 +11,10 @@ from torch import Tensor
 
 from lightning_fedrep.federation import Federation
 from lightning_fedrep.federation.api.objective import Objective, StepOutcome, StepView, pure_loss
+from lightning_fedrep.federation.module.batches import batch_pair
 from lightning_fedrep.federation.module.losses import LossFn
 from lightning_fedrep.federation.plan import RoundPlan
 from lightning_fedrep.federation.run import NOTHING_RAN, Notify, StepLoss, live_view, step_loss
-from lightning_fedrep.runners.lockstep.probe import batch_pair
 
 
 class SequentialRunner:

@@ -26,17 +26,16 @@ import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from lightning_fedrep.federation.api.aggregation import Aggregator, WeightedAverage
-    from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
-    from lightning_fedrep.federation.api.exchange import ClientEnd, ClientOutcome, ServerState
-    from lightning_fedrep.federation.api.objective import Objective
-    from lightning_fedrep.federation.api.scoring import EvaluationSpec
-    from lightning_fedrep.federation.module.split import ParameterSplit
+from lightning_fedrep.federation.api.aggregation import Aggregator, WeightedAverage, WeightedMean
+from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
+from lightning_fedrep.federation.api.exchange import ClientEnd, ClientOutcome, ServerState, uses_results
+from lightning_fedrep.federation.api.objective import Objective
+from lightning_fedrep.federation.api.scoring import EvaluationSpec
+from lightning_fedrep.federation.module.split import ParameterSplit
 
 Part = Literal["head", "body", "all"]
 """What trains in a local phase: the head, the body, or both."""
@@ -152,8 +151,6 @@ class Algorithm:
         ``Stacked(like)`` to receive every client's update in :meth:`aggregate` (``average.updates``,
         ``average.stacked()``): coordinate-wise median, trimmed mean, FedNova, as user code.
         """
-        from lightning_fedrep.federation.api.aggregation import WeightedMean
-
         return WeightedMean(like)
 
     def aggregate(self, global_state: list[Tensor], average: WeightedAverage | Aggregator) -> list[Tensor]:
@@ -196,8 +193,6 @@ class Algorithm:
         """The local objective of a phase training ``phase`` (``"head"``, ``"body"``, ``"all"``): loss terms
         and step transforms (``lightning_fedrep.federation.api.objective``), run by both runners where they
         are vmappable. Called once per fit and phase part, at ``setup``. The default adds nothing."""
-        from lightning_fedrep.federation.api.objective import Objective
-
         return Objective()
 
     def loss_term(self, module: nn.Module, global_state: Mapping[str, Tensor]) -> Tensor | None:
@@ -224,8 +219,6 @@ class Algorithm:
         """What evaluation scores for each client (:class:`~lightning_fedrep.EvaluationSpec`: the personal
         model, the global one, a slot, a mixture; optionally adapted first). Asked once, at ``setup``. The
         default scores ``evaluation_slot`` where it is set, else each client's personal model."""
-        from lightning_fedrep.federation.api.scoring import EvaluationSpec
-
         if self.evaluation_slot is not None:
             return EvaluationSpec("slot", slot=self.evaluation_slot)
         return EvaluationSpec()
@@ -240,8 +233,6 @@ class Algorithm:
         by its parameter names): it receives the server state (global shared tensors, server tensors), the
         round's reduction and the clients left out, and returns the new server state and history metrics.
         """
-        from lightning_fedrep.federation.api.exchange import ClientOutcome
-
         return ClientOutcome(upload=end.shared())
 
     def setup(self, module: nn.Module, split: ParameterSplit, datamodule: Any) -> None:
@@ -268,8 +259,6 @@ _WARNED_V1: weakref.WeakSet[type] = weakref.WeakSet()
 def _warn_v1_aggregate(algorithm: Algorithm) -> None:
     """A ``DeprecationWarning`` (once per class) when ``algorithm``'s class overrides ``aggregate`` with the v1
     signature ``(global_state, average)``; it still runs (``federation/round.py`` tells the two apart)."""
-    from lightning_fedrep.federation.api.exchange import uses_results
-
     cls = type(algorithm)
     if cls.aggregate is Algorithm.aggregate or uses_results(algorithm) or cls in _WARNED_V1:
         return
