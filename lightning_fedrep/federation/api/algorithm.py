@@ -14,7 +14,7 @@ The strategy never checks an algorithm's name. It asks the algorithm object:
 * :meth:`Algorithm.state_dict` — server state the algorithm keeps across rounds (saved in checkpoints).
 
 A new algorithm is a subclass (or an instance) passed as ``FederatedStrategy(algorithm=...)``, or
-registered by name with :func:`register_algorithm`; the strategy needs no change. The built-ins (FedRep,
+registered by name with :func:`~.registry.register_algorithm`; the strategy needs no change. The built-ins (FedRep,
 FedPer, LG-FedAvg, FedAvg, Local Only) are such subclasses, one module each in
 :mod:`lightning_fedrep.federation.algorithms`, registered by ``import lightning_fedrep``.
 """
