@@ -13,8 +13,12 @@ other runtimes can drive a federation directly.
 
 Its parts live in one module each: :mod:`.state` (stored state, fingerprint, ``state_dict``), :mod:`.round`
 (open -> finish client -> close / rollback), :mod:`.live` (the live module, phases, optimizer and evaluation
-swaps), :mod:`.ranks` (clients between processes), over :mod:`.store` (the client store); the round aggregates with
-:mod:`.api.aggregation` (``ClientUpdate``, ``Aggregator``, ``WeightedMean``, ``Stacked``).
+swaps) and :mod:`.ranks` (clients between processes), over :mod:`.store` (the client store); a round
+aggregates with :mod:`.api.aggregation` (``ClientUpdate``, ``Aggregator``, ``WeightedMean``, ``Stacked``).
+The rest of this folder is the core around it: the algorithm API (:mod:`.api`) and the built-in algorithms
+(:mod:`.algorithms`), the user's module as the core sees it (:mod:`.module`), round plans (:mod:`.plan`),
+processes (:mod:`.sharding`, :mod:`.collective`), the run's history (:mod:`.history`), the fit driven step by
+step (:mod:`.run`) and the checkpoint format (:mod:`.checkpoint`).
 """
 
 from __future__ import annotations
