@@ -23,11 +23,11 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule
+from lightning_fedrep.app.new_clients import evaluate_new_clients
 from lightning_fedrep.data.low_rank import LowRankLinearProblem
 from lightning_fedrep.data.subspace import principal_angle_distance
 from lightning_fedrep.lightning.strategy import FederatedStrategy
 from lightning_fedrep.models import LowRankLinear
-from lightning_fedrep.newclients import evaluate_new_clients
 
 
 def synchronize() -> None:

@@ -34,8 +34,8 @@ from torch.nn import functional as F
 
 from lightning_fedrep import FederatedStrategy
 from lightning_fedrep.data.digits import DigitsDataModule
+from lightning_fedrep.federation.plan import round_generator, sample_clients
 from lightning_fedrep.models import MLPClassifier
-from lightning_fedrep.plan import round_generator, sample_clients
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

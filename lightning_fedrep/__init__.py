@@ -9,7 +9,6 @@ processes (``"fedrep_ddp"``, ...: ``Trainer(strategy="fedrep_ddp", devices=2)``)
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase, on_register, register_algorithm
 from lightning_fedrep.callbacks import (
     AdaptiveParticipation,
     FederatedProgressBar,
@@ -20,6 +19,12 @@ from lightning_fedrep.callbacks import (
     RunSummary,
     ValidateAtRounds,
 )
+from lightning_fedrep.callbacks.participation import (
+    DynamicExponential,
+    FixedExponential,
+    LatencyModel,
+    TwoClassExponential,
+)
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.data.partition import (
     ClientSplit,
@@ -29,7 +34,6 @@ from lightning_fedrep.data.partition import (
     Partitioner,
     ShardPartitioner,
 )
-from lightning_fedrep.export import personalized_state_dict
 from lightning_fedrep.federation import (
     ClientFault,
     ClientFaultError,
@@ -38,7 +42,6 @@ from lightning_fedrep.federation import (
     Federation,
     RoundResult,
 )
-from lightning_fedrep.federation.algorithm import EvaluationSpec
 from lightning_fedrep.federation.algorithms import (  # registers every algorithm module, in order
     APFL,
     HFMAML,
@@ -56,7 +59,8 @@ from lightning_fedrep.federation.algorithms import (  # registers every algorith
     PerFedAvg,
     Scaffold,
 )
-from lightning_fedrep.federation.objective import (
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.objective import (
     GradTransform,
     LossTerm,
     Objective,
@@ -65,18 +69,15 @@ from lightning_fedrep.federation.objective import (
     StepRule,
     StepView,
 )
+from lightning_fedrep.federation.api.registry import ALGORITHMS, on_register, register_algorithm
+from lightning_fedrep.federation.api.scoring import EvaluationSpec
+from lightning_fedrep.federation.checkpoint.export import personalized_state_dict
+from lightning_fedrep.federation.module.split import ParameterSplit, SplitError, resolve_split
+from lightning_fedrep.federation.plan import ClientWork, RoundPlan, RoundSpec, StepLocation
 from lightning_fedrep.lightning.callback import FederatedCallback, LiveStep, VectorizedLossTerm
 from lightning_fedrep.lightning.ddp import FederatedDDPStrategy
 from lightning_fedrep.lightning.strategy import CHECKPOINT_KEY, FederatedStrategy, FedRepStrategy
-from lightning_fedrep.participation import (
-    DynamicExponential,
-    FixedExponential,
-    LatencyModel,
-    TwoClassExponential,
-)
-from lightning_fedrep.plan import ClientWork, RoundPlan, RoundSpec, StepLocation
-from lightning_fedrep.runners.report import EngineReport, RunnerReport
-from lightning_fedrep.split import ParameterSplit, SplitError, resolve_split
+from lightning_fedrep.runners.runner_report import EngineReport, RunnerReport
 
 __all__ = [
     "ALGORITHMS",

@@ -814,7 +814,7 @@ def srpfl_recipe(algorithm: str) -> tuple[str, str]:
             "initial_clients": 5,
             "rounds_per_stage": 5,
             "latency": {
-                "class_path": "lightning_fedrep.participation.FixedExponential",
+                "class_path": "lightning_fedrep.callbacks.participation.FixedExponential",
                 "init_args": {"rate": 1.0, "seed": 1},
             },
             "communication_cost": 0.0,
@@ -946,7 +946,7 @@ def srpfl_paper_recipe(data: str, method: str) -> tuple[str, str]:
             "initial_clients": n0,
             "rounds_per_stage": 10,
             "latency": {
-                "class_path": "lightning_fedrep.participation.FixedExponential",
+                "class_path": "lightning_fedrep.callbacks.participation.FixedExponential",
                 "init_args": {"rate": 1.0, "seed": 1},
             },
             "communication_cost": 0.0,
@@ -1117,7 +1117,7 @@ def srpfl_baseline_recipe(data: str, method: str) -> tuple[str, str]:
             "initial_clients": 10 if spec.doubling else None,
             "rounds_per_stage": 10,
             "latency": {
-                "class_path": "lightning_fedrep.participation.FixedExponential",
+                "class_path": "lightning_fedrep.callbacks.participation.FixedExponential",
                 "init_args": {"rate": 1.0, "seed": 1},
             },
             "communication_cost": 0.0,

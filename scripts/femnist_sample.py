@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_fedrep.arguments import check_bool, check_int, check_real
+from lightning_fedrep.federation.api.arguments import check_bool, check_int, check_real
 
 __all__ = ["CLASS_FOLDERS", "load_nist_image", "resample_femnist"]
 

@@ -43,6 +43,7 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     FederatedDDPStrategy,
     FedMTL,
     FedProx,
+    FedRep,
     FedRepStrategy,
     FedRoD,
     FineTunedEvaluation,
@@ -59,16 +60,16 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     TwoClassExponential,
     ValidateAtRounds,
 )
-from lightning_fedrep.algorithms import ALGORITHMS, FedRep
 from lightning_fedrep.app.seeds import parse_seeds, split_seeds  # noqa: F401
-from lightning_fedrep.checkpoints import CheckpointError
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: F401
 from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: F401
 from lightning_fedrep.data.sent140 import Sent140DataModule  # noqa: F401
 from lightning_fedrep.data.vision import EMNISTDataModule  # noqa: F401
 from lightning_fedrep.federation import Stacked
+from lightning_fedrep.federation.api.registry import ALGORITHMS
+from lightning_fedrep.federation.checkpoint.reading import CheckpointError
+from lightning_fedrep.federation.module.split import SplitError
 from lightning_fedrep.models.sent140 import Sent140RNN  # noqa: F401
-from lightning_fedrep.split import SplitError
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule, tiny_datasets
 
 

@@ -12,9 +12,9 @@ import torch
 from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy
-from lightning_fedrep.algorithms import Algorithm, Phase
-from lightning_fedrep.collective import Collective, to_cpu
 from lightning_fedrep.federation import ClientFaultWarning, ClientUpdate, Stacked
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.collective import Collective, to_cpu
 from tests.fixtures import HEAD, TinyNet, client_batches, quiet_trainer, reference_clients, tiny_datamodule
 from tests.test_faults import FaultyNet
 

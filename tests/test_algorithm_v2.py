@@ -13,11 +13,12 @@ import torch
 from torch.nn import functional as F
 
 from lightning_fedrep import FederatedStrategy
-from lightning_fedrep.algorithms import Algorithm, Phase
 from lightning_fedrep.federation import Federation, FederationConfig
-from lightning_fedrep.federation.algorithm import ClientOutcome, ClientTensors, ServerTensors
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
+from lightning_fedrep.federation.api.exchange import ClientOutcome
+from lightning_fedrep.federation.module.split import resolve_layout
 from lightning_fedrep.federation.store import ClientStore
-from lightning_fedrep.split import resolve_layout
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
 from tests.test_federation import Net, client_data, drive_round
 from tests.test_stored_checkpoints import RestoredState, assert_resumed_like, assert_tensors_equal

@@ -126,7 +126,7 @@ def _assert_equal(strategy, w, v):
 
 
 def test_apfl_by_name_has_the_official_alpha():
-    from lightning_fedrep.algorithms import ALGORITHMS
+    from lightning_fedrep.federation.api.registry import ALGORITHMS
 
     algorithm = ALGORITHMS["apfl"]
     assert isinstance(algorithm, APFL) and (algorithm.alpha, algorithm.mixture) == (0.75, "paper")

@@ -11,9 +11,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FedRepStrategy, Phase, personalized_state_dict
-from lightning_fedrep.algorithms import ALGORITHMS, epoch_settings
-from lightning_fedrep.checkpoints import CheckpointError
 from lightning_fedrep.data.partition import ShardPartitioner
+from lightning_fedrep.federation.api.epochs import epoch_settings
+from lightning_fedrep.federation.api.registry import ALGORITHMS
+from lightning_fedrep.federation.checkpoint.reading import CheckpointError
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule, tiny_datasets
 
 # ----------------------------------------------------------------------------- labels

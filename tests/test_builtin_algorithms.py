@@ -13,10 +13,9 @@ import subprocess
 import sys
 import warnings
 
-import pytest
-
 import lightning_fedrep
-from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.registry import ALGORITHMS
 
 OLD_BUILT_INS = [
     (
@@ -56,7 +55,7 @@ OLD_BUILT_INS = [
         "Algorithm(name='local', shares=[])",
     ),
 ]
-"""(name, class, shares, description, repr) of each built-in as ``algorithms.py`` registered it before."""
+"""(name, class, shares, description, repr) of each built-in as ``algorithms.py`` (now ``federation/api/``) registered it before."""
 
 OLD_ORDER = ["fedrep", "fedper", "lg_fedavg", "fedavg", "local", "ditto", "fedprox", "scaffold"]
 
@@ -64,12 +63,10 @@ OLD_ORDER = ["fedrep", "fedper", "lg_fedavg", "fedavg", "local", "ditto", "fedpr
 def test_built_ins_are_classes_identical_to_the_old_instances():
     """Catches a built-in that changed in the move: its name, shares, description or repr (e.g. FedPer's repr
     becoming ``FedPer(...)``), its default phases (e.g. FedRep's body phase first), or a class that is not the
-    registered instance's type, not exported by the package, or not reachable from ``lightning_fedrep.algorithms``
-    (``from lightning_fedrep.algorithms import FedRep``, the old import path)."""
+    registered instance's type or not exported by the package."""
     for name, cls_name, shares, description, text in OLD_BUILT_INS:
         cls = getattr(lightning_fedrep, cls_name)
         assert cls.__module__ == f"lightning_fedrep.federation.algorithms.{name}"
-        assert getattr(lightning_fedrep.algorithms, cls_name) is cls
         registered = ALGORITHMS[name]
         assert type(registered) is cls and issubclass(cls, Algorithm)
         for algorithm in (registered, cls()):
@@ -82,19 +79,14 @@ def test_built_ins_are_classes_identical_to_the_old_instances():
             joint = (Phase("all", epochs=3),)
             split = (Phase("head", epochs=7), Phase("body", epochs=2))
             assert algorithm.default_phases(7, 2, 3) == (split if name == "fedrep" else joint)
-    from lightning_fedrep.algorithms import FedRep
-
-    assert FedRep is lightning_fedrep.FedRep
-    with pytest.raises(AttributeError, match="no attribute 'FedRepp'"):
-        lightning_fedrep.algorithms.FedRepp  # noqa: B018
 
 
 def test_registry_order_is_unchanged_in_a_fresh_process():
     """Catches the registration order changing (``StrategyRegistry`` listing, the command's help), e.g. the
-    built-ins imported after Ditto, and ``import lightning_fedrep.algorithms`` alone not registering them all
-    (a circular import would fail here, in a fresh interpreter, too)."""
+    built-ins imported after Ditto, and ``import lightning_fedrep.federation.api.registry`` alone not registering
+    them all (a circular import would fail here, in a fresh interpreter, too)."""
     code = (
-        "import lightning_fedrep.algorithms as a; print(','.join(a.ALGORITHMS))\n"
+        "import lightning_fedrep.federation.api.registry as a; print(','.join(a.ALGORITHMS))\n"
         "from lightning.pytorch.strategies import StrategyRegistry as R\n"
         "print(','.join(n for n in R.available_strategies() if n.split('_ddp')[0] in a.ALGORITHMS))\n"
     )

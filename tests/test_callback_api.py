@@ -22,7 +22,7 @@ from lightning_fedrep import (
     HeadFineTuning,
     personalized_state_dict,
 )
-from lightning_fedrep.participation import AdaptiveParticipation, FixedExponential
+from lightning_fedrep.callbacks.participation import AdaptiveParticipation, FixedExponential
 from tests.fixtures import (
     MarkedTinyNet,
     TinyNet,

@@ -151,7 +151,10 @@ def test_print_config_shows_the_strategy_arguments(tmp_path, monkeypatch, capsys
 
 def test_console_script_exits_zero_on_help():
     run = subprocess.run(
-        [sys.executable, "-m", "lightning_fedrep.cli", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "lightning_fedrep.app.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0 and "fit" in run.stdout
 
@@ -206,7 +209,7 @@ def test_every_strategy_argument_has_help_text_and_short_class_names_work(capsys
     import inspect
 
     from lightning_fedrep import FederatedDDPStrategy, FederatedStrategy
-    from lightning_fedrep.strategy import FederatedStrategyMixin
+    from lightning_fedrep.lightning.strategy import FederatedStrategyMixin
 
     def arguments(function):
         return [n for n in inspect.signature(function).parameters if n not in ("self", "kwargs", "args")]
@@ -232,7 +235,7 @@ def test_a_run_prints_no_message_a_user_cannot_act_on(tmp_path):
         [
             sys.executable,
             "-m",
-            "lightning_fedrep.cli",
+            "lightning_fedrep.app.cli",
             "fit",
             "--config",
             str(RECIPES / "digits" / "fedrep.yaml"),

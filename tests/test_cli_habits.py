@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from lightning_fedrep.app.cli import build_cli, main
 from lightning_fedrep.app.refusals import Refused, refusal_message
-from lightning_fedrep.arguments import check_int
+from lightning_fedrep.federation.api.arguments import check_int
 from tests.fixtures import MarkedTinyNet, documented_pages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def command(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
     env.pop("LIGHTNING_FEDREP_TRACEBACK", None)
     return subprocess.run(
-        [sys.executable, "-m", "lightning_fedrep.cli", *args],
+        [sys.executable, "-m", "lightning_fedrep.app.cli", *args],
         capture_output=True,
         text=True,
         cwd=cwd,

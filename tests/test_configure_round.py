@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn import functional as F
 
 from lightning_fedrep import CHECKPOINT_KEY, FederatedStrategy
-from lightning_fedrep.algorithms import Algorithm
+from lightning_fedrep.federation.api.algorithm import Algorithm
 from tests.fixtures import quiet_trainer, reference_generator, tiny_datamodule
 from tests.test_engine_equivalence import LossNet
 

@@ -287,7 +287,7 @@ def test_a_recipe_on_two_processes_through_the_command_writes_its_outputs_once(t
     command = [
         sys.executable,
         "-m",
-        "lightning_fedrep.cli",
+        "lightning_fedrep.app.cli",
         "fit",
         "--config",
         str(REPOSITORY / "recipes" / "digits" / "fedrep.yaml"),

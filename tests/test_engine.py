@@ -24,9 +24,9 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, Phase
-from lightning_fedrep.algorithms import epoch_settings
-from lightning_fedrep.engine import module_reasons, trainer_reasons
+from lightning_fedrep.federation.api.epochs import epoch_settings
 from lightning_fedrep.lightning.constraints import constraints_of
+from lightning_fedrep.runners.lockstep import module_reasons, trainer_reasons
 from tests.fixtures import quiet_trainer
 
 EQUAL = (24,) * 6

@@ -18,7 +18,7 @@ from lightning_fedrep import (
 )
 from lightning_fedrep.callbacks import NeuralCollapse
 from lightning_fedrep.callbacks.neural_collapse_metrics import class_masks, nc_regularizer
-from lightning_fedrep.federation.objective import LossTerm, StepView
+from lightning_fedrep.federation.api.objective import LossTerm, StepView
 from tests.fixtures import quiet_trainer
 from tests.test_engine_equivalence import DeclaredNet, LossNet, assert_same
 

@@ -13,8 +13,8 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
-from lightning_fedrep.algorithms import epoch_settings
-from lightning_fedrep.engine import sizing
+from lightning_fedrep.federation.api.epochs import epoch_settings
+from lightning_fedrep.runners.lockstep import sizing
 from tests.fixtures import HEAD, TinyNet, client_batches, quiet_trainer, reference_clients, tiny_datamodule
 
 

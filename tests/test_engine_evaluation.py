@@ -8,8 +8,8 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
-from lightning_fedrep.algorithms import epoch_settings
 from lightning_fedrep.callbacks import HeadFineTuning
+from lightning_fedrep.federation.api.epochs import epoch_settings
 from tests.fixtures import TinyNet, quiet_trainer
 
 

@@ -3,7 +3,7 @@ back (``engine="auto"``, one line naming the reason) or refuses (``engine="vecto
 line says what it really does (issue 23, items 1, 2 and the engine's messages of item 8).
 
 The engine never runs ``training_step``: it trains the declared ``fedrep_loss``. On probe batches it
-now runs the step and compares (``lightning_fedrep.engine.probe``). The reference for "what the step
+now runs the step and compares (``lightning_fedrep.runners.lockstep.probe``). The reference for "what the step
 trains" is the sequential path (the user's ``training_step``, itself checked against plain PyTorch loops
 in ``tests/test_engine_equivalence.py``), and closed forms where a message is about a number.
 """
@@ -24,11 +24,12 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
-from lightning_fedrep.collective import Collective
-from lightning_fedrep.engine import declared_loss, find_feature_split
-from lightning_fedrep.engine.probe import loss_label, probe_problem, vectorize_problem
-from lightning_fedrep.engine.selection import start_engine
+from lightning_fedrep.federation.collective import Collective
+from lightning_fedrep.federation.module.feature_split import find_feature_split
+from lightning_fedrep.federation.module.losses import declared_loss
 from lightning_fedrep.runners.lockstep import sizing
+from lightning_fedrep.runners.lockstep.probe import loss_label, probe_problem, vectorize_problem
+from lightning_fedrep.runners.selection import start_engine
 from tests.fixtures import quiet_trainer, reference_generator
 
 SIZES = (24, 17, 30, 9)
@@ -269,8 +270,8 @@ def test_forward_returning_a_tuple_falls_back(caplog):
 
 
 def test_dict_batches_fall_back(caplog):
-    """Catches ``'str' object has no attribute 'to'`` in engine/runner.py (fails when ``_batch_problem``
-    returns ``None``)."""
+    """Catches ``'str' object has no attribute 'to'`` in runners/lockstep/engine.py (fails when
+    ``federation.module.batches.batch_problem`` returns ``None``)."""
 
     def data():
         return FederatedDataModule.from_client_datasets(
@@ -605,8 +606,8 @@ def test_a_declared_split_whose_features_read_the_tuned_names_is_not_used():
     body) are read by ``forward_features``: caching the features would train nothing. ``find_feature_split``
     must refuse it (``None``), and accept the same split for the real head. Fails without ``_features_read``
     (the declared split was trusted for any names)."""
+    from lightning_fedrep.federation.module.feature_split import find_feature_split
     from lightning_fedrep.models import MLPClassifier
-    from lightning_fedrep.runners.lockstep.contract import find_feature_split
 
     torch.manual_seed(0)
     module = MLPClassifier().eval()

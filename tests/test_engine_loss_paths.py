@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_fedrep.losses import cross_entropy_per_sample, mse_per_sample
+from lightning_fedrep.federation.module.losses import cross_entropy_per_sample, mse_per_sample
+from lightning_fedrep.federation.module.stateless import has_tied_tensors, stateless_call
 from lightning_fedrep.runners.lockstep.engine import PER_SAMPLE_LOSSES, lane_mean_losses
-from lightning_fedrep.stateless import has_tied_tensors, stateless_call
 from tests.test_engine import Net, assert_same, fit
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_fedrep.engine.optimizers import StackedSGD, ViewOptimizers, client_optimizers
+from lightning_fedrep.runners.lockstep.optimizers import StackedSGD, ViewOptimizers, client_optimizers
 
 SGD_SETTINGS = [
     dict(lr=0.1),

@@ -7,8 +7,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_fedrep import FederatedStrategy, feature_chunks
-from lightning_fedrep.engine import sizing
+from lightning_fedrep import FederatedStrategy
+from lightning_fedrep.federation.module import feature_chunks
+from lightning_fedrep.runners.lockstep import sizing
 from lightning_fedrep.runners.lockstep.group import ClientGroup
 from tests.fixtures import quiet_trainer, tiny_datamodule
 from tests.test_engine_equivalence import DeclaredNet, LossNet, assert_same

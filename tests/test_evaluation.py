@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy
-from lightning_fedrep.evaluation import summarize
+from lightning_fedrep.evaluation.metrics import summarize
 from tests.fixtures import (
     HEAD,
     TinyNet,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_fedrep import FedRepStrategy, FineTunedEvaluation
-from lightning_fedrep.algorithms import epoch_settings
+from lightning_fedrep.federation.api.epochs import epoch_settings
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
 
 HEAD = ("classifier.weight", "classifier.bias")
@@ -425,8 +425,8 @@ def test_cached_features_in_the_cpu_chunks_score_as_one_pass(monkeypatch):
     (``feature_chunks.feature_chunk_of`` its inputs): at the smallest chunk, 32 samples, an
     80-sample client takes three passes, and every client scores as with one pass. Catches dropping all but
     the first chunk (the features then miss samples and the scores differ) or ignoring the rule."""
-    from lightning_fedrep import feature_chunks
     from lightning_fedrep.callbacks import evaluation_finetuning
+    from lightning_fedrep.federation.module import feature_chunks
 
     one_pass = fine_tuned_metrics(True, HeadlineNet, "sequential")
     chunks = []

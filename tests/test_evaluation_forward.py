@@ -25,8 +25,10 @@ from lightning_fedrep import (
     FineTunedEvaluation,
     Phase,
 )
-from lightning_fedrep.federation.algorithm import ClientOutcome, ClientTensors, ServerTensors, scoring_forward
-from lightning_fedrep.runners.report import PER_BATCH_FORWARD
+from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
+from lightning_fedrep.federation.api.exchange import ClientOutcome
+from lightning_fedrep.federation.api.scoring import scoring_forward
+from lightning_fedrep.runners.runner_report import PER_BATCH_FORWARD
 from tests.fixtures import quiet_trainer, tiny_datamodule
 from tests.test_ditto import _xy
 from tests.test_engine_equivalence import DeclaredNet

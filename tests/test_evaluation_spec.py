@@ -242,6 +242,6 @@ def test_the_default_evaluation_follows_evaluation_slot():
     Fails if the default ignores ``evaluation_slot`` (Ditto would score its global model)."""
     assert Ditto().evaluation() == EvaluationSpec("slot", slot="personal")
     assert ScoredDitto(EvaluationSpec()).evaluation() == EvaluationSpec("personal")
-    from lightning_fedrep.algorithms import get_algorithm
+    from lightning_fedrep.federation.api.registry import get_algorithm
 
     assert get_algorithm("fedrep").evaluation() == EvaluationSpec("personal")

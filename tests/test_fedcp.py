@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_fedrep import DirichletPartitioner, FedCP, FederatedDataModule, FederatedStrategy
-from lightning_fedrep.federation.algorithm import ServerTensors
+from lightning_fedrep.federation.api.declared import ServerTensors
 from tests.fixtures import client_batches, quiet_trainer, reference_clients, tiny_datasets
 from tests.test_ditto import _xy
 from tests.test_engine_equivalence import DeclaredNet, LossNet
@@ -310,7 +310,7 @@ def test_a_callable_init_and_shapes_of_declared_tensors():
     generator)``: the shapes come from the groups' shapes, the generator is seeded from the seed and the name
     (same seed: same values; another seed or name: others), and a value of another shape is refused naming the
     declaration. Fails if the generator is not reseeded per name (two names draw one stream)."""
-    from lightning_fedrep.federation.algorithm import declared_names, declared_templates
+    from lightning_fedrep.federation.api.declared import declared_names, declared_templates
 
     groups = {"head": {"fc.weight": torch.zeros(3, 5)}, "body": {}}
     spec = ServerTensors("z", shapes=lambda g: {"a": (g["head"]["fc.weight"][1],), "b": (5,)}, init=_uniform)
@@ -404,7 +404,7 @@ def test_bad_arguments_name_themselves(arguments):
 
 
 def test_fedcp_by_name():
-    from lightning_fedrep.algorithms import ALGORITHMS
+    from lightning_fedrep.federation.api.registry import ALGORITHMS
 
     algorithm = ALGORITHMS["fedcp"]
     assert isinstance(algorithm, FedCP) and algorithm.lamda == 5.0 and algorithm.shares == {"body"}

@@ -12,12 +12,13 @@ from torch import nn
 from torch.nn import functional as F
 
 import lightning_fedrep.federation as federation_module
-from lightning_fedrep.algorithms import ALGORITHMS, Algorithm, Phase
-from lightning_fedrep.clients import ClientStore
 from lightning_fedrep.federation import Federation, FederationConfig
-from lightning_fedrep.plan import plan_round
-from lightning_fedrep.server import WeightedAverage
-from lightning_fedrep.split import SplitError, resolve_layout
+from lightning_fedrep.federation.api.aggregation import WeightedAverage
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.registry import ALGORITHMS
+from lightning_fedrep.federation.module.split import SplitError, resolve_layout
+from lightning_fedrep.federation.plan import plan_round
+from lightning_fedrep.federation.store import ClientStore
 
 HEAD = ("head.weight", "head.bias")
 
@@ -432,10 +433,10 @@ def test_the_core_imports_no_lightning():
                     todo.append(module.removeprefix("lightning_fedrep."))
     assert {
         "federation",
-        "algorithms",
-        "plan",
+        "federation.api.algorithm",
+        "federation.plan",
         "federation.store",
-        "federation.aggregation",
-        "split",
-        "history",
+        "federation.api.aggregation",
+        "federation.module.split",
+        "federation.history",
     } <= seen

@@ -18,8 +18,8 @@ from torch.nn import functional as F
 
 from lightning_fedrep import DirichletPartitioner, FederatedDataModule, FederatedStrategy, FedRoD
 from lightning_fedrep.federation.algorithms.fedrod import client_label_counts
-from lightning_fedrep.federation.objective import StepView, pure_loss
-from lightning_fedrep.split import ParameterSplit
+from lightning_fedrep.federation.api.objective import StepView, pure_loss
+from lightning_fedrep.federation.module.split import ParameterSplit
 from tests.fixtures import client_batches, quiet_trainer, reference_clients, tiny_datasets
 from tests.test_ditto import _xy
 from tests.test_engine_equivalence import LossNet
@@ -172,7 +172,7 @@ def test_evaluation_scores_the_summed_logits_of_both_heads():
 
 
 def test_fedrod_by_name_reads_the_label_counts_from_the_data():
-    from lightning_fedrep.algorithms import ALGORITHMS
+    from lightning_fedrep.federation.api.registry import ALGORITHMS
 
     algorithm = ALGORITHMS["fedrod"]
     assert isinstance(algorithm, FedRoD) and algorithm.label_counts == "data" and algorithm.needs_split
@@ -242,7 +242,7 @@ def test_label_counts_from_the_data_need_a_federated_data_module():
 
 def test_a_module_without_a_head_split_is_refused_at_setup():
     """FedRoD needs the head (``needs_split``): without ``head=`` nor ``fedrep_head`` the set-up refuses."""
-    from lightning_fedrep.split import SplitError
+    from lightning_fedrep.federation.module.split import SplitError
 
     with pytest.raises(SplitError, match="head="):
         fit(FedRoD(), engine="sequential", head=None)

@@ -24,8 +24,8 @@ import torch
 from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy, RunSummary
-from lightning_fedrep.algorithms import epoch_settings
 from lightning_fedrep.callbacks import HeadFineTuning
+from lightning_fedrep.federation.api.epochs import epoch_settings
 from tests.fixtures import HEAD, TinyNet, client_batches, quiet_trainer, tiny_datamodule
 
 ROUNDS = 3

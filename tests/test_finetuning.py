@@ -9,9 +9,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy
-from lightning_fedrep.algorithms import epoch_settings
+from lightning_fedrep.app.new_clients import evaluate_new_clients
 from lightning_fedrep.callbacks import HeadFineTuning
-from lightning_fedrep.newclients import evaluate_new_clients
+from lightning_fedrep.federation.api.epochs import epoch_settings
 from tests.fixtures import HEAD, MarkedTinyNet, TinyNet, client_batches, quiet_trainer, tiny_datamodule
 
 ROUNDS = 3

@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from lightning_fedrep import FedRepStrategy
-from lightning_fedrep.algorithms import epoch_settings
+from lightning_fedrep.federation.api.epochs import epoch_settings
 from tests.fixtures import HEAD, TinyNet, client_batches, quiet_trainer, reference_clients, tiny_datamodule
 
 

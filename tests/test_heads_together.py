@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from lightning_fedrep import FederatedDataModule, FedRepStrategy, FineTunedEvaluation, head_tuning
+from lightning_fedrep import FederatedDataModule, FedRepStrategy, FineTunedEvaluation
 from lightning_fedrep.callbacks import evaluation_finetuning
-from lightning_fedrep.head_tuning import ClientHead, HeadFineTuning, NotBatchable
+from lightning_fedrep.evaluation import head_tuning
+from lightning_fedrep.evaluation.head_tuning import ClientHead, HeadFineTuning, NotBatchable
+from lightning_fedrep.federation.module.losses import NAMED_LOSSES
 from lightning_fedrep.lightning import api
-from lightning_fedrep.losses import NAMED_LOSSES
 from lightning_fedrep.runners.lockstep import heads_together
 from tests.fixtures import TinyNet, quiet_trainer
 

@@ -126,7 +126,7 @@ def test_the_hessian_term_matters_here():
 
 def test_hf_maml_by_name_has_the_official_settings():
     """``"hf_maml"`` is registered with the official alpha 1e-2, delta 1e-3 and the paper's three batches."""
-    from lightning_fedrep.algorithms import ALGORITHMS
+    from lightning_fedrep.federation.api.registry import ALGORITHMS
 
     algorithm = ALGORITHMS["hf_maml"]
     assert isinstance(algorithm, HFMAML)

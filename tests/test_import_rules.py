@@ -1,9 +1,9 @@
 """The package's dependency rules (docs/architecture.md), checked by reading every module's imports.
 
 The rules are data: :data:`GROUPS` puts modules into groups by dotted name (relative to the package),
-:data:`RULES` says which group must not import which, and :data:`PENDING` lists the violations that are
-known and scheduled (issue 25), each of which must still exist (so a fixed one is taken off the list).
-Later sessions extend the tables as folders move.
+:data:`WITHIN` nests a group inside a larger one, :data:`RULES` says which group must not import which, and
+:data:`PENDING` lists the violations that are known and scheduled (issue 39's later steps), each of which
+must still exist (so a fixed one is taken off the list). Later sessions extend the tables as folders move.
 
 Which imports count: every ``import`` / ``from ... import`` statement in a module, at module level,
 inside functions and under ``if TYPE_CHECKING:`` alike. A function-local import is a dependency that is
@@ -30,45 +30,27 @@ LIGHTNING_MARKER = "<lightning>"
 be confused with the package's own ``lightning/`` folder (design section 6.7)."""
 
 GROUPS: dict[str, tuple[str, ...]] = {
-    "core": (
-        "algorithms",
-        "arguments",
-        "checkpoint_payload",
-        "checkpoints",
-        "clients",
-        "collective",
-        "evaluation",
-        "evaluation_records",
-        "federation",
-        "feature_chunks",
-        "head_tuning",
-        "federation.*",  # state, round, live, ranks, store, aggregation (issue 25 step 4)
-        "history",
-        "loss_terms",
-        "losses",
-        "stateless",
-        "plan",
-        "server",
-        "sharding",
-        "split",
-    ),
-    "runners": ("engine", "engine.*", "runners", "runners.*"),
+    # the first group whose pattern matches names a module: the narrower groups come first
+    "algorithm modules": ("federation.algorithms", "federation.algorithms.*"),
+    "core": ("federation", "federation.*"),
+    "evaluation": ("evaluation", "evaluation.*"),
+    "sequential runner": ("runners.sequential",),
+    "vectorized runner": ("runners.lockstep", "runners.lockstep.*"),
+    "runners": ("runners", "runners.*"),
     "lightning face": (
         "lightning",  # our lightning_fedrep/lightning/ folder (the distribution is LIGHTNING_MARKER)
         "lightning.*",
-        "strategy",  # the shims below: old import paths of moved modules
-        "distributed",
-        "hooks",
-        "trainer_checks",
-        "lightning_internals",
-        "captured_logs",
-        "export",  # reads the strategy's checkpoint payload
     ),
-    "callbacks": ("callbacks", "callbacks.*", "participation", "participation.*"),
+    "callbacks": ("callbacks", "callbacks.*"),
     "data loaders": ("data", "data.*"),
-    "app": ("app", "app.*", "cli", "quickstart", "newclients"),  # top-level cli, quickstart: ``-m`` shims
+    "app": ("app", "app.*"),
 }
-"""Module groups: fnmatch patterns on the dotted module name inside the package (``""`` is the package)."""
+"""Module groups: fnmatch patterns on the dotted module name inside the package (``""`` is the package).
+The algorithm modules are held to more than the core's rules: they import only the algorithm API
+(:func:`test_algorithm_modules_are_written_on_the_public_api`)."""
+
+WITHIN: dict[str, str] = {"sequential runner": "runners", "vectorized runner": "runners"}
+"""A group inside a larger one: its modules are the larger group's too, and its rules hold for them."""
 
 
 @dataclass(frozen=True)
@@ -79,16 +61,28 @@ class Rule:
 
 
 RULES: tuple[Rule, ...] = (
+    Rule("core", "algorithm modules", "the core reaches algorithms by name, through the registry they fill"),
+    Rule("core", "evaluation", "evaluation scores what the core holds; the core does not score"),
     Rule("core", "runners", "the federation core knows no engine; runners build on it"),
     Rule("core", "lightning face", "the core is driven by the strategy, never the other way round"),
     Rule("core", "callbacks", "callbacks plug into the core, the core does not know them"),
     Rule("core", "data loaders", "the core takes loaders through small protocols (sharding.PlanBatches)"),
     Rule("core", "app", "the command and reports sit on top of everything"),
     Rule("core", "lightning", "the federation core runs without Lightning"),
+    Rule("evaluation", "runners", "runners evaluate with it, it does not know them"),
+    Rule("evaluation", "lightning face", "the face logs what an evaluation pass leaves"),
+    Rule("evaluation", "callbacks", "callbacks ask for evaluation, it does not know them"),
+    Rule("evaluation", "data loaders", "evaluation reads batches it is handed"),
+    Rule("evaluation", "app", "the command and reports sit on top of everything"),
+    Rule("evaluation", "lightning", "evaluation runs without Lightning"),
     Rule("runners", "lightning face", "runners use the core's types (loss_terms, not hooks)"),
     Rule("runners", "lightning", "runners read the Trainer through Constraints, built by the face"),
     Rule("runners", "callbacks", "runners see callbacks only through duck-typed hooks"),
+    Rule("runners", "data loaders", "runners take their batches through the core's protocols"),
     Rule("runners", "app", "the command and reports sit on top of everything"),
+    Rule("sequential runner", "vectorized runner", "the plain runner stands alone beside the engine"),
+    Rule("lightning face", "vectorized runner", "the face drives runners through Runner and the selection"),
+    Rule("lightning face", "callbacks", "the face knows the callback API, not the concrete callbacks"),
     Rule("lightning face", "app", "the command and reports sit on top of everything"),
     Rule("callbacks", "runners", "callbacks use the public API, never runner internals"),
     Rule("callbacks", "app", "callbacks do not reach into the command layer"),
@@ -99,8 +93,26 @@ RULES: tuple[Rule, ...] = (
 )
 """Group ``source`` must not import group ``forbidden`` (``"lightning"``: the Lightning packages)."""
 
-PENDING: frozenset[tuple[str, str]] = frozenset()
-"""Known violations ``(module, imported module or "lightning")``, to be fixed by the named issue items."""
+FACE_TO_ENGINE = "issue 39 step 2/3: the face reaches the vectorized runner's internals"
+FACE_TO_CALLBACKS = "issue 39 step 2/3: the face builds concrete callbacks"
+ENGINE_TO_LOADERS = (
+    "issue 39 step 2/3: the vectorized runner reads the loaders' types (a core protocol instead)"
+)
+
+PENDING: dict[tuple[str, str], str] = {
+    ("lightning.api", "runners.lockstep.engine"): FACE_TO_ENGINE,
+    ("lightning.api", "runners.lockstep.evaluation"): FACE_TO_ENGINE,
+    ("lightning.api", "runners.lockstep.heads_together"): FACE_TO_ENGINE,
+    ("lightning.loading", "runners.lockstep.evaluation"): FACE_TO_ENGINE,
+    ("lightning.strategy", "runners.lockstep.evaluation"): FACE_TO_ENGINE,
+    ("lightning.strategy", "runners.lockstep.fusion"): FACE_TO_ENGINE,
+    ("lightning.strategy", "callbacks.progress"): FACE_TO_CALLBACKS,
+    ("lightning.evaluating", "callbacks.evaluation_finetuning"): FACE_TO_CALLBACKS,
+    ("runners.lockstep.engine", "data.loaders"): ENGINE_TO_LOADERS,
+    ("runners.lockstep.evaluation", "data.loaders"): ENGINE_TO_LOADERS,
+    ("runners.lockstep.schedule", "data.loaders"): ENGINE_TO_LOADERS,
+}
+"""Known violations ``(module, imported module or "<lightning>")`` with the issue item that fixes each."""
 
 
 def _module_name(path: Path) -> str:
@@ -171,15 +183,34 @@ def group_of(module: str) -> str | None:
     return None
 
 
+def groups_of(module: str) -> list[str]:
+    """The module's group and every group that group lies :data:`WITHIN`, narrowest first."""
+    groups = []
+    group = group_of(module)
+    while group is not None:
+        groups.append(group)
+        group = WITHIN.get(group)
+    return groups
+
+
+def broken_rule(module: str, target: str) -> Rule | None:
+    """The first rule that ``module`` importing ``target`` breaks (any of their groups), or ``None``."""
+    forbidden = {(r.source, r.forbidden): r for r in RULES}
+    for source in groups_of(module):
+        for imported in groups_of(target):
+            if (source, imported) in forbidden:
+                return forbidden[source, imported]
+    return None
+
+
 def violations(graph: dict[str, frozenset[str]]) -> list[str]:
     """Every import that breaks a rule and is not pending, as readable lines."""
-    forbidden = {(r.source, r.forbidden): r.why for r in RULES}
     found = []
     for module, imported in sorted(graph.items()):
         for target in sorted(imported):
-            why = forbidden.get((group_of(module), group_of(target)))
-            if why is not None and (module, target) not in PENDING:
-                found.append(f"{module} imports {target} ({group_of(module)} -> {group_of(target)}: {why})")
+            rule = broken_rule(module, target)
+            if rule is not None and (module, target) not in PENDING:
+                found.append(f"{module} imports {target} ({rule.source} -> {rule.forbidden}: {rule.why})")
     return found
 
 
@@ -211,13 +242,12 @@ def _package_graph() -> dict[str, frozenset[str]]:
     return {m: imports_of(m) for m in modules()}
 
 
-def _module_graph() -> dict[str, frozenset[str]]:
-    """Imports between modules, leaving out the package ``__init__`` files: importing ``a.b`` runs ``a``
-    first anyway, and a package that re-exports its modules is no circle."""
-    packages = {m for m, p in modules().items() if p.name == "__init__.py"}
-    return {
-        m: frozenset(i for i in imports_of(m) if i not in packages) for m in modules() if m not in packages
-    }
+def _import_graph() -> dict[str, frozenset[str]]:
+    """Imports between the package's modules, package ``__init__`` files included (Lightning left out): a
+    package that imports its own modules closes no circle by itself, but a module that imports the package back
+    does (``algorithms.py``'s ``__getattr__`` imported ``federation/algorithms/__init__.py``, whose algorithm
+    modules import ``algorithms.py``: the circle of issue 39)."""
+    return {m: frozenset(i for i in imports_of(m) if i != LIGHTNING_MARKER) for m in modules()}
 
 
 # ----------------------------------------------------------------------------- the rules, today
@@ -232,22 +262,35 @@ def test_groups_name_existing_modules() -> None:
             )
 
 
+def test_rules_name_existing_groups() -> None:
+    """A rule or a nesting that names no group (a typo, a renamed group) would check nothing."""
+    known = set(GROUPS) | {"lightning"}
+    assert {g for r in RULES for g in (r.source, r.forbidden)} - known == set()
+    assert set(WITHIN) | set(WITHIN.values()) <= set(GROUPS)
+
+
 def test_dependency_rules_hold() -> None:
-    """Catches any import that breaks a rule, e.g. ``engine/runner.py`` importing ``VectorizedLossTerm`` from
-    ``lightning_fedrep.hooks`` again, or ``sharding.py`` importing ``data.loaders`` under TYPE_CHECKING."""
+    """Catches any import that breaks a rule, e.g. ``runners/lockstep/engine.py`` importing ``VectorizedLossTerm``
+    from ``lightning_fedrep.lightning.callback``, ``federation/sharding.py`` importing ``data.loaders`` under
+    TYPE_CHECKING, ``federation/api/registry.py`` importing the built-in algorithm modules, or
+    ``runners/sequential.py`` importing ``runners.lockstep.probe`` again."""
     assert violations(_package_graph()) == []
 
 
 def test_pending_violations_still_exist() -> None:
-    """A pending violation that was fixed must leave :data:`PENDING` (else it would be allowed back)."""
+    """A pending violation that was fixed must leave :data:`PENDING` (else it would be allowed back), and each
+    one breaks a rule (else it is no violation) and names the issue item that fixes it."""
     graph = _package_graph()
     assert {(m, t) for m, t in PENDING if t not in graph.get(m, ())} == set()
+    assert {(m, t) for m, t in PENDING if broken_rule(m, t) is None} == set()
+    assert all(note.startswith("issue ") for note in PENDING.values())
 
 
 def test_loss_term_type_lives_with_the_algorithm_api() -> None:
     """Catches the loss-term type (``LossTerm``, ``Objective``, ``StepView``, or the deprecated
-    ``VectorizedLossTerm``/``LiveStep``) defined in the callback module (``hooks.py``,
-    ``lightning/callback.py``) again, or ``LossTerm`` moved out of ``federation/objective.py``."""
+    ``VectorizedLossTerm``/``LiveStep``) defined in the callback module (``lightning/callback.py``) again or
+    anywhere outside the algorithm API (``federation/api/``), or ``LossTerm`` moved out of
+    ``federation/api/objective.py``."""
     names = (
         "LossTerm",
         "Objective",
@@ -264,20 +307,21 @@ def test_loss_term_type_lives_with_the_algorithm_api() -> None:
         if isinstance(node, ast.ClassDef) and node.name in names
     }
     assert owners and all(group_of(m) == "core" for m, _ in owners), owners
-    assert ("federation.objective", "LossTerm") in owners, owners
-    from lightning_fedrep.hooks import VectorizedLossTerm
-
-    assert VectorizedLossTerm is lightning_fedrep.VectorizedLossTerm  # the old import path works
+    assert all(m.startswith("federation.api.") for m, _ in owners), owners
+    assert ("federation.api.objective", "LossTerm") in owners, owners
 
 
 ALGORITHM_API = frozenset(
     {
-        "algorithms",
-        "arguments",
-        "federation.aggregation",
-        "federation.algorithm",
-        "federation.feature_split",
-        "federation.objective",
+        "federation.api.aggregation",
+        "federation.api.algorithm",
+        "federation.api.arguments",
+        "federation.api.declared",
+        "federation.api.exchange",
+        "federation.api.objective",
+        "federation.api.registry",
+        "federation.api.scoring",
+        "federation.module.feature_split",
     }
 )
 """What an algorithm module (``federation/algorithms/<name>.py``) may import: the public algorithm API (with
@@ -311,13 +355,14 @@ def test_commands_live_in_the_app_layer() -> None:
     re-sampling's main back in ``data/femnist_sample.py`` (data-preparation commands go to ``scripts/``)."""
     trees = {m: ast.parse(path.read_text()) for m, path in modules().items()}
     commands = {m for m, tree in trees.items() if any(map(_is_main_guard, tree.body))}
-    assert {"app.cli", "cli", "quickstart"} <= commands  # the checker sees the commands that exist
+    assert {"app.cli", "app.quickstart"} <= commands  # the checker sees the commands that exist
     assert {m for m in commands if group_of(m) != "app"} == set()
 
 
 def test_no_import_cycle() -> None:
-    """Catches a circle such as data/loaders -> sharding -> engine/schedule -> data/loaders (issue 25)."""
-    assert find_cycle(_module_graph()) is None
+    """Catches a circle such as data/loaders -> sharding -> engine/schedule -> data/loaders (issue 25), or
+    the registry importing the algorithm modules back through ``federation/algorithms/__init__.py`` (issue 39)."""
+    assert find_cycle(_import_graph()) is None
 
 
 # ----------------------------------------------------------------------------- the checker itself
@@ -327,16 +372,35 @@ def test_planted_violation_is_found() -> None:
     """The checker reads imports inside functions and under TYPE_CHECKING, relative ones included."""
     source = (
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from .data.loaders import RoundLoader\n"
-        "def f():\n    from lightning_fedrep import hooks\n    import lightning.pytorch as pl\n"
+        "if TYPE_CHECKING:\n    from ..data.loaders import RoundLoader\n"
+        "def f():\n    from lightning_fedrep.lightning import callback\n    import lightning.pytorch as pl\n"
     )
-    found = imports_of_source("sharding", source, ROOT / "sharding.py")
-    assert found == {"data.loaders", "hooks", LIGHTNING_MARKER}
-    assert [line.split(" (")[0] for line in violations({"sharding": frozenset(found)})] == [
-        "sharding imports <lightning>",
-        "sharding imports data.loaders",
-        "sharding imports hooks",
+    found = imports_of_source("federation.sharding", source, ROOT / "federation" / "sharding.py")
+    assert found == {"data.loaders", "lightning.callback", LIGHTNING_MARKER}
+    assert [line.split(" (")[0] for line in violations({"federation.sharding": frozenset(found)})] == [
+        "federation.sharding imports <lightning>",
+        "federation.sharding imports data.loaders",
+        "federation.sharding imports lightning.callback",
     ]
+
+
+def test_planted_violations_of_nested_groups_are_found() -> None:
+    """A group :data:`WITHIN` another is held to its own rules and to the outer group's: the sequential runner
+    importing the vectorized runner breaks its own rule, importing the Lightning face breaks the runners'."""
+    graph = {
+        "runners.sequential": frozenset({"runners.lockstep.probe", "lightning.strategy", "federation.plan"})
+    }
+    assert [line.split(" (")[0] for line in violations(graph)] == [
+        "runners.sequential imports lightning.strategy",
+        "runners.sequential imports runners.lockstep.probe",
+    ]
+    assert (
+        broken_rule("runners.selection", "runners.lockstep.engine") is None
+    )  # the runners choose between both
+    assert (
+        broken_rule("federation.api.registry", "federation.algorithms.fedrep").forbidden
+        == "algorithm modules"
+    )
 
 
 def test_planted_cycle_is_found() -> None:

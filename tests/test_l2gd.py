@@ -17,8 +17,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn import functional as F
 
 from lightning_fedrep import L2GD, DirichletPartitioner, FederatedDataModule, FederatedStrategy, Phase
-from lightning_fedrep.algorithms import ALGORITHMS, Algorithm
-from lightning_fedrep.federation.algorithm import ClientOutcome, ClientTensors
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.declared import ClientTensors
+from lightning_fedrep.federation.api.exchange import ClientOutcome
+from lightning_fedrep.federation.api.registry import ALGORITHMS
 from tests.fixtures import (
     quiet_trainer,
     reference_clients,

@@ -1,6 +1,6 @@
 """Pins every Lightning behaviour the package relies on beyond its documented hooks.
 
-Each test names one behaviour (see ``lightning_fedrep/lightning_internals.py`` and the strategy's hook
+Each test names one behaviour (see ``lightning_fedrep/lightning/internals.py`` and the strategy's hook
 docstrings) and runs it on a plain ``SingleDeviceStrategy`` subclass and a sized iterable, without the
 federated strategy, so a Lightning upgrade that changes it fails here, by name.
 """
@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressB
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from lightning_fedrep import lightning_internals as internals
+from lightning_fedrep.lightning import internals
 from tests.fixtures import quiet_trainer
 
 

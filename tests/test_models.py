@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from lightning_fedrep.federation.module.split import resolve_split
 from lightning_fedrep.models import CIFAR10CNN, CIFAR100CNN, FEMNISTMLP
-from lightning_fedrep.split import resolve_split
 
 # (model factory, input shape, total parameters, head name, head parameters) from pfl-libraries.md §4.1
 MODELS = [

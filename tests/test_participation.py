@@ -17,17 +17,17 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from benchmarks.srpfl.reference import srpfl_linear_reference, time_to_reach
 from lightning_fedrep import FedRepStrategy, Phase
-from lightning_fedrep.data.low_rank import FreshSampleRoundLoader, LowRankLinearDataModule
-from lightning_fedrep.data.subspace import principal_angle_distance
-from lightning_fedrep.models import LowRankLinear
-from lightning_fedrep.participation import (
+from lightning_fedrep.callbacks.participation import (
     AdaptiveParticipation,
     DynamicExponential,
     FixedExponential,
     TwoClassExponential,
     exponential_order_statistic_mean,
 )
-from lightning_fedrep.plan import plan_round
+from lightning_fedrep.data.low_rank import FreshSampleRoundLoader, LowRankLinearDataModule
+from lightning_fedrep.data.subspace import principal_angle_distance
+from lightning_fedrep.federation.plan import plan_round
+from lightning_fedrep.models import LowRankLinear
 from tests.fixtures import (
     MarkedTinyNet,
     quiet_trainer,
@@ -611,7 +611,7 @@ def test_dynamic_means_resampled_every_round_as_the_official_resample_option():
     """``parameter="mean", resample=True`` (the official ``--resample``): every round each client draws a
     new mean from U[1, 100], so a client's latencies in two rounds are uncorrelated; drawn once (the
     paper), they are correlated through the client's mean (corr = Var(s) / (E[s^2] + Var(s)) = 0.196)."""
-    from lightning_fedrep.participation.latency import DynamicExponential
+    from lightning_fedrep.callbacks.participation.latency import DynamicExponential
 
     def correlation(model):
         a, b = model.sample(0, 5000), model.sample(1, 5000)

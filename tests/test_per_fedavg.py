@@ -130,7 +130,7 @@ def test_the_second_order_term_matters_here():
 
 def test_per_fedavg_by_name_has_the_official_settings():
     """``"per_fedavg"`` is registered with the paper's step, the official inner lr ``lr * 0.001`` and 80/20 split."""
-    from lightning_fedrep.algorithms import ALGORITHMS
+    from lightning_fedrep.federation.api.registry import ALGORITHMS
 
     algorithm = ALGORITHMS["per_fedavg"]
     assert isinstance(algorithm, PerFedAvg)

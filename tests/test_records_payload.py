@@ -9,11 +9,11 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 
-from lightning_fedrep.checkpoint_payload import read_federated_entry, this_rank_state
-from lightning_fedrep.checkpoints import CheckpointError
-from lightning_fedrep.evaluation import EvaluationPass
-from lightning_fedrep.evaluation_records import non_finite_note, partial_pass_note, pass_values
-from lightning_fedrep.history import History
+from lightning_fedrep.evaluation.metrics import EvaluationPass
+from lightning_fedrep.evaluation.records import non_finite_note, partial_pass_note, pass_values
+from lightning_fedrep.federation.checkpoint.entry import read_federated_entry, this_rank_state
+from lightning_fedrep.federation.checkpoint.reading import CheckpointError
+from lightning_fedrep.federation.history import History
 
 
 def _pass(accs: dict[int, float], sizes: dict[int, int]) -> EvaluationPass:

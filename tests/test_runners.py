@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from lightning_fedrep.algorithms import Phase
-from lightning_fedrep.collective import Collective
+from lightning_fedrep.federation.api.algorithm import Phase
+from lightning_fedrep.federation.collective import Collective
+from lightning_fedrep.federation.plan import plan_round
 from lightning_fedrep.federation.run import NOTHING_RAN, CallbackBus, FederatedRun
-from lightning_fedrep.plan import plan_round
 from lightning_fedrep.runners.sharded import Sharded
 
 SIZES = [7, 41, 13, 22, 30, 9]

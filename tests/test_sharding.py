@@ -5,9 +5,9 @@ all-reduce adds up."""
 import pytest
 import torch
 
-from lightning_fedrep.algorithms import Phase
-from lightning_fedrep.plan import plan_fingerprint, plan_round, shard_round
-from lightning_fedrep.server import WeightedAverage
+from lightning_fedrep.federation.api.aggregation import WeightedAverage
+from lightning_fedrep.federation.api.algorithm import Phase
+from lightning_fedrep.federation.plan import plan_fingerprint, plan_round, shard_round
 
 SIZES = [7, 41, 13, 22, 30, 9, 55, 18, 3, 26]
 PHASES = (Phase("head", epochs=2), Phase("body", epochs=1))
@@ -88,10 +88,10 @@ def test_sharded_averages_summed_as_one_vector_equal_the_single_process_average(
 
 
 # ---------------------------------------------------------------------- rank schedules and idle steps
-from lightning_fedrep.clients import ClientStore  # noqa: E402
 from lightning_fedrep.data.loaders import ClientData, EvalLoader, RoundLoader  # noqa: E402
-from lightning_fedrep.evaluation import ClientMetrics  # noqa: E402
-from lightning_fedrep.sharding import IDLE_STEP, evaluation_shards, rank_schedule  # noqa: E402
+from lightning_fedrep.evaluation.metrics import ClientMetrics  # noqa: E402
+from lightning_fedrep.federation.sharding import IDLE_STEP, evaluation_shards, rank_schedule  # noqa: E402
+from lightning_fedrep.federation.store import ClientStore  # noqa: E402
 
 
 def round_loader(sizes=SIZES, batch_size=5):
@@ -193,7 +193,7 @@ def test_a_client_record_moves_its_whole_state_to_another_store():
 
 
 def test_a_sharded_store_holds_its_own_and_borrowed_clients_and_names_the_owner_of_the_others():
-    from lightning_fedrep.clients import ClientNotHeld
+    from lightning_fedrep.federation.store import ClientNotHeld
 
     store = ClientStore([torch.zeros(2)])
     for client in range(5):

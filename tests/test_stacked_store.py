@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from lightning_fedrep.clients import ClientStore
+from lightning_fedrep.federation.store import ClientStore
 
 
 def _template() -> list[torch.Tensor]:

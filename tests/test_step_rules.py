@@ -19,8 +19,8 @@ from lightning_fedrep import (
     StepOutcome,
     StepRule,
 )
-from lightning_fedrep.algorithms import Algorithm
-from lightning_fedrep.federation.algorithm import ClientTensors
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.declared import ClientTensors
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
 from tests.test_engine_equivalence import LossNet
 

@@ -26,8 +26,8 @@ from torch.utils.data import TensorDataset
 from torchmetrics.classification import Accuracy
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
+from lightning_fedrep.federation.module.losses import declared_loss
 from lightning_fedrep.runners.lockstep import side_effects
-from lightning_fedrep.runners.lockstep.contract import declared_loss
 from lightning_fedrep.runners.lockstep.probe import loss_label, probe_problem
 from tests.fixtures import quiet_trainer
 

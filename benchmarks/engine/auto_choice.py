@@ -35,7 +35,7 @@ from _common import RoundClock, add_device_argument, device_label, make_trainer,
 from scaling import make_data as clients_data  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy  # noqa: E402
-from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
+from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
 from lightning_fedrep.models import CIFAR10CNN, MLPClassifier  # noqa: E402
 
 SAMPLES, BATCH, HEAD_EPOCHS, BODY_EPOCHS = 50, 10, 10, 1

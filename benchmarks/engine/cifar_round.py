@@ -60,7 +60,7 @@ from _common import (  # noqa: E402
 )
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, ShardPartitioner  # noqa: E402
-from lightning_fedrep.feature_chunks import feature_chunk_of  # noqa: E402
+from lightning_fedrep.federation.module.feature_chunks import feature_chunk_of  # noqa: E402
 from lightning_fedrep.models import CIFAR10CNN  # noqa: E402
 from lightning_fedrep.models.optim import fedrep_sgd  # noqa: E402
 

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import make_trainer, quiet  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, IIDPartitioner  # noqa: E402
-from lightning_fedrep.algorithms import epoch_settings, get_algorithm  # noqa: E402
+from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
+from lightning_fedrep.federation.api.registry import get_algorithm  # noqa: E402
 from lightning_fedrep.models import MLPClassifier  # noqa: E402
 from lightning_fedrep.models.optim import fedrep_sgd  # noqa: E402
 

@@ -84,7 +84,7 @@ from torch import Tensor  # noqa: E402
 from benchmarks._common import Stopwatch, format_table, print_footer, quiet  # noqa: E402
 from lightning_fedrep.data.low_rank import LowRankLinearProblem, make_low_rank_problem  # noqa: E402
 from lightning_fedrep.data.subspace import method_of_moments_init, principal_angle_distance  # noqa: E402
-from lightning_fedrep.plan import num_sampled_clients, sample_clients  # noqa: E402
+from lightning_fedrep.federation.plan import num_sampled_clients, sample_clients  # noqa: E402
 
 METHODS = ("fedrep", "10gd-gd", "gd-gd")
 LABELS = {"fedrep": "FedRep", "10gd-gd": "10GD-GD", "gd-gd": "GD-GD", "local": "Local Only"}

@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.srpfl.reference import srpfl_linear_reference, time_to_reach  # noqa: E402
 from lightning_fedrep import FederatedStrategy, Phase  # noqa: E402
+from lightning_fedrep.callbacks.participation import AdaptiveParticipation, FixedExponential  # noqa: E402
 from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: E402
 from lightning_fedrep.data.subspace import principal_angle_distance  # noqa: E402
 from lightning_fedrep.models import LowRankLinear  # noqa: E402
-from lightning_fedrep.participation import AdaptiveParticipation, FixedExponential  # noqa: E402
 
 TARGETS = (0.2, 0.1, 0.05, 0.03)
 COSTS = (0.0, 1.0, 5.0, 10.0)

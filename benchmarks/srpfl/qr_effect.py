@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.srpfl.reference import srpfl_linear_reference, time_to_reach  # noqa: E402
+from lightning_fedrep.callbacks.participation import FixedExponential  # noqa: E402
 from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: E402
-from lightning_fedrep.participation import FixedExponential  # noqa: E402
 
 TARGETS = (0.2, 0.1, 0.05, 0.03)
 

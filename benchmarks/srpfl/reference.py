@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedrep.data.low_rank import LowRankLinearProblem
-from lightning_fedrep.plan import round_generator
+from lightning_fedrep.federation.plan import round_generator
 
 
 def subspace_distance(estimate: Tensor, truth: Tensor) -> float:

@@ -60,9 +60,9 @@ from lightning_fedrep.app.runfolder import (
 )
 from lightning_fedrep.callbacks.run_files import write_rows
 from lightning_fedrep.callbacks.summary import RunSummary
-from lightning_fedrep.checkpoints import CheckpointError, read_checkpoint
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.federation import FederationMismatch
+from lightning_fedrep.federation.checkpoint.reading import CheckpointError, read_checkpoint
 from lightning_fedrep.lightning import internals
 from lightning_fedrep.lightning.strategy import FederatedStrategyMixin
 

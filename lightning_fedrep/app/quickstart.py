@@ -1,6 +1,6 @@
 """The README's quickstart: FedRep on scikit-learn's digits, offline, on the CPU.
 
-Run with ``make demo`` or ``python -m lightning_fedrep.quickstart``. It trains FedRep (20 clients,
+Run with ``make demo`` or ``python -m lightning_fedrep.app.quickstart``. It trains FedRep (20 clients,
 2 classes each, half of them per round) and, for comparison, FedAvg's single global model on the same
 data, then prints each client's personalized test accuracy and writes ``runs/quickstart/summary.json``, each
 run's folder (``runs/quickstart/fedrep``, ``.../fedavg``: tables and figures) and both runs' accuracy
@@ -19,10 +19,10 @@ from pathlib import Path
 import lightning as L
 
 from lightning_fedrep import FederatedStrategy, RunSummary
-from lightning_fedrep.algorithms import epoch_settings
 from lightning_fedrep.app import report
 from lightning_fedrep.app.quiet import quiet_unactionable_messages
 from lightning_fedrep.data.digits import DigitsDataModule
+from lightning_fedrep.federation.api.epochs import epoch_settings
 from lightning_fedrep.models import MLPClassifier
 
 

@@ -6,7 +6,7 @@ A refusal is an error raised on purpose about a setting:
 - the command's own (:class:`Refused`: an unknown strategy name, a ``ckpt_path`` that is not a file or
   belongs to another federation);
 - a ``ValueError`` or ``TypeError`` raised by a ``raise`` statement of this package or of Lightning: the
-  argument checks of the strategy, the data modules, the callbacks (``lightning_fedrep.arguments``) and
+  argument checks of the strategy, the data modules, the callbacks (``lightning_fedrep.federation.api.arguments``) and
   what the fit's set-up refuses (more clients per round than the data hold, a head that matches nothing);
 - Lightning's ``MisconfigurationException`` (its own class for a refused setting).
 

@@ -16,24 +16,24 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_fedrep.algorithms import PART_GROUPS
-from lightning_fedrep.arguments import check_bool, check_choice, check_int, check_real
 from lightning_fedrep.data.loaders import datasets_are_deterministic
-from lightning_fedrep.feature_chunks import FEATURE_CHUNK, feature_chunk_of
-from lightning_fedrep.federation import RoundResult
-from lightning_fedrep.head_tuning import (
+from lightning_fedrep.evaluation.head_tuning import (
     HEADS_TOGETHER_BYTES,
     ClientHead,
     HeadFineTuning,
     NotBatchable,
     groups_by_bytes,
 )
+from lightning_fedrep.federation import RoundResult
+from lightning_fedrep.federation.api.algorithm import PART_GROUPS
+from lightning_fedrep.federation.api.arguments import check_bool, check_choice, check_int, check_real
+from lightning_fedrep.federation.module.feature_chunks import FEATURE_CHUNK, feature_chunk_of
+from lightning_fedrep.federation.module.losses import NAMED_LOSSES, declared_loss
+from lightning_fedrep.federation.module.stateless import StatelessCall, stateless_call
+from lightning_fedrep.federation.module.untouched import untouched_random_state
 from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.internals import configured_learning_rate, configured_optimizers
-from lightning_fedrep.losses import NAMED_LOSSES, declared_loss
 from lightning_fedrep.models.optim import weight_decay_groups
-from lightning_fedrep.stateless import StatelessCall, stateless_call
-from lightning_fedrep.untouched import untouched_random_state
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 OptimizerFactory = Callable[[list[Tensor]], Optimizer]
@@ -488,7 +488,7 @@ class FineTunedEvaluation(FederatedCallback):
         self, trainer: L.Trainer, client: int, size: int, device: torch.device
     ) -> tuple[Tensor, ...]:
         """The client's sample positions ``0 .. size - 1`` in chunks of one feature pass each
-        (:func:`~lightning_fedrep.feature_chunks.feature_chunk` of a sample's input bytes, read once: from the
+        (:func:`~lightning_fedrep.federation.module.feature_chunks.feature_chunk` of a sample's input bytes, read once: from the
         first client with samples)."""
         positions = torch.arange(size)
         if not size:
@@ -668,7 +668,7 @@ class FineTunedEvaluation(FederatedCallback):
             return self._loss_fn(self._stateless(pl_module)(state, inputs), target).float().mean()
 
     def _stateless(self, pl_module: L.LightningModule) -> StatelessCall:
-        """``pl_module``'s forward on given tensors (:func:`~lightning_fedrep.stateless.stateless_call`), made once
+        """``pl_module``'s forward on given tensors (:func:`~lightning_fedrep.federation.module.stateless.stateless_call`), made once
         per module."""
         if self._forward is None or self._forward[0] is not pl_module:
             self._forward = (pl_module, stateless_call(pl_module))

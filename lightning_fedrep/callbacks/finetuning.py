@@ -6,11 +6,11 @@ from typing import Any, Literal
 
 import lightning as L
 
-from lightning_fedrep.algorithms import Phase
-from lightning_fedrep.arguments import check_choice, check_int
+from lightning_fedrep.federation.api.algorithm import Phase
+from lightning_fedrep.federation.api.arguments import check_choice, check_int
+from lightning_fedrep.federation.plan import RoundPlan
 from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.internals import set_max_rounds
-from lightning_fedrep.plan import RoundPlan
 
 FINETUNE_PREFIX = "finetune/"
 """What the names of a fine-tuning round's validation carry in front: ``finetune/val/acc`` (the summary over

@@ -30,7 +30,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from lightning_fedrep.arguments import check_bool, check_choice, check_int, check_optional_int, check_real
 from lightning_fedrep.callbacks.neural_collapse_metrics import (
     class_masks,
     global_nc2,
@@ -42,9 +41,16 @@ from lightning_fedrep.callbacks.neural_collapse_metrics import (
 )
 from lightning_fedrep.data.module import dataset_labels
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.federation.objective import LossTerm, Objective, StepView
+from lightning_fedrep.federation.api.arguments import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_optional_int,
+    check_real,
+)
+from lightning_fedrep.federation.api.objective import LossTerm, Objective, StepView
+from lightning_fedrep.federation.plan import round_generator
 from lightning_fedrep.lightning.callback import FederatedCallback
-from lightning_fedrep.plan import round_generator
 
 __all__ = ["NeuralCollapse"]
 

@@ -11,10 +11,10 @@ import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from lightning_fedrep.arguments import check_bool
 from lightning_fedrep.callbacks.figures import FIGURES, run_figures, save
 from lightning_fedrep.callbacks.finetuning import HeadFineTuning
 from lightning_fedrep.callbacks.run_files import HISTORY, write_run_files, write_stage_files
+from lightning_fedrep.federation.api.arguments import check_bool
 from lightning_fedrep.lightning.callback import FederatedCallback
 
 

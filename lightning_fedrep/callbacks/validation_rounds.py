@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_fedrep.arguments import check_int, check_optional_int
+from lightning_fedrep.federation.api.arguments import check_int, check_optional_int
 
 _NEVER = 2**62
 """A ``check_val_every_n_epoch`` no run reaches: Lightning validates when ``(epoch + 1) % n == 0``."""

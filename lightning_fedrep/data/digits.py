@@ -7,9 +7,9 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import TensorDataset
 
-from lightning_fedrep.arguments import check_real
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.data.partition import Partitioner, ShardPartitioner
+from lightning_fedrep.federation.api.arguments import check_real
 
 
 def load_digits_tensors(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_fedrep.data.loaders import ClientData
-from lightning_fedrep.untouched import untouched_modes
+from lightning_fedrep.federation.module.untouched import untouched_modes
 
 
 def has_string_labels(targets: Any) -> bool:

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from lightning_fedrep.arguments import check_choice
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.data.partition import NaturalPartitioner
+from lightning_fedrep.federation.api.arguments import check_choice
 
 __all__ = ["LEAFDataModule", "read_leaf_dir"]
 

@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
-from lightning_fedrep.plan import RoundPlan, round_generator, steps_per_epoch
-from lightning_fedrep.sharding import IDLE_STEP, evaluation_shards
+from lightning_fedrep.federation.plan import RoundPlan, round_generator, steps_per_epoch
+from lightning_fedrep.federation.sharding import IDLE_STEP, evaluation_shards
 
 
 @dataclass(frozen=True)
@@ -227,7 +227,7 @@ class EvalLoader:
     ``chunk`` was called, ``ClientChunk`` items of many clients each (batched evaluation).
 
     On several processes (``shard``) each rank yields only its share of the clients, then idle items
-    (``lightning_fedrep.sharding.IDLE_STEP``) up to the longest rank's length, so every rank ends
+    (``lightning_fedrep.federation.sharding.IDLE_STEP``) up to the longest rank's length, so every rank ends
     the pass at the same batch.
 
     Args:

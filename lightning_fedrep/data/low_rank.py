@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
-from lightning_fedrep.arguments import check_bool, check_int, check_real
 from lightning_fedrep.data.loaders import ClientData, RoundLoader, _BatchFetcher
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.data.subspace import method_of_moments_init
-from lightning_fedrep.plan import round_generator
+from lightning_fedrep.federation.api.arguments import check_bool, check_int, check_real
+from lightning_fedrep.federation.plan import round_generator
 
 __all__ = [
     "LowRankLinearDataModule",

@@ -10,7 +10,6 @@ import lightning as L
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from lightning_fedrep.arguments import check_bool, check_int, check_real
 from lightning_fedrep.data.labels import (
     has_string_labels,
     integer_labels_error,
@@ -19,7 +18,8 @@ from lightning_fedrep.data.labels import (
 )
 from lightning_fedrep.data.loaders import ClientData, EvalLoader, RoundLoader, _BatchFetcher
 from lightning_fedrep.data.partition import Partitioner
-from lightning_fedrep.plan import round_generator
+from lightning_fedrep.federation.api.arguments import check_bool, check_int, check_real
+from lightning_fedrep.federation.plan import round_generator
 
 
 def dataset_labels(dataset: Dataset, name: str = "The data set") -> torch.Tensor:

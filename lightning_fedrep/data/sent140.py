@@ -25,8 +25,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from lightning_fedrep.arguments import check_int
 from lightning_fedrep.data.leaf import LEAFDataModule
+from lightning_fedrep.federation.api.arguments import check_int
 
 __all__ = ["GLOVE_SOURCE", "Sent140DataModule", "read_word_vectors", "split_words", "tokenize"]
 

@@ -30,10 +30,10 @@ from typing import Any, ClassVar, Literal
 
 from torch.utils.data import Dataset
 
-from lightning_fedrep.arguments import check_bool, check_int
 from lightning_fedrep.data.loaders import ClientData
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.data.partition import Partitioner, ShardPartitioner
+from lightning_fedrep.federation.api.arguments import check_bool, check_int
 
 __all__ = [
     "CIFAR100DataModule",

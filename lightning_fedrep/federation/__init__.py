@@ -8,13 +8,17 @@ module's own parameters (never rebinding them), so the optimizers keep working:
     plan(r) -> open_round(plan) -> [load_client(c) -> begin_step/end_step ... -> finish_client()]*
             -> close_round()
 
-The Lightning strategy (:mod:`lightning_fedrep.strategy`) calls these from its hooks; tests and
+The Lightning strategy (:mod:`lightning_fedrep.lightning.strategy`) calls these from its hooks; tests and
 other runtimes can drive a federation directly.
 
 Its parts live in one module each: :mod:`.state` (stored state, fingerprint, ``state_dict``), :mod:`.round`
 (open -> finish client -> close / rollback), :mod:`.live` (the live module, phases, optimizer and evaluation
-swaps), :mod:`.ranks` (clients between processes), :mod:`.store` (the client store) and
-:mod:`.aggregation` (``ClientUpdate``, ``Aggregator``, ``WeightedMean``, ``Stacked``).
+swaps) and :mod:`.ranks` (clients between processes), over :mod:`.store` (the client store); a round
+aggregates with :mod:`.api.aggregation` (``ClientUpdate``, ``Aggregator``, ``WeightedMean``, ``Stacked``).
+The rest of this folder is the core around it: the algorithm API (:mod:`.api`) and the built-in algorithms
+(:mod:`.algorithms`), the user's module as the core sees it (:mod:`.module`), round plans (:mod:`.plan`),
+processes (:mod:`.sharding`, :mod:`.collective`), the run's history (:mod:`.history`), the fit driven step by
+step (:mod:`.run`) and the checkpoint format (:mod:`.checkpoint`).
 """
 
 from __future__ import annotations
@@ -26,9 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.algorithms import Algorithm, Part
-from lightning_fedrep.collective import Collective
-from lightning_fedrep.federation.aggregation import (
+from lightning_fedrep.federation.api.aggregation import (
     Aggregator,
     ClientFault,
     ClientUpdate,
@@ -36,7 +38,12 @@ from lightning_fedrep.federation.aggregation import (
     WeightedAverage,
     WeightedMean,
 )
+from lightning_fedrep.federation.api.algorithm import Algorithm, Part
+from lightning_fedrep.federation.collective import Collective
+from lightning_fedrep.federation.history import History
 from lightning_fedrep.federation.live import LiveModule
+from lightning_fedrep.federation.module.split import TensorLayout
+from lightning_fedrep.federation.plan import RoundPlan
 from lightning_fedrep.federation.ranks import RankTransfer
 from lightning_fedrep.federation.round import (
     ClientFaultError,
@@ -57,9 +64,6 @@ from lightning_fedrep.federation.state import (
     fingerprint_changes,
 )
 from lightning_fedrep.federation.store import ClientStore
-from lightning_fedrep.history import History
-from lightning_fedrep.plan import RoundPlan
-from lightning_fedrep.split import TensorLayout
 
 __all__ = [
     "STATE_VERSION",

@@ -12,8 +12,8 @@ from contextlib import AbstractContextManager
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.algorithms import PART_GROUPS, Part
-from lightning_fedrep.federation.algorithm import (
+from lightning_fedrep.federation.api.algorithm import PART_GROUPS, Part
+from lightning_fedrep.federation.api.scoring import (
     EvaluationSpec,
     ScoredForward,
     evaluation_spec,

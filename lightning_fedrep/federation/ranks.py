@@ -2,7 +2,7 @@
 the round's results and the whole store, sharding the store (client ``c`` on rank ``c % world_size``).
 
 :class:`RankTransfer` is the part of :class:`~lightning_fedrep.federation.Federation` that talks to the
-other processes (through its :class:`~lightning_fedrep.collective.Collective`).
+other processes (through its :class:`~lightning_fedrep.federation.collective.Collective`).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from lightning_fedrep.collective import to_cpu
+from lightning_fedrep.federation.collective import to_cpu
+from lightning_fedrep.federation.plan import RoundPlan, shard_round
 from lightning_fedrep.federation.round import ClientResult
 from lightning_fedrep.federation.store import ClientStore
-from lightning_fedrep.plan import RoundPlan, shard_round
 
 
 class RankTransfer:

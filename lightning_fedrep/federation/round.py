@@ -2,7 +2,7 @@
 
 :class:`RoundTransaction` is the part of :class:`~lightning_fedrep.federation.Federation` that runs a
 round: it plans it, opens it, stores each client that finishes (handing the server a
-:class:`~lightning_fedrep.federation.aggregation.ClientUpdate`, or a :class:`ClientFault` for a client left
+:class:`~lightning_fedrep.federation.api.aggregation.ClientUpdate`, or a :class:`ClientFault` for a client left
 out), and closes it through the algorithm's aggregator, or undoes it.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedrep.algorithms import PART_GROUPS, Algorithm
-from lightning_fedrep.federation.aggregation import Aggregator, ClientFault, ClientUpdate, WeightedAverage
-from lightning_fedrep.federation.algorithm import (
+from lightning_fedrep.federation.api.aggregation import Aggregator, ClientFault, ClientUpdate, WeightedAverage
+from lightning_fedrep.federation.api.algorithm import PART_GROUPS, Algorithm
+from lightning_fedrep.federation.api.exchange import (
     ClientEnd,
     ClientMap,
     ClientOutcome,
@@ -26,8 +26,8 @@ from lightning_fedrep.federation.algorithm import (
     ServerState,
     uses_results,
 )
+from lightning_fedrep.federation.plan import RoundPlan, StepLocation, plan_round, sample_clients
 from lightning_fedrep.federation.store import OptimizerState
-from lightning_fedrep.plan import RoundPlan, StepLocation, plan_round, sample_clients
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class RoundTransaction:
         if not isinstance(aggregator, Aggregator):
             raise TypeError(
                 f"{type(self.algorithm).__name__}.aggregator() must return an Aggregator (e.g. WeightedMean or "
-                f"Stacked from lightning_fedrep.federation.aggregation), got {type(aggregator).__name__}."
+                f"Stacked from lightning_fedrep.federation.api.aggregation), got {type(aggregator).__name__}."
             )
         if not aggregator.names:
             return None
@@ -367,7 +367,7 @@ class RoundTransaction:
         if not isinstance(outcome, ClientOutcome):
             raise TypeError(
                 f"{type(self.algorithm).__name__}.finish_client() must return a ClientOutcome "
-                f"(lightning_fedrep.federation.algorithm), got {type(outcome).__name__}."
+                f"(lightning_fedrep.federation.api.exchange), got {type(outcome).__name__}."
             )
         return outcome
 

@@ -18,19 +18,19 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Algorithm
-from lightning_fedrep.checkpoint_payload import (
+from lightning_fedrep.federation import Federation
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.objective import LossTerm, Objective, StepView
+from lightning_fedrep.federation.checkpoint.entry import (
     OptimizerState,
     check_round_runner,
     federated_entry,
     restore_rank_state,
     this_rank_state,
 )
-from lightning_fedrep.collective import Collective
-from lightning_fedrep.federation import Federation
-from lightning_fedrep.federation.objective import LossTerm, Objective, StepView
-from lightning_fedrep.plan import RoundPlan
-from lightning_fedrep.sharding import StepSchedule
+from lightning_fedrep.federation.collective import Collective
+from lightning_fedrep.federation.plan import RoundPlan
+from lightning_fedrep.federation.sharding import StepSchedule
 
 
 class NothingRan:

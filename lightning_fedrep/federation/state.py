@@ -15,13 +15,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Phase
-from lightning_fedrep.federation.aggregation import ClientFault
-from lightning_fedrep.federation.algorithm import declared_names as declared_templates_names
-from lightning_fedrep.federation.algorithm import declared_templates
+from lightning_fedrep.federation.api.aggregation import ClientFault
+from lightning_fedrep.federation.api.algorithm import Phase
+from lightning_fedrep.federation.api.declared import declared_names as declared_templates_names
+from lightning_fedrep.federation.api.declared import declared_templates
+from lightning_fedrep.federation.history import History
+from lightning_fedrep.federation.module.split import ParameterSplit
 from lightning_fedrep.federation.store import ClientStore
-from lightning_fedrep.history import History
-from lightning_fedrep.split import ParameterSplit
 
 STATE_VERSION = 3
 """Version 3 added the declared server tensors (``"server"``) and client tensors (``clients["tensors"]``)."""

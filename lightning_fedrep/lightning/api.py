@@ -12,18 +12,18 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_fedrep.checkpoint_payload import CHECKPOINT_KEY
 from lightning_fedrep.data.module import FederatedDataModule
+from lightning_fedrep.evaluation.head_tuning import ClientHead, HeadFineTuning
 from lightning_fedrep.federation import ClientFault, Federation, federation_fingerprint, fingerprint_changes
-from lightning_fedrep.federation.algorithm import set_forward
-from lightning_fedrep.head_tuning import ClientHead, HeadFineTuning
+from lightning_fedrep.federation.api.scoring import set_forward
+from lightning_fedrep.federation.checkpoint.entry import CHECKPOINT_KEY
+from lightning_fedrep.federation.module.split import ParameterSplit
+from lightning_fedrep.federation.plan import RankShare, RoundPlan, shard_round
 from lightning_fedrep.lightning import loading
-from lightning_fedrep.plan import RankShare, RoundPlan, shard_round
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
 from lightning_fedrep.runners.lockstep.evaluation import evaluation_split
 from lightning_fedrep.runners.lockstep.heads_together import fit_heads_together
-from lightning_fedrep.runners.report import RunnerReport
-from lightning_fedrep.split import ParameterSplit
+from lightning_fedrep.runners.runner_report import RunnerReport
 
 
 class StrategyAPI:
@@ -55,7 +55,7 @@ class StrategyAPI:
     def runner_report(self) -> RunnerReport | None:
         """Which runner runs this fit's training steps (``"lockstep"``, the vectorized engine, or
         ``"sequential"``: ``RunnerReport.engine``), why, decided when, and how each phase kind runs
-        (:class:`~lightning_fedrep.runners.report.RunnerReport`); ``None`` before the first fit's ``setup``."""
+        (:class:`~lightning_fedrep.runners.runner_report.RunnerReport`); ``None`` before the first fit's ``setup``."""
         return self._selection.report
 
     @property
@@ -113,12 +113,12 @@ class StrategyAPI:
         says how (the same for every client), ``clients`` each one's start, features and batches; the heads in
         ``clients``' order. For a callback that fine-tunes many clients (``FineTunedEvaluation``, with the head
         of ``feature_split``); the same computation as one client at a time within float error. Raises
-        :class:`~lightning_fedrep.head_tuning.NotBatchable` (before any client stepped) where it would not be."""
+        :class:`~lightning_fedrep.evaluation.head_tuning.NotBatchable` (before any client stepped) where it would not be."""
         return fit_heads_together(tuning, clients)
 
     def feature_split(self, names: Sequence[str], probe: Tensor) -> Any:
         """The live module as ``head(features(x))`` with ``names`` as the head, in evaluation mode, verified
-        on ``probe`` (the engine's detection: a :class:`~lightning_fedrep.engine.FeatureSplit`), or ``None``:
+        on ``probe`` (the engine's detection: a :class:`~lightning_fedrep.federation.module.feature_split.FeatureSplit`), or ``None``:
         for a callback that computes a frozen body's output once (``FineTunedEvaluation``)."""
         return evaluation_split(self.lightning_module, tuple(names), probe)
 

@@ -11,7 +11,7 @@ hook                                                  when
                                                       (``plan.replace(...)``). Each callback receives
                                                       the previous one's plan, so they compose.
 ``objective(trainer, pl_module, phase) -> Objective``  once per fit and phase part, at ``setup``: the
-                                                      :class:`~lightning_fedrep.federation.objective.Objective`
+                                                      :class:`~lightning_fedrep.federation.api.objective.Objective`
                                                       (loss terms, step transforms) the callback adds to
                                                       every local step of that phase, on both runners
                                                       (automatic optimization only)
@@ -40,12 +40,17 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Algorithm
-from lightning_fedrep.evaluation import ClientMetrics
+from lightning_fedrep.evaluation.metrics import ClientMetrics
 from lightning_fedrep.federation import ClientResult, Federation, RoundResult
-from lightning_fedrep.federation.objective import LossTerm, Objective, StepView
-from lightning_fedrep.loss_terms import LiveStep, VectorizedLossTerm, adds_loss_term, no_loss_term
-from lightning_fedrep.plan import RoundPlan
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.loss_terms import (
+    LiveStep,
+    VectorizedLossTerm,
+    adds_loss_term,
+    no_loss_term,
+)
+from lightning_fedrep.federation.api.objective import LossTerm, Objective, StepView
+from lightning_fedrep.federation.plan import RoundPlan
 
 __all__ = [
     "ClientResult",

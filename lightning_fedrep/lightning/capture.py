@@ -1,6 +1,6 @@
 """What the user's steps log, as the federation needs it. Evaluation: what the user's evaluation step logs,
 captured per client, and a batch's size as Lightning infers it (given to
-:class:`~lightning_fedrep.evaluation.EvaluationPass`, which stays Lightning-free). Training: the values
+:class:`~lightning_fedrep.evaluation.metrics.EvaluationPass`, which stays Lightning-free). Training: the values
 ``training_step`` logs with Lightning's default timing, logged once per round (:func:`logged_per_round`)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 
-from lightning_fedrep.evaluation import ClientMetrics
+from lightning_fedrep.evaluation.metrics import ClientMetrics
 
 
 def batch_size_of(batch: Any) -> int:

@@ -9,8 +9,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
+from lightning_fedrep.federation.module.split import ParameterSplit
 from lightning_fedrep.lightning.internals import reload_data_every_round
-from lightning_fedrep.split import ParameterSplit
 
 
 def check_trainer_flags(trainer: L.Trainer) -> None:

@@ -21,8 +21,8 @@ import lightning as L
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from lightning_fedrep.algorithms import ALGORITHMS
-from lightning_fedrep.collective import ProcessGroupCollective
+from lightning_fedrep.federation.api.registry import ALGORITHMS
+from lightning_fedrep.federation.collective import ProcessGroupCollective
 from lightning_fedrep.lightning import internals
 from lightning_fedrep.lightning.strategy import FederatedStrategyMixin, takes_federated_settings
 

@@ -1,6 +1,6 @@
 """The Lightning side of a personalized evaluation pass (validation, test) and of prediction: the pass's
 steps on each batch's client, the logged summaries over clients and the notes, whose content comes from
-:mod:`lightning_fedrep.evaluation` and :mod:`lightning_fedrep.evaluation_records` (Lightning-free)."""
+:mod:`lightning_fedrep.evaluation.metrics` and :mod:`lightning_fedrep.evaluation.records` (Lightning-free)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fedrep.callbacks.evaluation_finetuning import EvaluationAdaptation, FineTunedEvaluation
 from lightning_fedrep.data.loaders import ClientChunk
-from lightning_fedrep.evaluation import EvaluationPass
-from lightning_fedrep.evaluation_records import gather_pass, non_finite_note, partial_pass_note, pass_values
+from lightning_fedrep.evaluation.metrics import EvaluationPass
+from lightning_fedrep.evaluation.records import gather_pass, non_finite_note, partial_pass_note, pass_values
+from lightning_fedrep.federation.sharding import IdleStep
 from lightning_fedrep.lightning import internals, loading
 from lightning_fedrep.lightning.capture import batch_size_of, capture_logs
 from lightning_fedrep.lightning.monitoring import warn_selection_on_test_data
-from lightning_fedrep.sharding import IdleStep
 
 PREDICTION_MODES = {
     "personalized": "personalized predictions, each batch on its client's own model (the global body and the "

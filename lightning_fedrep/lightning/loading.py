@@ -17,10 +17,10 @@ from lightning_fedrep.data.labels import (
 )
 from lightning_fedrep.data.loaders import EvalLoader, RoundLoader
 from lightning_fedrep.data.module import FederatedDataModule
-from lightning_fedrep.evaluation_records import empty_clients_note
+from lightning_fedrep.evaluation.records import empty_clients_note
 from lightning_fedrep.federation import FederationMismatch, clients_fingerprint
+from lightning_fedrep.federation.module.untouched import untouched_random_state
 from lightning_fedrep.runners.lockstep.evaluation import EVALUATION_CHUNK_SAMPLES, batched_evaluation
-from lightning_fedrep.untouched import untouched_random_state
 
 
 def bind_loader(strategy: Any, dataloader: object) -> object:

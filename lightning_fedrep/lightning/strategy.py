@@ -24,33 +24,28 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_fedrep.algorithms import (
-    ALGORITHMS,
-    EPOCH_DEFAULTS,
-    Algorithm,
-    Phase,
-    get_algorithm,
-    parse_phases,
-)
-from lightning_fedrep.arguments import (
+from lightning_fedrep.callbacks.progress import FederatedProgressBar
+from lightning_fedrep.data.loaders import EvalLoader
+from lightning_fedrep.evaluation.metrics import ClientMetrics, EvaluationPass
+from lightning_fedrep.federation import Federation, FederationConfig
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase, parse_phases
+from lightning_fedrep.federation.api.arguments import (
     check_bool,
     check_choice,
     check_clients_per_round,
-    check_epoch_shorthands,
     check_int,
 )
-from lightning_fedrep.callbacks.progress import FederatedProgressBar
-from lightning_fedrep.checkpoint_payload import (
+from lightning_fedrep.federation.api.epochs import EPOCH_DEFAULTS, check_epoch_shorthands
+from lightning_fedrep.federation.api.registry import ALGORITHMS, get_algorithm
+from lightning_fedrep.federation.checkpoint.entry import (
     CHECKPOINT_KEY,
     read_federated_entry,
     refuse_plain_checkpoint_in_fit,
     round_evaluation_missing,
 )
-from lightning_fedrep.checkpoints import check_federated_state, read_checkpoint
-from lightning_fedrep.collective import Collective
-from lightning_fedrep.data.loaders import EvalLoader
-from lightning_fedrep.evaluation import ClientMetrics, EvaluationPass
-from lightning_fedrep.federation import Federation, FederationConfig
+from lightning_fedrep.federation.checkpoint.reading import check_federated_state, read_checkpoint
+from lightning_fedrep.federation.collective import Collective
+from lightning_fedrep.federation.module.split import HeadSpec, resolve_layout
 from lightning_fedrep.federation.run import CallbackBus, FederatedRun, has_loss_terms
 from lightning_fedrep.lightning import evaluating, internals, loading
 from lightning_fedrep.lightning.api import StrategyAPI
@@ -65,7 +60,6 @@ from lightning_fedrep.lightning.constraints import constraints_of
 from lightning_fedrep.runners.lockstep.evaluation import BatchedEvaluation
 from lightning_fedrep.runners.lockstep.fusion import check_steps_per_call
 from lightning_fedrep.runners.selection import RunnerSelection
-from lightning_fedrep.split import HeadSpec, resolve_layout
 
 
 class FederatedStrategyMixin(StrategyAPI):
@@ -77,7 +71,7 @@ class FederatedStrategyMixin(StrategyAPI):
         head: the per-client part: module name(s) / parameter-name prefixes, or a compiled regex.
             ``None`` uses the module's own ``fedrep_head`` attribute.
         algorithm: a registered name (``"fedrep"``, ``"fedper"``, ``"lg_fedavg"``, ``"fedavg"``,
-            ``"local"``) or an :class:`~lightning_fedrep.algorithms.Algorithm` object.
+            ``"local"``) or an :class:`~lightning_fedrep.federation.api.algorithm.Algorithm` object.
         clients_per_round: a fraction in (0, 1] of the clients, or a count, sampled each round.
         head_epochs: FedRep's local epochs of the head, with the body frozen (first in a round).
         body_epochs: FedRep's local epochs of the body, with the head frozen (after the head's).

@@ -17,23 +17,23 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_fedrep.algorithms import PART_GROUPS, Algorithm
-from lightning_fedrep.collective import Collective
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.federation.algorithm import evaluation_spec
+from lightning_fedrep.federation.api.algorithm import PART_GROUPS, Algorithm
+from lightning_fedrep.federation.api.scoring import evaluation_spec
+from lightning_fedrep.federation.collective import Collective
+from lightning_fedrep.federation.module.losses import declared_loss
+from lightning_fedrep.federation.module.untouched import untouched_random_state
+from lightning_fedrep.federation.plan import RoundPlan
 from lightning_fedrep.federation.run import PHASE_PARTS, FederatedRun, local_objective
-from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import Constraints
-from lightning_fedrep.runners.lockstep.contract import declared_loss
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
 from lightning_fedrep.runners.lockstep.fusion import StepsPerCall, resolve_steps_per_call
 from lightning_fedrep.runners.lockstep.probe import SIDE_EFFECTS, vectorize_problem
 from lightning_fedrep.runners.lockstep.runner import LockstepRunner
 from lightning_fedrep.runners.lockstep.validity import federation_reasons, module_reasons, trainer_reasons
-from lightning_fedrep.runners.report import PER_BATCH_FORWARD, RunnerReport
+from lightning_fedrep.runners.runner_report import PER_BATCH_FORWARD, RunnerReport
 from lightning_fedrep.runners.sequential import SequentialRunner
 from lightning_fedrep.runners.sharded import Sharded
-from lightning_fedrep.untouched import untouched_random_state
 
 EngineMode = Literal["auto", "vectorized", "sequential"]
 

@@ -10,11 +10,11 @@ import torch
 from torch import Tensor
 
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.federation.objective import Objective, StepOutcome, StepView, pure_loss
+from lightning_fedrep.federation.api.objective import Objective, StepOutcome, StepView, pure_loss
+from lightning_fedrep.federation.module.batches import batch_pair
+from lightning_fedrep.federation.module.losses import LossFn
+from lightning_fedrep.federation.plan import RoundPlan
 from lightning_fedrep.federation.run import NOTHING_RAN, Notify, StepLoss, live_view, step_loss
-from lightning_fedrep.losses import LossFn
-from lightning_fedrep.plan import RoundPlan
-from lightning_fedrep.runners.lockstep.probe import batch_pair
 
 
 class SequentialRunner:
@@ -31,7 +31,7 @@ class SequentialRunner:
         optimizers: the user's optimizers (their lrs are scaled by a client's ``lr_scale``).
         loss_fn: the module's declared per-sample loss (``fedrep_loss``), what a step rule differentiates.
 
-    A phase whose objective has a :class:`~lightning_fedrep.federation.objective.StepRule` does not run the
+    A phase whose objective has a :class:`~lightning_fedrep.federation.api.objective.StepRule` does not run the
     user's ``training_step``: the rule computes the gradients ``g`` on the batch's ``(x, y)`` and the step
     returns the surrogate ``sum((p * g).sum())`` (``g`` detached), whose gradient is exactly ``g``.
     """

@@ -1,5 +1,5 @@
 """The per-process runner: a round's clients dealt to the processes, every process padded to the same
-number of Lightning steps. Always on: with the one-process :class:`~lightning_fedrep.collective.Collective`
+number of Lightning steps. Always on: with the one-process :class:`~lightning_fedrep.federation.collective.Collective`
 this process's share is the whole round and no step is idle, so the Lightning hooks never ask how many
 processes run."""
 
@@ -8,14 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_fedrep.collective import Collective
+from lightning_fedrep.federation.collective import Collective
+from lightning_fedrep.federation.plan import RoundPlan, plan_fingerprint
 from lightning_fedrep.federation.run import NOTHING_RAN, Runner, StepLoss
-from lightning_fedrep.plan import RoundPlan, plan_fingerprint
-from lightning_fedrep.sharding import RankSchedule, StepSchedule, rank_schedule
+from lightning_fedrep.federation.sharding import RankSchedule, StepSchedule, rank_schedule
 
 
 class Sharded:
-    """``runner`` on this process's share of each round (:func:`~lightning_fedrep.sharding.rank_schedule`);
+    """``runner`` on this process's share of each round (:func:`~lightning_fedrep.federation.sharding.rank_schedule`);
     an idle step (this process has no client left) trains nothing and steps no optimizer."""
 
     def __init__(self, runner: Runner, collective: Collective | None = None):

@@ -25,7 +25,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_fedrep import FederatedDDPStrategy, FederatedStrategy, FedMTL  # noqa: E402
-from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
+from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
 from tests.scripts.federated_run import Net, client_data, holdings  # noqa: E402
 from tests.scripts.launcher import run_script  # noqa: E402
 

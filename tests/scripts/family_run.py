@@ -38,7 +38,7 @@ from lightning_fedrep import (  # noqa: E402
     FineTunedEvaluation,
     NeuralCollapse,
 )
-from lightning_fedrep.algorithms import epoch_settings  # noqa: E402
+from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
 from tests.scripts.federated_run import Net, client_data  # noqa: E402
 
 ROUNDS = 3

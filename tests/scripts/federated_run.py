@@ -31,10 +31,12 @@ from lightning_fedrep import (  # noqa: E402
     FederatedDataModule,
     FederatedDDPStrategy,
     FederatedStrategy,
+    FedRep,  # noqa: E402
     HeadFineTuning,
 )
-from lightning_fedrep.algorithms import FedRep, epoch_settings, register_algorithm  # noqa: E402
 from lightning_fedrep.federation import Stacked  # noqa: E402
+from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
+from lightning_fedrep.federation.api.registry import register_algorithm  # noqa: E402
 
 
 class MedianFedRep(FedRep):

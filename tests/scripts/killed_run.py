@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from lightning_fedrep import FedRepStrategy  # noqa: E402
-from lightning_fedrep import lightning_internals as internals  # noqa: E402
+from lightning_fedrep.lightning import internals  # noqa: E402
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule  # noqa: E402
 
 ROUNDS = 4

@@ -1,9 +1,9 @@
-"""One small module per algorithm, each written on the public algorithm API only (``lightning_fedrep.algorithms``,
-``lightning_fedrep.federation.objective`` and ``lightning_fedrep.federation.algorithm``): the built-ins
-(:class:`FedRep`, :class:`FedPer`, :class:`LGFedAvg`, :class:`FedAvg`, :class:`Local`) and the acceptance
-examples of the algorithm API (:class:`Ditto`, :class:`FedProx`, :class:`Scaffold`) and the baselines on its step
-rules and evaluation specs (:class:`APFL`, :class:`PerFedAvg`, :class:`HFMAML`) and on the server step's client
-map (:class:`L2GD`).
+"""One small module per algorithm, each written on the public algorithm API only
+(:mod:`lightning_fedrep.federation.api`, with the module's feature split): the built-ins (:class:`FedRep`,
+:class:`FedPer`, :class:`LGFedAvg`, :class:`FedAvg`, :class:`Local`) and the acceptance examples of the
+algorithm API (:class:`Ditto`, :class:`FedProx`, :class:`Scaffold`) and the baselines on its step rules and
+evaluation specs (:class:`APFL`, :class:`PerFedAvg`, :class:`HFMAML`) and on the server step's client map
+(:class:`L2GD`).
 
 Importing this package registers them all by name, in this order (the order of ``StrategyRegistry`` and the
 command's help); ``import lightning_fedrep`` does so.

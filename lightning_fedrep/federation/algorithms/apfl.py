@@ -25,10 +25,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Algorithm, register_algorithm
-from lightning_fedrep.arguments import check_real
-from lightning_fedrep.federation.algorithm import ClientTensors, EvaluationSpec
-from lightning_fedrep.federation.objective import Objective, PureLoss, StepOutcome, StepRule, StepView
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.arguments import check_real
+from lightning_fedrep.federation.api.declared import ClientTensors
+from lightning_fedrep.federation.api.objective import Objective, PureLoss, StepOutcome, StepRule, StepView
+from lightning_fedrep.federation.api.registry import register_algorithm
+from lightning_fedrep.federation.api.scoring import EvaluationSpec
 
 __all__ = ["APFL"]
 
@@ -52,7 +54,7 @@ class APFL(Algorithm):
     Evaluation scores the mixture ``alpha v + (1 - alpha) w`` of the client's personal model and the current
     global model, as ``main_apfl.py`` does (with either training ``mixture``).
 
-    Runners: both (a :class:`~lightning_fedrep.federation.objective.StepRule` that updates the client's
+    Runners: both (a :class:`~lightning_fedrep.federation.api.objective.StepRule` that updates the client's
     declared tensors every step, run per client inside the lockstep runner's ``vmap``). Needs the module's
     ``fedrep_loss``.
 

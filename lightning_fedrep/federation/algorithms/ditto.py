@@ -16,10 +16,11 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Algorithm, Phase, register_algorithm
-from lightning_fedrep.arguments import check_real
-from lightning_fedrep.federation.algorithm import ClientTensors
-from lightning_fedrep.federation.objective import Objective, ParamTransform, StepView
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.arguments import check_real
+from lightning_fedrep.federation.api.declared import ClientTensors
+from lightning_fedrep.federation.api.objective import Objective, ParamTransform, StepView
+from lightning_fedrep.federation.api.registry import register_algorithm
 
 __all__ = ["Ditto"]
 

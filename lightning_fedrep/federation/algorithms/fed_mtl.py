@@ -30,17 +30,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.algorithms import Algorithm, register_algorithm
-from lightning_fedrep.arguments import check_optional_int, check_real
-from lightning_fedrep.federation.aggregation import Aggregator, ClientFault, Stacked
-from lightning_fedrep.federation.algorithm import (
-    ClientEnd,
-    ClientOutcome,
-    RoundResults,
-    ServerState,
-    ServerTensors,
-)
-from lightning_fedrep.federation.objective import LossTerm, Objective, StepView
+from lightning_fedrep.federation.api.aggregation import Aggregator, ClientFault, Stacked
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.arguments import check_optional_int, check_real
+from lightning_fedrep.federation.api.declared import ServerTensors
+from lightning_fedrep.federation.api.exchange import ClientEnd, ClientOutcome, RoundResults, ServerState
+from lightning_fedrep.federation.api.objective import LossTerm, Objective, StepView
+from lightning_fedrep.federation.api.registry import register_algorithm
 
 __all__ = ["FedMTL"]
 

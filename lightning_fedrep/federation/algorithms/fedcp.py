@@ -43,30 +43,27 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_fedrep.algorithms import Algorithm, register_algorithm
-from lightning_fedrep.arguments import check_real
-from lightning_fedrep.federation.aggregation import WeightedMean
-from lightning_fedrep.federation.algorithm import (
-    ClientEnd,
-    ClientOutcome,
-    ClientTensors,
-    EvaluationSpec,
-    ServerTensors,
-)
-from lightning_fedrep.federation.feature_split import (
-    FeatureSplit,
-    declares_split,
-    find_feature_split_on_data,
-    head_input,
-    head_owner,
-)
-from lightning_fedrep.federation.objective import (
+from lightning_fedrep.federation.api.aggregation import WeightedMean
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.arguments import check_real
+from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
+from lightning_fedrep.federation.api.exchange import ClientEnd, ClientOutcome
+from lightning_fedrep.federation.api.objective import (
     Objective,
     PureLoss,
     StepOutcome,
     StepRule,
     StepView,
     masked_mean,
+)
+from lightning_fedrep.federation.api.registry import register_algorithm
+from lightning_fedrep.federation.api.scoring import EvaluationSpec
+from lightning_fedrep.federation.module.feature_split import (
+    FeatureSplit,
+    declares_split,
+    find_feature_split_on_data,
+    head_input,
+    head_owner,
 )
 
 __all__ = ["FedCP", "fedcp_forward", "gumbel_noise"]

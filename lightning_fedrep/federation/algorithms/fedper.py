@@ -7,7 +7,8 @@ representation get the same number of local updates.
 
 from __future__ import annotations
 
-from lightning_fedrep.algorithms import Algorithm, register_algorithm
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.registry import register_algorithm
 
 __all__ = ["FedPer"]
 

@@ -5,7 +5,7 @@ Every client trains everything (one ``"all"`` phase of ``local_epochs``) on::
     loss(w) + mu/2 * ||w - w_global||^2       over the shared parameters, w_global = the round-start model
 
 and the server takes the sample-weighted mean, as FedAvg. The proximal term is one vmappable
-:class:`~lightning_fedrep.federation.objective.LossTerm`, so both runners train it (``engine="auto"`` may
+:class:`~lightning_fedrep.federation.api.objective.LossTerm`, so both runners train it (``engine="auto"`` may
 pick the lockstep runner).
 """
 
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Algorithm, register_algorithm
-from lightning_fedrep.arguments import check_real
-from lightning_fedrep.federation.objective import LossTerm, Objective, StepView
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.arguments import check_real
+from lightning_fedrep.federation.api.objective import LossTerm, Objective, StepView
+from lightning_fedrep.federation.api.registry import register_algorithm
 
 __all__ = ["FedProx"]
 

@@ -7,7 +7,8 @@ sample-weighted mean. Heads never leave the client: they persist between its par
 
 from __future__ import annotations
 
-from lightning_fedrep.algorithms import Algorithm, Phase, register_algorithm
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.registry import register_algorithm
 
 __all__ = ["FedRep"]
 

@@ -30,9 +30,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.algorithms import Algorithm, register_algorithm
-from lightning_fedrep.federation.algorithm import ClientTensors, EvaluationSpec, ServerState
-from lightning_fedrep.federation.objective import Objective, PureLoss, StepOutcome, StepRule, StepView
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.declared import ClientTensors
+from lightning_fedrep.federation.api.exchange import ServerState
+from lightning_fedrep.federation.api.objective import Objective, PureLoss, StepOutcome, StepRule, StepView
+from lightning_fedrep.federation.api.registry import register_algorithm
+from lightning_fedrep.federation.api.scoring import EvaluationSpec
 
 __all__ = ["FedRoD", "client_label_counts"]
 

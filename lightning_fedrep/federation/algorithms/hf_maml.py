@@ -24,7 +24,7 @@ grad f_D(w)`` with the one-sided ``(grad f(w1 + delta * d) - grad f(w1)) / (2 * 
 each client's adaptation step to the global model the next clients start from (and keeps it). It reads
 ``local_ep``: its ``HFMAML_local_ep`` flag is ignored (the recipes use ``local_ep``, default 5).
 
-Runners: both (a :class:`~lightning_fedrep.federation.objective.StepRule`, run per client inside the lockstep
+Runners: both (a :class:`~lightning_fedrep.federation.api.objective.StepRule`, run per client inside the lockstep
 runner's ``vmap``). Needs the module's ``fedrep_loss``.
 """
 
@@ -35,10 +35,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Algorithm, Phase, register_algorithm
-from lightning_fedrep.arguments import check_real
-from lightning_fedrep.federation.algorithm import EvaluationSpec
-from lightning_fedrep.federation.objective import Objective, PureLoss, StepOutcome, StepRule, StepView
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.arguments import check_real
+from lightning_fedrep.federation.api.objective import Objective, PureLoss, StepOutcome, StepRule, StepView
+from lightning_fedrep.federation.api.registry import register_algorithm
+from lightning_fedrep.federation.api.scoring import EvaluationSpec
 
 __all__ = ["HFMAML"]
 

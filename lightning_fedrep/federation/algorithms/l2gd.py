@@ -17,10 +17,12 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Algorithm, Phase, register_algorithm
-from lightning_fedrep.arguments import check_real
-from lightning_fedrep.federation.aggregation import ClientUpdate, WeightedMean
-from lightning_fedrep.federation.algorithm import ClientOutcome, ClientTensors
+from lightning_fedrep.federation.api.aggregation import ClientUpdate, WeightedMean
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.arguments import check_real
+from lightning_fedrep.federation.api.declared import ClientTensors
+from lightning_fedrep.federation.api.exchange import ClientOutcome
+from lightning_fedrep.federation.api.registry import register_algorithm
 
 __all__ = ["L2GD"]
 

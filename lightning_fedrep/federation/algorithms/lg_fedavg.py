@@ -6,7 +6,8 @@ the server replaces by the participants' sample-weighted mean, and keeps its rep
 
 from __future__ import annotations
 
-from lightning_fedrep.algorithms import Algorithm, register_algorithm
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.registry import register_algorithm
 
 __all__ = ["LGFedAvg"]
 

@@ -6,7 +6,8 @@ The baseline every personalized method must beat: each client keeps its whole mo
 
 from __future__ import annotations
 
-from lightning_fedrep.algorithms import Algorithm, register_algorithm
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.registry import register_algorithm
 
 __all__ = ["Local"]
 

@@ -18,7 +18,7 @@ and the client's optimizer steps on ``g`` (the official SGD with momentum 0.5: p
 ``configure_optimizers``). The server takes the sample-weighted mean, as FedAvg. The logged loss is the
 objective differentiated (``L_query`` after the inner step, or ``L_support + L_query``).
 
-Runners: both (a :class:`~lightning_fedrep.federation.objective.StepRule`, run per client inside the lockstep
+Runners: both (a :class:`~lightning_fedrep.federation.api.objective.StepRule`, run per client inside the lockstep
 runner's ``vmap``). Needs the module's ``fedrep_loss``.
 """
 
@@ -30,10 +30,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Algorithm, Phase, register_algorithm
-from lightning_fedrep.arguments import check_real
-from lightning_fedrep.federation.algorithm import EvaluationSpec
-from lightning_fedrep.federation.objective import Objective, PureLoss, StepOutcome, StepRule, StepView
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.arguments import check_real
+from lightning_fedrep.federation.api.objective import Objective, PureLoss, StepOutcome, StepRule, StepView
+from lightning_fedrep.federation.api.registry import register_algorithm
+from lightning_fedrep.federation.api.scoring import EvaluationSpec
 
 __all__ = ["PerFedAvg"]
 

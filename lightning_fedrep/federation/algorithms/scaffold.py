@@ -20,11 +20,13 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Algorithm, register_algorithm
-from lightning_fedrep.arguments import check_real
-from lightning_fedrep.federation.aggregation import ClientUpdate, WeightedMean
-from lightning_fedrep.federation.algorithm import ClientOutcome, ClientTensors, ServerTensors
-from lightning_fedrep.federation.objective import GradTransform, Objective, StepView
+from lightning_fedrep.federation.api.aggregation import ClientUpdate, WeightedMean
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.arguments import check_real
+from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
+from lightning_fedrep.federation.api.exchange import ClientOutcome
+from lightning_fedrep.federation.api.objective import GradTransform, Objective, StepView
+from lightning_fedrep.federation.api.registry import register_algorithm
 
 __all__ = ["Scaffold"]
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedrep.losses import masked_mean
+from lightning_fedrep.federation.module.losses import masked_mean
 
 HeadCall = Callable[[dict[str, Tensor], Tensor], Tensor]
 Lanes = Callable[[Callable[..., Any], int], Callable[..., Any]]

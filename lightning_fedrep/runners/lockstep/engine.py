@@ -17,28 +17,22 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from lightning_fedrep.algorithms import PART_GROUPS
-from lightning_fedrep.feature_chunks import FEATURE_CHUNK, feature_chunk_of
 from lightning_fedrep.federation import ClientResult, Federation
-from lightning_fedrep.federation.objective import LossTerm, Objective, StepRule, StepView, pure_loss
+from lightning_fedrep.federation.api.algorithm import PART_GROUPS
+from lightning_fedrep.federation.api.objective import LossTerm, Objective, StepRule, StepView, pure_loss
+from lightning_fedrep.federation.module.feature_chunks import FEATURE_CHUNK, feature_chunk_of
+from lightning_fedrep.federation.module.feature_split import FeatureSplit, find_feature_split, same_tensor
+from lightning_fedrep.federation.module.losses import NAMED_LOSSES, LossFn, masked_mean
+from lightning_fedrep.federation.module.stateless import stateless_call
+from lightning_fedrep.federation.module.untouched import untouched_random_state
+from lightning_fedrep.federation.plan import RoundPlan
 from lightning_fedrep.federation.run import StepLoss, step_loss
-from lightning_fedrep.losses import masked_mean
-from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.constraints import move_to_device
 from lightning_fedrep.runners.lockstep import sizing
 from lightning_fedrep.runners.lockstep.compiled import CompiledHeadStep
-from lightning_fedrep.runners.lockstep.contract import (
-    NAMED_LOSSES,
-    FeatureSplit,
-    LossFn,
-    find_feature_split,
-    same_tensor,
-)
 from lightning_fedrep.runners.lockstep.group import ClientGroup
 from lightning_fedrep.runners.lockstep.probe import loss_label, probe_problem
 from lightning_fedrep.runners.lockstep.schedule import FusedBatches, LockstepPlan, Segment, lockstep_plan
-from lightning_fedrep.stateless import stateless_call
-from lightning_fedrep.untouched import untouched_random_state
 
 SMOKE_GROUP = 4
 """Clients per group in a smoke run (``fast_dev_run``: one lockstep step is the whole run)."""
@@ -163,7 +157,7 @@ class LockstepEngine:
         """Why ``engine_compile=True`` compiles nothing in this fit although asked (a smoke run), or ``None``."""
         self._head_step: CompiledHeadStep | None = None
         self.feature_chunk = FEATURE_CHUNK
-        """Samples per forward pass of the feature cache (:func:`~lightning_fedrep.feature_chunks.feature_chunk`
+        """Samples per forward pass of the feature cache (:func:`~lightning_fedrep.federation.module.feature_chunks.feature_chunk`
         of a probe input, set when the first loader is bound)."""
 
     # ------------------------------------------------------------------ schedule

@@ -4,7 +4,7 @@ Per :class:`~lightning_fedrep.data.loaders.ClientChunk` of clients: one forward 
 over all their samples (clients whose own tensors change the features, LG-FedAvg's local body or a
 fine-tuned body, get their own pass), then every client's head on its own features in one
 ``torch.func.vmap``, and the headline metrics' sums per client, as the per-batch path computes them
-(:func:`~lightning_fedrep.evaluation.headline_sums_per_client`).
+(:func:`~lightning_fedrep.evaluation.metrics.headline_sums_per_client`).
 
 It applies only where that is the whole evaluation: the module declares that its evaluation steps
 log nothing beyond the headline metrics (``fedrep_evaluation = "headline"``) and its output is
@@ -21,10 +21,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fedrep.data.loaders import ClientChunk, EvalLoader
-from lightning_fedrep.evaluation import ClientMetrics, headline_sums_per_client
+from lightning_fedrep.evaluation.metrics import ClientMetrics, headline_sums_per_client
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.runners.lockstep.contract import FeatureSplit, find_feature_split
-from lightning_fedrep.untouched import untouched_random_state
+from lightning_fedrep.federation.module.feature_split import FeatureSplit, find_feature_split
+from lightning_fedrep.federation.module.untouched import untouched_random_state
 
 EVALUATION_CHUNK_SAMPLES = 4096
 """Samples per batched evaluation step (consecutive clients, a larger client alone)."""

@@ -18,15 +18,15 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor
 
-from lightning_fedrep.head_tuning import ClientHead, HeadFineTuning, NotBatchable
-from lightning_fedrep.losses import NAMED_LOSSES, masked_mean
+from lightning_fedrep.evaluation.head_tuning import ClientHead, HeadFineTuning, NotBatchable
+from lightning_fedrep.federation.module.losses import NAMED_LOSSES, masked_mean
 from lightning_fedrep.runners.lockstep.group import ClientGroup
 
 
 def fit_heads_together(tuning: HeadFineTuning, clients: Sequence[ClientHead]) -> list[dict[str, Tensor]]:
     """Each client's fine-tuned head: it starts from its ``start`` and takes one step per entry of its
     ``batches`` with its own optimizer, on the mean of the loss over its batch, every client's step at once;
-    the heads in ``clients``' order. Raises :class:`~lightning_fedrep.head_tuning.NotBatchable`, before any
+    the heads in ``clients``' order. Raises :class:`~lightning_fedrep.evaluation.head_tuning.NotBatchable`, before any
     client has stepped, where that would not be one client at a time's computation: an optimizer class that is
     not one of torch's per-parameter ones or that does not hold exactly the head's tensors, a head ``vmap``
     cannot batch (random draws, in-place buffer updates, an operator without a batching rule), or a loss that

@@ -38,14 +38,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.runners.lockstep.contract import FeatureSplit, LossFn, mse_per_sample
+from lightning_fedrep.federation.module.batches import batch_problem
+from lightning_fedrep.federation.module.feature_split import FeatureSplit
+from lightning_fedrep.federation.module.losses import LossFn, mse_per_sample
+from lightning_fedrep.federation.module.untouched import untouched_modes, untouched_random_state
 from lightning_fedrep.runners.lockstep.side_effects import (
     named_side_effects,
     restored,
     side_effects,
     state_prints,
 )
-from lightning_fedrep.untouched import untouched_modes, untouched_random_state
 
 ENGINE_LOG = "train/loss"
 """The one metric the engine logs from its steps (the mean loss of the clients that stepped)."""
@@ -60,20 +62,6 @@ RTOL, ATOL = 1e-5, 1e-6
 """How close ``training_step``'s loss and the declared loss's mean must be (float error only)."""
 
 
-def is_pair(batch: Any) -> bool:
-    """Whether ``batch`` is ``(inputs, targets)``: a list or tuple of two tensors."""
-    return isinstance(batch, list | tuple) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)
-
-
-def batch_pair(batch: Any, where: str) -> tuple[Tensor, Tensor]:
-    """``batch`` as ``(inputs, targets)`` tensors, as the engine and a step rule read a training batch;
-    a clear error naming ``where`` for any other batch."""
-    problem = _batch_problem(batch, where)
-    if problem is not None:
-        raise TypeError(f"{problem}: return (inputs, targets) tensors from the training data set.")
-    return batch[0], batch[1]
-
-
 def probe_problem(
     module: nn.Module, loss_fn: LossFn, loss_name: str, batches: Sequence[tuple[Any, int, str]]
 ) -> str | None:
@@ -82,7 +70,7 @@ def probe_problem(
     with untouched_modes(module):
         module.train()
         for batch, batch_idx, where in batches:
-            problem = _batch_problem(batch, where) or _step_problem(
+            problem = batch_problem(batch, where) or _step_problem(
                 module, loss_fn, loss_name, batch, batch_idx, where
             )
             if problem is not None:
@@ -199,15 +187,6 @@ def loss_label(loss: Any) -> str:
     return (
         f"fedrep_loss={loss!r}" if isinstance(loss, str) else f"fedrep_loss={getattr(loss, '__name__', loss)}"
     )
-
-
-def _batch_problem(batch: Any, where: str) -> str | None:
-    if is_pair(batch):
-        return None
-    kind = type(batch).__name__
-    if isinstance(batch, Mapping):
-        kind = f"a {kind} with keys {sorted(map(str, batch))}"
-    return f"the training batches are {kind}, not (inputs, targets) tensors ({where})"
 
 
 def _step_problem(

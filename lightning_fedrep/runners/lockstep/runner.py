@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lightning_fedrep.federation.plan import RoundPlan
 from lightning_fedrep.federation.run import Notify, StepLoss
-from lightning_fedrep.plan import RoundPlan
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
 from lightning_fedrep.runners.lockstep.schedule import FusedBatches, LockstepPlan
 

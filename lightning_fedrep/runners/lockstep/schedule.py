@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_fedrep.algorithms import Part
-from lightning_fedrep.plan import RoundPlan, steps_per_epoch
+from lightning_fedrep.federation.api.algorithm import Part
+from lightning_fedrep.federation.plan import RoundPlan, steps_per_epoch
 
 if TYPE_CHECKING:
     from lightning_fedrep.data.loaders import RoundLoader

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lightning_fedrep.federation.objective import Objective
-from lightning_fedrep.runners.lockstep.contract import declared_loss
-from lightning_fedrep.split import TensorLayout
+from lightning_fedrep.federation.api.objective import Objective
+from lightning_fedrep.federation.module.losses import declared_loss
+from lightning_fedrep.federation.module.split import TensorLayout
 
 if TYPE_CHECKING:
     from lightning_fedrep.runners.constraints import Constraints

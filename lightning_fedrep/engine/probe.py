@@ -1,7 +1,0 @@
-"""Moved to :mod:`lightning_fedrep.runners.lockstep.probe`; this old import path is the same module."""
-
-import sys
-
-from lightning_fedrep.runners.lockstep import probe as _moved
-
-sys.modules[__name__] = _moved

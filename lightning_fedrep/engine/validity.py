@@ -1,7 +1,0 @@
-"""Moved to :mod:`lightning_fedrep.runners.lockstep.validity`; this old import path is the same module."""
-
-import sys
-
-from lightning_fedrep.runners.lockstep import validity as _moved
-
-sys.modules[__name__] = _moved

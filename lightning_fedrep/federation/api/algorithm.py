@@ -1,0 +1,280 @@
+"""The FedRep family as objects: what each algorithm shares, its local phases, how a round aggregates.
+
+The strategy never checks an algorithm's name. It asks the algorithm object:
+
+* ``shares`` — which groups of the body/head split the server averages (``{"body"}`` for FedRep and
+  FedPer, ``{"head"}`` for LG-FedAvg, both for FedAvg, none for Local Only); everything else stays on
+  the client;
+* :meth:`Algorithm.default_phases` — the local work when only the epoch shorthands are given;
+* :meth:`Algorithm.aggregator` — what reduces the round's per-client updates (a streaming
+  ``WeightedMean`` by default; ``Stacked`` keeps every client's update, for median or trimmed mean);
+* :meth:`Algorithm.aggregate` — the new global shared state from the round's aggregator;
+* :meth:`Algorithm.objective` — the local objective of a phase: loss terms added to every local
+  training loss (e.g. FedProx's proximal term) and step transforms (``federation.objective``);
+* :meth:`Algorithm.state_dict` — server state the algorithm keeps across rounds (saved in checkpoints).
+
+A new algorithm is a subclass (or an instance) passed as ``FederatedStrategy(algorithm=...)``, or
+registered by name with :func:`~.registry.register_algorithm`; the strategy needs no change. The built-ins (FedRep,
+FedPer, LG-FedAvg, FedAvg, Local Only) are such subclasses, one module each in
+:mod:`lightning_fedrep.federation.algorithms`, registered by ``import lightning_fedrep``.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import Tensor, nn
+
+from lightning_fedrep.federation.api.aggregation import Aggregator, WeightedAverage, WeightedMean
+from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
+from lightning_fedrep.federation.api.exchange import ClientEnd, ClientOutcome, ServerState, uses_results
+from lightning_fedrep.federation.api.objective import Objective
+from lightning_fedrep.federation.api.scoring import EvaluationSpec
+from lightning_fedrep.federation.module.split import ParameterSplit
+
+Part = Literal["head", "body", "all"]
+"""What trains in a local phase: the head, the body, or both."""
+
+Group = Literal["head", "body"]
+"""A group of the body/head split."""
+
+PART_GROUPS: dict[str, tuple[Group, ...]] = {"head": ("head",), "body": ("body",), "all": ("head", "body")}
+"""The split groups each phase part trains."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One stage of a client's local work: which part trains, for how many epochs or steps.
+
+    Exactly one of ``epochs`` (passes over the client's training data, turned into a step count
+    per client when the round is planned) or ``steps`` (optimizer steps) is given. ``slot`` names the
+    values the phase trains: ``"model"`` (the global shared part and the client's local part), or a
+    per-client copy of the whole model the algorithm declares as ``ClientTensors(slot, like="model",
+    init="module")`` (Ditto's ``"personal"``), made live for the phase and stored back at its end.
+    """
+
+    train: Part
+    """The part that trains: ``"head"``, ``"body"`` or ``"all"``."""
+    epochs: int | None = None
+    steps: int | None = None
+    slot: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.train not in PART_GROUPS:
+            raise ValueError(f"Phase.train must be 'head', 'body' or 'all', got {self.train!r}.")
+        if (self.epochs is None) == (self.steps is None):
+            raise ValueError(f"Give a phase exactly one of epochs= or steps=, got {self!r}.")
+        if not isinstance(self.slot, str) or not self.slot:
+            raise ValueError(f"Phase.slot must be a slot name such as 'model', got {self.slot!r}.")
+        budget = self.epochs if self.epochs is not None else self.steps
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise ValueError(f"A phase's epochs/steps must be a non-negative integer, got {budget!r}.")
+
+    def __repr__(self) -> str:  # the slot only when it is not "model": checkpoints fingerprint this text
+        slot = "" if self.slot == "model" else f", slot={self.slot!r}"
+        return f"Phase(train={self.train!r}, epochs={self.epochs!r}, steps={self.steps!r}{slot})"
+
+    def num_steps(self, steps_per_epoch: int) -> int:
+        """Optimizer steps of this phase for a client with ``steps_per_epoch`` batches per epoch."""
+        return self.steps if self.steps is not None else self.epochs * steps_per_epoch
+
+
+def parse_phases(phases: Sequence[Phase | dict]) -> tuple[Phase, ...]:
+    """Accept phases as ``Phase`` objects or as dicts (the form YAML recipes give)."""
+    if isinstance(phases, str | dict) or not isinstance(phases, Sequence):
+        raise TypeError(
+            f"phases must be a list of Phase objects or dicts, got {type(phases).__name__} ({phases!r})."
+        )
+    parsed = []
+    for index, phase in enumerate(phases):
+        if isinstance(phase, Phase):
+            parsed.append(phase)
+            continue
+        if not isinstance(phase, dict):
+            raise TypeError(
+                f"phases[{index}] must be a Phase or a dict such as {{'train': 'head', 'epochs': 10}}, got {phase!r}."
+            )
+        try:
+            parsed.append(Phase(**phase))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"phases[{index}]: {error}") from None
+    parsed = tuple(parsed)
+    if not parsed:
+        raise ValueError("phases must name at least one phase, e.g. [{'train': 'all', 'epochs': 1}].")
+    return parsed
+
+
+class Algorithm:
+    """A federated algorithm of the FedRep family: what the server averages and how clients train.
+
+    The base class is FedAvg-shaped: every phase trains jointly for ``local_epochs``, and the server
+    replaces the shared part by the (sample-weighted) mean of the participants'. Subclasses override
+    the methods below; the strategy calls them and nothing else.
+
+    Args:
+        name: the algorithm's name (also its registered strategy name).
+        shares: the split groups the server averages: ``"body"``, ``"head"``, both, or none.
+        description: one line for ``StrategyRegistry`` and the CLI.
+    """
+
+    def __init__(self, name: str, shares: Iterable[Group], description: str):
+        groups = frozenset(shares)
+        unknown = groups - {"body", "head"}
+        if unknown:
+            raise ValueError(f"Algorithm shares must be among 'body' and 'head', got {sorted(unknown)}.")
+        self.name = name
+        self.shares: frozenset[Group] = groups
+        self.description = description
+        _warn_v1_aggregate(self)
+
+    @property
+    def needs_split(self) -> bool:
+        """Whether the algorithm must know which parameters are the head (it shares one group only)."""
+        return len(self.shares) == 1
+
+    def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
+        """Local phases when the user gives only the epoch shorthands (called at construction):
+        ``head_epochs`` and ``body_epochs`` for an algorithm that trains the head, then the body (FedRep),
+        ``local_epochs`` for one that trains everything in one phase (the default)."""
+        return (Phase("all", epochs=local_epochs),)
+
+    def aggregator(self, like: Mapping[str, Tensor]) -> Aggregator:
+        """A new aggregator for an aggregating round (called when the round opens, and when a mid-round
+        checkpoint is resumed). ``like`` maps the shared tensor names to the round's starting global values.
+
+        The default is the streaming ``WeightedMean`` (float64 weighted sums). Return
+        ``Stacked(like)`` to receive every client's update in :meth:`aggregate` (``average.updates``,
+        ``average.stacked()``): coordinate-wise median, trimmed mean, FedNova, as user code.
+        """
+        return WeightedMean(like)
+
+    def aggregate(self, global_state: list[Tensor], average: WeightedAverage | Aggregator) -> list[Tensor]:
+        """The new global shared state at the end of a round (called once per aggregating round in which a
+        client survived).
+
+        ``global_state`` is the state the round started from (in ``average.names`` order), ``average`` the
+        round's :meth:`aggregator` after every client: with the default ``WeightedMean``, the running
+        weighted sum of the participants' shared tensors. ``average.failures`` lists the clients left out
+        (``ClientFault``). The default is the weighted mean (FedAvg's server step).
+
+        A v2 override ``aggregate(self, server, results, failures)`` (see :meth:`finish_client`) receives
+        ``server`` (the ``ServerState`` the round started from), ``results`` (the ``RoundResults``: the
+        round's reduction of the clients' uploads) and ``failures`` (the ``ClientFault`` of each client left
+        out), and returns the new ``ServerState`` and the round's history metrics.
+        """
+        return average.mean(global_state)
+
+    def configure_round(self, plan: Any, server: ServerState) -> Any:
+        """The round's plan as the algorithm wants it: which clients, which phases, per-client settings.
+        ``plan`` and the return value are :class:`~lightning_fedrep.federation.plan.RoundPlan` (typed loosely: the
+        plan module imports this one).
+
+        Called once per round when it is first planned, on every process, before the federated
+        callbacks' ``configure_round``; return ``plan`` or ``plan.replace(clients=..., phases=...,
+        settings={client: {"lr_scale": 0.5}})``. ``server`` is a read-only copy of the server state the
+        round starts from (``server.shared``: the global shared tensors, ``server.tensors``: the declared
+        server tensors, ``server.num_clients``). Draw only from ``plan.generator(key)`` (seeded from the
+        strategy's seed, the round and ``key``), never the global RNG, so every process plans alike and a
+        resumed run repeats the plan. The default returns ``plan`` unchanged.
+        """
+        return plan
+
+    scales_lr: bool = True
+    """Whether an overridden :meth:`configure_round` may set a per-client ``lr_scale``, which the lockstep
+    runner does not apply (so ``engine="auto"`` runs such an algorithm sequentially). ``False`` (it only reads
+    the plan, or picks clients): the lockstep runner may run it, and still refuses a round that sets one."""
+
+    def objective(self, phase: str) -> Objective:
+        """The local objective of a phase training ``phase`` (``"head"``, ``"body"``, ``"all"``): loss terms
+        and step transforms (``lightning_fedrep.federation.api.objective``), run by both runners where they
+        are vmappable. Called once per fit and phase part, at ``setup``. The default adds nothing."""
+        return Objective()
+
+    def loss_term(self, module: nn.Module, global_state: Mapping[str, Tensor]) -> Tensor | None:
+        """Deprecated (write :meth:`objective`, which also runs on the lockstep runner): an extra term for
+        the live client's training loss, or ``None`` (called every local step; sequential runner only).
+
+        ``module`` is the live module holding the client's tensors; ``global_state`` maps shared tensor
+        names to the round's starting global values (read-only). Automatic optimization only.
+        """
+        return None
+
+    client_tensors: tuple[ClientTensors, ...] = ()
+    """Extra per-client tensors the algorithm keeps (e.g. SCAFFOLD's control variates): stored, checkpointed,
+    rolled back and moved between processes with the client; :meth:`finish_client` updates them."""
+
+    server_tensors: tuple[ServerTensors, ...] = ()
+    """Extra server tensors (e.g. server momentum); the v2 :meth:`aggregate` reads and replaces them."""
+
+    evaluation_slot: str | None = None
+    """``None``: evaluation scores each client's model (global shared part + its local part); a slot name
+    (a ``ClientTensors(name, like="model")``, e.g. Ditto's ``"personal"``): it scores that slot."""
+
+    def evaluation(self) -> EvaluationSpec:
+        """What evaluation scores for each client (:class:`~lightning_fedrep.EvaluationSpec`: the personal
+        model, the global one, a slot, a mixture; optionally adapted first). Asked once, at ``setup``. The
+        default scores ``evaluation_slot`` where it is set, else each client's personal model."""
+        if self.evaluation_slot is not None:
+            return EvaluationSpec("slot", slot=self.evaluation_slot)
+        return EvaluationSpec()
+
+    def finish_client(self, end: ClientEnd) -> ClientOutcome:
+        """After a client's last local step of a round: what it uploads to the aggregator, its new declared
+        client tensors, its metrics (called once per client that trained with finite values). The default
+        uploads the shared tensors' end values and leaves the client tensors as they are.
+
+        A v2 :meth:`aggregate` has the signature ``aggregate(self, server: ServerState, results: RoundResults,
+        failures: Sequence[ClientFault]) -> tuple[ServerState, dict[str, float]]`` (told apart from the v1 one
+        by its parameter names): it receives the server state (global shared tensors, server tensors), the
+        round's reduction and the clients left out, and returns the new server state and history metrics.
+        """
+        return ClientOutcome(upload=end.shared())
+
+    def setup(self, module: nn.Module, split: ParameterSplit, datamodule: Any) -> None:
+        """Called at the strategy's ``setup`` (every stage, every process), once the head/body split is resolved
+        and before any step: check the module (raise naming what to change) or read the data (``datamodule``:
+        the Trainer's data module, or ``None``). The default does nothing; FedRoD checks its head and reads the
+        clients' label counts here."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Server state kept across rounds (e.g. server momentum); saved with the federation."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state``, what :meth:`state_dict` returned."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, shares={sorted(self.shares)})"
+
+
+_WARNED_V1: weakref.WeakSet[type] = weakref.WeakSet()
+"""The classes already warned about their v1 ``aggregate`` (each is warned about once)."""
+
+
+def _warn_v1_aggregate(algorithm: Algorithm) -> None:
+    """A ``DeprecationWarning`` (once per class) when ``algorithm``'s class overrides ``aggregate`` with the v1
+    signature ``(global_state, average)``; it still runs (``federation/round.py`` tells the two apart)."""
+    cls = type(algorithm)
+    if cls.aggregate is Algorithm.aggregate or uses_results(algorithm) or cls in _WARNED_V1:
+        return
+    _WARNED_V1.add(cls)
+    # point the warning at the code that constructs the algorithm (past each class's __init__): Python shows
+    # a DeprecationWarning by default only when it is attributed to __main__
+    frame, level = sys._getframe(1), 2
+    while (
+        frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is algorithm
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"{cls.__name__}.aggregate(global_state, average) is the deprecated v1 server step: write "
+        "aggregate(self, server, results, failures) -> (ServerState, metrics) instead (see "
+        "Algorithm.finish_client's docstring; results.reduced maps each shared name to the weighted mean, and "
+        "server.replace(shared=...) makes the new state).",
+        DeprecationWarning,
+        stacklevel=level,
+    )

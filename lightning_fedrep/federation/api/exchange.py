@@ -1,0 +1,127 @@
+"""What a round's clients hand the server, and what the server holds between rounds (the Algorithm API v2).
+
+After a client's last local step the federation calls ``Algorithm.finish_client(ClientEnd)``, which returns
+a :class:`ClientOutcome` (what the aggregator receives, the client's new declared tensors, per-client
+metrics). At the round's close a v2 ``Algorithm.aggregate(server, results, failures)`` receives the
+:class:`ServerState` and the :class:`RoundResults` and returns the new server state and metrics for the
+round's history row. No Lightning here (the core).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_fedrep.federation.api.aggregation import Aggregator, ClientUpdate
+
+__all__ = ["ClientEnd", "ClientMap", "ClientOutcome", "RoundResults", "ServerState", "uses_results"]
+
+
+@dataclass(frozen=True)
+class ClientEnd:
+    """A client after its last local step of the round (views, not copies: valid during the call).
+
+    ``start``/``end`` map the module's shared and local tensor names to their values at the start of the
+    client's round and at the end of its work; ``client_state`` holds its declared client tensors as they
+    were before the round, ``server`` the declared server tensors; ``lr`` is the first optimizer's first
+    param group's learning rate (``None`` if unknown); ``slots`` the declared slots the client trained this
+    round (``Phase(slot=...)``) at the end of its work, by ``"<slot>.<tensor name>"`` (stored with its
+    declared tensors after ``finish_client``; ``{}`` when no phase trained a slot).
+    """
+
+    client: int
+    round: int
+    num_samples: int
+    """The client's training samples."""
+    steps: int
+    """The local steps it ran this round."""
+    lr: float | None
+    start: Mapping[str, Tensor]
+    end: Mapping[str, Tensor]
+    client_state: Mapping[str, Tensor]
+    server: Mapping[str, Tensor]
+    shared_names: tuple[str, ...] = ()
+    """The names of ``start``/``end`` the server shares (what :meth:`shared` returns)."""
+    slots: Mapping[str, Tensor] = field(default_factory=dict)
+
+    def shared(self) -> dict[str, Tensor]:
+        """The end values of the shared tensors (what the default ``finish_client`` uploads)."""
+        return {n: self.end[n] for n in self.shared_names}
+
+    def tensors(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """The end values of ``names``."""
+        return {n: self.end[n] for n in names}
+
+
+@dataclass(frozen=True)
+class ClientOutcome:
+    """What ``finish_client`` returns: the upload the aggregator receives (``ClientUpdate.upload``; its
+    names must be those of ``Algorithm.aggregator``'s ``like``), new values of the client's declared tensors
+    (those left out keep their values) and per-client metrics (their mean over the round's clients joins
+    the round's history row under the same key)."""
+
+    upload: Mapping[str, Tensor]
+    client_state: Mapping[str, Tensor] = field(default_factory=dict)
+    """New values of some of the client's declared tensors, by name."""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+ClientMap = Callable[[Mapping[str, Tensor]], Mapping[str, Tensor]]
+"""``client_map(a client's declared tensors by name) -> new values of some of them`` (``ServerState``)."""
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What the server holds between rounds: the global shared tensors and the declared server tensors,
+    by name; ``num_clients`` is the federation's size. ``aggregate`` returns a new one (``replace``).
+
+    ``client_map`` (returned by ``aggregate``, never stored): a server step that changes every client's
+    declared tensors at once (L2GD's pull towards the average). It receives one client's declared tensors
+    by name and returns new values of some of them (the others are kept); the federation applies it right
+    after ``aggregate`` to every client it holds and to the template of those that never trained, on every
+    process alike (so it must be a pure function of its input and of the server state), before evaluation
+    or a checkpoint can see them.
+    """
+
+    shared: Mapping[str, Tensor]
+    tensors: Mapping[str, Tensor]
+    num_clients: int = 0
+    client_map: ClientMap | None = None
+
+    def replace(self, **changes: Any) -> ServerState:
+        """A copy with ``changes`` (``shared=``, ``tensors=``: the names given replace those values)."""
+        for key in ("shared", "tensors"):
+            if key in changes:
+                changes[key] = {**getattr(self, key), **changes[key]}
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RoundResults:
+    """The round as the server step sees it: the aggregator's reduction (``reduced``, its ``result()``),
+    the aggregator itself (``Stacked`` holds every update), the surviving clients' ids, the total
+    aggregation weight and the round's plan. Identical on every process."""
+
+    reduced: Mapping[str, Tensor]
+    aggregator: Aggregator
+    clients: tuple[int, ...]
+    weight: float
+    plan: Any
+    """The round's ``RoundPlan`` (typed loosely: the plan module imports the algorithms)."""
+
+    @property
+    def updates(self) -> list[ClientUpdate]:
+        """Every client's update (only with an aggregator that keeps them, e.g. ``Stacked``)."""
+        return list(getattr(self.aggregator, "updates", []))
+
+
+def uses_results(algorithm: Any) -> bool:
+    """Whether ``algorithm.aggregate`` is the v2 server step ``(server, results, failures)`` rather than
+    the v1 ``(global_state, average)`` (told apart by its parameter names)."""
+    parameters = list(inspect.signature(algorithm.aggregate).parameters)
+    return parameters[:2] == ["server", "results"]

@@ -1,7 +1,0 @@
-"""Moved to :mod:`lightning_fedrep.lightning.callback`; this old import path is the same module (kept for existing code)."""
-
-import sys
-
-from lightning_fedrep.lightning import callback as _moved
-
-sys.modules[__name__] = _moved
