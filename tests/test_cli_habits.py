@@ -32,7 +32,17 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict", "table", "report")
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file under ``folder`` with its bytes, but W&B's own debug logs (``wandb/<run>/logs/``): the
+    detached ``wandb-core`` service of an earlier command may still append to them when this is read."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not _wandb_debug_log(p.relative_to(folder))
+    }
+
+
+def _wandb_debug_log(path: Path) -> bool:
+    return len(path.parts) > 3 and path.parts[0] == "wandb" and path.parts[2] == "logs"
 
 
 def refused(capsys: pytest.CaptureFixture, *args: str) -> str:
