@@ -105,3 +105,50 @@ def test_cifar100_dropout_only_in_training():
     a = model(x)
     torch.manual_seed(1)
     assert not torch.equal(a, model(x))
+
+
+class OfficialCNN(torch.nn.Module):
+    """The official ``CNNCifar`` (``widths=(64, 120, 64)``, no dropout) and ``CNNCifar100``
+    (``widths=(128, 256, 128)``, ``Dropout(0.6)`` before ``fc3``), written out as in ``models/Nets.py``."""
+
+    def __init__(self, widths: tuple[int, int, int], num_classes: int, dropout: float | None):
+        super().__init__()
+        channels, first, second = widths
+        self.conv1 = torch.nn.Conv2d(3, 64, 5)
+        self.pool = torch.nn.MaxPool2d(2, 2)
+        self.conv2 = torch.nn.Conv2d(64, channels, 5)
+        self.fc1 = torch.nn.Linear(channels * 5 * 5, first)
+        self.fc2 = torch.nn.Linear(first, second)
+        self.fc3 = torch.nn.Linear(second, num_classes)
+        self.dropout = dropout
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        x = x.view(-1, self.fc1.in_features)
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        if self.dropout is not None:
+            x = F.dropout(x, self.dropout, self.training)
+        return F.log_softmax(self.fc3(x), dim=1)
+
+
+@pytest.mark.parametrize(
+    "cls, widths, classes, dropout",
+    [(CIFAR10CNN, (64, 120, 64), 10, None), (CIFAR100CNN, (128, 256, 128), 100, 0.6)],
+    ids=["cifar10", "cifar100"],
+)
+def test_cnns_compute_the_official_networks(cls, widths, classes, dropout):
+    """Same weights, same outputs as the official network, in eval mode and (same draws) in train mode."""
+    torch.manual_seed(0)
+    model = cls()
+    official = OfficialCNN(widths, classes, dropout)
+    official.load_state_dict(model.state_dict())
+    x = torch.randn(5, 3, 32, 32)
+    for training in (False, True):
+        model.train(training)
+        official.train(training)
+        torch.manual_seed(1)
+        ours = model(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(ours, official(x))

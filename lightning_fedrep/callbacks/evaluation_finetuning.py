@@ -218,6 +218,11 @@ class FineTunedEvaluation(FederatedCallback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse, before anything runs, a module without a known loss or without a head."""
         super().setup(trainer, pl_module, stage)
+        self._prepare_run(trainer, pl_module)
+
+    def _prepare_run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """At setup: take this run's loss (``loss``, else the module's declared one) and refuse a module without
+        one or data without clients (the refusals' words are :meth:`_no_loss` and :meth:`_no_client_data`)."""
         self._chunk = None  # this run's inputs decide it
         if isinstance(self.loss, str):
             self._loss_fn = NAMED_LOSSES[self.loss]
@@ -226,15 +231,23 @@ class FineTunedEvaluation(FederatedCallback):
         else:
             self._loss_fn = declared_loss(pl_module)
         if self._loss_fn is None:
-            raise ValueError(
-                f"FineTunedEvaluation needs the training loss: set fedrep_loss = 'cross_entropy' (or 'mse', or a "
-                f"callable) on {type(pl_module).__name__}, or pass FineTunedEvaluation(loss=...)."
-            )
+            raise ValueError(self._no_loss(pl_module))
         if trainer.datamodule is None or not hasattr(trainer.datamodule, "client_data"):
-            raise ValueError(
-                "FineTunedEvaluation fine-tunes on each client's training data: pass a FederatedDataModule "
-                "as datamodule=."
-            )
+            raise ValueError(self._no_client_data(pl_module))
+
+    def _no_loss(self, pl_module: L.LightningModule) -> str:
+        """The refusal of a module that declares no loss (and none was passed)."""
+        return (
+            f"FineTunedEvaluation needs the training loss: set fedrep_loss = 'cross_entropy' (or 'mse', or a "
+            f"callable) on {type(pl_module).__name__}, or pass FineTunedEvaluation(loss=...)."
+        )
+
+    def _no_client_data(self, pl_module: L.LightningModule) -> str:
+        """The refusal of a data module without per-client training data."""
+        return (
+            "FineTunedEvaluation fine-tunes on each client's training data: pass a FederatedDataModule "
+            "as datamodule=."
+        )
 
     def on_round_end(self, trainer: L.Trainer, pl_module: L.LightningModule, result: RoundResult) -> None:
         """Remember the round's clients: the ``"average"`` start is the mean of their heads."""
@@ -749,19 +762,20 @@ class EvaluationAdaptation(FineTunedEvaluation):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse, before anything runs, a module without a declared loss or data without clients."""
-        self._chunk = None  # this run's inputs decide it
-        self._loss_fn = declared_loss(pl_module)
-        if self._loss_fn is None:
-            raise ValueError(
-                f"{self._what_for(pl_module)} with its per-sample loss: set fedrep_loss = 'cross_entropy' (or "
-                f"'mse', or a callable) on {type(pl_module).__name__}."
-            )
-        if trainer.datamodule is None or not hasattr(trainer.datamodule, "client_data"):
-            raise ValueError(
-                f"{self._what_for(pl_module)} on each client's training data: pass a FederatedDataModule as "
-                "datamodule=."
-            )
+        self._prepare_run(trainer, pl_module)
         self.tuned_names(trainer, pl_module)
+
+    def _no_loss(self, pl_module: L.LightningModule) -> str:
+        return (
+            f"{self._what_for(pl_module)} with its per-sample loss: set fedrep_loss = 'cross_entropy' (or "
+            f"'mse', or a callable) on {type(pl_module).__name__}."
+        )
+
+    def _no_client_data(self, pl_module: L.LightningModule) -> str:
+        return (
+            f"{self._what_for(pl_module)} on each client's training data: pass a FederatedDataModule as "
+            "datamodule=."
+        )
 
     def adapt(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Adapt every evaluated client and have the coming evaluation score the adapted models."""

@@ -277,9 +277,6 @@ class NeuralCollapse(FederatedCallback):
         return name
 
     # ------------------------------------------------------------------ penalties
-    def _client_mask(self, client: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-        return self._masks_on(device)[client].to(dtype)
-
     def _masks_on(self, device: torch.device) -> Tensor:
         if self._device_masks is None or self._device_masks.device != device:
             self._device_masks = self.masks.to(device)

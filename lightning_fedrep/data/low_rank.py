@@ -230,23 +230,6 @@ class LowRankLinearDataModule(FederatedDataModule):
             )
         )
 
-    @classmethod
-    def from_problem(
-        cls, problem: LowRankLinearProblem, fresh_samples: bool = False, **kwargs: Any
-    ) -> LowRankLinearDataModule:
-        """A data module over an existing problem (``samples_per_client`` = its training set size)."""
-        module = cls(
-            dim=problem.dim,
-            rank=problem.rank,
-            num_clients=1,
-            samples_per_client=len(problem.train[0]),
-            test_samples_per_client=1,
-            fresh_samples=fresh_samples,
-            **kwargs,
-        )
-        module._use(problem)
-        return module
-
     def _use(self, problem: LowRankLinearProblem) -> None:
         self.problem = problem
         self._set_clients(

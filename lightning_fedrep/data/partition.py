@@ -96,20 +96,22 @@ class Partitioner(Protocol):
 # --------------------------------------------------------------------------------------------------
 
 
+def _check_count(name: str, value: object, minimum: int, bound: str) -> int:
+    """``value`` as an ``int``; refuses a non-integer (``bool`` included) or one below ``minimum`` (the refusal
+    says ``"<name> must be <bound>"``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
+    if value < minimum:
+        raise ValueError(f"{name} must be {bound}, got {value}.")
+    return int(value)
+
+
 def _check_num_clients(num_clients: object) -> int:
-    if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)):
-        raise ValueError(f"num_clients must be an int, got {type(num_clients).__name__} ({num_clients!r}).")
-    if num_clients < 1:
-        raise ValueError(f"num_clients must be at least 1, got {num_clients}.")
-    return int(num_clients)
+    return _check_count("num_clients", num_clients, 1, "at least 1")
 
 
 def _check_seed(seed: object) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"seed must be an int, got {type(seed).__name__} ({seed!r}).")
-    if seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed}.")
-    return int(seed)
+    return _check_count("seed", seed, 0, "a non-negative int")
 
 
 def _labels_to_numpy(labels: object, name: str) -> np.ndarray:

@@ -183,42 +183,19 @@ class TorchvisionDataModule(FederatedDataModule):
 
 
 class _CIFARDataModule(TorchvisionDataModule):
+    """CIFAR-10 or CIFAR-100 (``dataset_class``), normalised with ``mean`` and ``std``.
+
+    Args:
+        augment: randomly crop and flip the training images (the official code's augmentation).
+        *args, **kwargs: the arguments of :class:`TorchvisionDataModule`, in its order.
+    """
+
     mean: ClassVar[tuple[float, ...]] = CIFAR10_MEAN
     std: ClassVar[tuple[float, ...]] = CIFAR10_STD
     dataset_class: ClassVar[str] = "CIFAR10"
 
-    def __init__(
-        self,
-        root: str = "data",
-        num_clients: int = 100,
-        classes_per_client: int = 2,
-        partitioner: Partitioner | None = None,
-        download: bool = False,
-        batch_size: int = 10,
-        eval_batch_size: int = 256,
-        val_fraction: float = 0.0,
-        num_workers: int = 0,
-        seed: int = 0,
-        augment: bool = True,
-        assignment: Literal["distinct", "official"] = "distinct",
-        max_train_samples: int | None = None,
-        test_draws: int | None = None,
-    ):
-        super().__init__(
-            root,
-            num_clients,
-            classes_per_client,
-            partitioner,
-            download,
-            batch_size,
-            eval_batch_size,
-            val_fraction,
-            num_workers,
-            seed,
-            assignment=assignment,
-            max_train_samples=max_train_samples,
-            test_draws=test_draws,
-        )
+    def __init__(self, *args: Any, augment: bool = True, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         self.augment = augment
 
     def _make_dataset(self, train: bool, download: bool, transform: Callable | None) -> Dataset:
@@ -317,6 +294,11 @@ class EMNISTDataModule(MNISTDataModule):
     This is NIST's EMNIST, not LEAF's FEMNIST (which keeps the writers, i.e. the natural clients): for
     FedRep's FEMNIST use :class:`lightning_fedrep.data.leaf.LEAFDataModule`. Files:
     ``root/EMNIST/raw/emnist-<split>-{train,test}-{images-idx3,labels-idx1}-ubyte``.
+
+    Args:
+        split: the EMNIST split (a key of :data:`EMNIST_SPLITS`).
+        first_classes: keep only the samples of the first ``first_classes`` classes; ``None`` keeps all.
+        *args, **kwargs: the other arguments of :class:`TorchvisionDataModule`, in its order after ``root``.
     """
 
     display_name = "EMNIST"
@@ -325,19 +307,9 @@ class EMNISTDataModule(MNISTDataModule):
         self,
         root: str = "data",
         split: str = "digits",
-        num_clients: int = 100,
-        classes_per_client: int = 2,
-        partitioner: Partitioner | None = None,
-        download: bool = False,
-        batch_size: int = 10,
-        eval_batch_size: int = 256,
-        val_fraction: float = 0.0,
-        num_workers: int = 0,
-        seed: int = 0,
+        *args: Any,
         first_classes: int | None = None,
-        assignment: Literal["distinct", "official"] = "distinct",
-        max_train_samples: int | None = None,
-        test_draws: int | None = None,
+        **kwargs: Any,
     ):
         if split not in EMNIST_SPLITS:
             raise ValueError(f"EMNIST split must be one of {sorted(EMNIST_SPLITS)}, got {split!r}.")
@@ -349,21 +321,7 @@ class EMNISTDataModule(MNISTDataModule):
                 maximum=EMNIST_SPLITS[split],
                 owner="EMNISTDataModule",
             )
-        super().__init__(
-            root,
-            num_clients,
-            classes_per_client,
-            partitioner,
-            download,
-            batch_size,
-            eval_batch_size,
-            val_fraction,
-            num_workers,
-            seed,
-            assignment=assignment,
-            max_train_samples=max_train_samples,
-            test_draws=test_draws,
-        )
+        super().__init__(root, *args, **kwargs)
         self.split = split
         self.first_classes = first_classes
         self.num_classes = first_classes or EMNIST_SPLITS[split]

@@ -41,10 +41,6 @@ class Collective:
         """Every process's ``obj``, by rank (picklable; put tensors on the CPU first)."""
         return [obj]
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every process."""
-        return obj
-
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every process's ``obj``, by rank, on rank ``dst`` (``None`` on the others)."""
         return [obj]
@@ -96,11 +92,6 @@ class ProcessGroupCollective(Collective):
         gathered: list[Any] | None = [None] * self.world_size if self.rank == dst else None
         torch.distributed.gather_object(obj, gathered, dst=dst, group=self._objects)
         return gathered
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src=src, group=self._objects)
-        return holder[0]
 
 
 def to_cpu(value: Any) -> Any:

@@ -21,7 +21,7 @@ from lightning_fedrep.federation.api.declared import declared_names as declared_
 from lightning_fedrep.federation.api.declared import declared_templates
 from lightning_fedrep.federation.history import History
 from lightning_fedrep.federation.module.split import ParameterSplit
-from lightning_fedrep.federation.store import ClientStore
+from lightning_fedrep.federation.store import ClientStore, check_client_id
 
 STATE_VERSION = 3
 """Version 3 added the declared server tensors (``"server"``) and client tensors (``clients["tensors"]``)."""
@@ -154,16 +154,7 @@ class FederationState:
         known = len(self.client_sizes) if self.client_sizes is not None else None
         if known is None and self.saved_federation is not None:
             known = self.saved_federation.get("num_clients")
-        if (
-            isinstance(client, bool)
-            or not isinstance(client, int)
-            or client < -1
-            or (known is not None and client >= known)
-        ):
-            raise IndexError(
-                f"client must be a client id in 0..{'' if known is None else known - 1} (or -1 for a client that never "
-                f"trained), got {client!r}."
-            )
+        check_client_id(client, known)
 
     def personalized_state(self, base_state: Mapping[str, Tensor], client: int) -> dict[str, Tensor]:
         """``base_state`` (a module ``state_dict`` holding the global shared part) made ``client``'s own: the

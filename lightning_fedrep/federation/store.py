@@ -30,6 +30,22 @@ MAX_CHUNK_BYTES = 16 * 2**20
 """A chunk holds fewer rows where its rows are large (a whole model per client), at least one."""
 
 
+def check_client_id(client: object, num_clients: int | None) -> None:
+    """Refuse ``client`` unless it is a client id in ``0 .. num_clients - 1`` or ``-1`` (a client that never
+    trained); ``num_clients=None`` (the federation's size is not known) bounds it from below only. Runs where
+    a client's tensors are asked for: in a live federation and out of a checkpoint."""
+    if (
+        isinstance(client, bool)
+        or not isinstance(client, int)
+        or client < -1
+        or (num_clients is not None and client >= num_clients)
+    ):
+        raise IndexError(
+            f"client must be a client id in 0..{'' if num_clients is None else num_clients - 1} (or -1 for a client "
+            f"that never trained), got {client!r}."
+        )
+
+
 def _layout(tensors: Sequence[Tensor]) -> _Layout:
     return tuple((t.shape, t.dtype, t.device) for t in tensors)
 

@@ -5,70 +5,71 @@ the body is ``conv1, conv2, fc1, fc2`` and the head ``fc3``, as in the official 
 official models these output **log-probabilities** (``log_softmax``); the loss is cross-entropy on them,
 which equals the negative log-likelihood because ``log_softmax`` is idempotent, and the strategy's
 ``val/acc``/``val/loss`` are computed the same way. Neither model has batch norm.
+
+Both are one network, :class:`_OfficialCIFARCNN`, at the widths (and, for CIFAR-100, the dropout) of the
+official ``CNNCifar`` and ``CNNCifar100``.
 """
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_fedrep.models.optim import fedrep_sgd
+from lightning_fedrep.models.classifier import FedRepClassifier
 
 __all__ = ["CIFAR100CNN", "CIFAR10CNN"]
 
 
-class _FedRepClassifier(L.LightningModule):
-    """Cross-entropy training, strategy-side evaluation and the official SGD recipe.
+class _OfficialCIFARCNN(FedRepClassifier):
+    """The official CIFAR CNN at given widths, for ``(batch, 3, 32, 32)`` inputs.
 
-    ``forward`` is ``forward_head(forward_features(x))`` and ``fedrep_loss`` says what ``training_step``
-    computes, so the strategy's vectorized engine applies (and caches features in head phases).
+    ``conv1`` 3→64 (5x5) → ReLU → max-pool 2 → ``conv2`` 64→``conv_channels`` (5x5) → ReLU → max-pool 2 →
+    flatten → ``fc1`` → ReLU → ``fc2`` → ReLU → (``drop``, where ``dropout`` is given) → ``fc3`` →
+    ``log_softmax``. The public models are its subclasses: they fix the widths and save their own arguments
+    as hyper-parameters.
+
+    Args:
+        num_classes: outputs of the head ``fc3``.
+        conv_channels: output channels of ``conv2``.
+        hidden: the widths of ``fc1`` and ``fc2``.
+        dropout: the probability of the ``Dropout`` between the body and ``fc3``; ``None``: no dropout layer.
     """
 
-    fedrep_loss = "cross_entropy"
-    """What ``training_step`` computes: cross-entropy of ``self(x)`` against integer labels."""
+    fedrep_head = "fc3"
 
-    fedrep_evaluation = "headline"
-    """``validation_step``/``test_step`` log nothing beyond the strategy's headline metrics, so the strategy
-    may evaluate many clients per step."""
+    def __init__(self, num_classes: int, conv_channels: int, hidden: tuple[int, int], dropout: float | None):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 5)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(64, conv_channels, 5)
+        self.fc1 = nn.Linear(conv_channels * 5 * 5, hidden[0])
+        self.fc2 = nn.Linear(hidden[0], hidden[1])
+        self.drop = None if dropout is None else nn.Dropout(dropout)
+        self.fc3 = nn.Linear(hidden[1], num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's output: the head on the body's features."""
-        return self.forward_head(self.forward_features(x))
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The body's output (the input of ``fc3``, before any dropout), shape ``(batch, hidden[1])``."""
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        x = x.flatten(1)
+        x = F.relu(self.fc1(x))
+        return F.relu(self.fc2(x))
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train/loss", loss)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        pass  # the strategy logs val/acc and val/loss per client from self(x)
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        pass  # the strategy logs test/acc and test/loss per client from self(x)
-
-    def predict_step(self, batch: tuple[torch.Tensor, ...] | torch.Tensor, batch_idx: int) -> torch.Tensor:
-        """The predicted class of each sample (``x`` or the first item of an ``(x, y)`` batch)."""
-        x = batch[0] if isinstance(batch, tuple | list) else batch
-        return self(x).argmax(-1)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """SGD (lr 0.01, momentum 0.5 by default), weight decay (1e-4) on weights only, not biases."""
-        hp = self.hparams
-        return fedrep_sgd(self, hp.lr, hp.momentum, hp.weight_decay)
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of shape ``(batch, num_classes)`` (the dropout, where there is one, then ``fc3``)."""
+        if self.drop is not None:
+            features = self.drop(features)
+        return F.log_softmax(self.fc3(features), dim=1)
 
 
-class CIFAR10CNN(_FedRepClassifier):
+class CIFAR10CNN(_OfficialCIFARCNN):
     """The official ``CNNCifar``: 307,842 parameters, of which the head ``fc3`` has 650 (0.21%).
 
     ``conv1`` 3→64 (5x5) → ReLU → max-pool 2 → ``conv2`` 64→64 (5x5) → ReLU → max-pool 2 → flatten
     (1600) → ``fc1`` 1600→120 → ReLU → ``fc2`` 120→64 → ReLU → ``fc3`` 64→``num_classes`` →
     ``log_softmax``. Input: ``(batch, 3, 32, 32)``.
     """
-
-    fedrep_head = "fc3"
 
     def __init__(
         self,
@@ -77,37 +78,17 @@ class CIFAR10CNN(_FedRepClassifier):
         momentum: float = 0.5,
         weight_decay: float = 1e-4,
     ):
-        super().__init__()
+        super().__init__(num_classes, conv_channels=64, hidden=(120, 64), dropout=None)
         self.save_hyperparameters()
-        self.conv1 = nn.Conv2d(3, 64, 5)
-        self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(64, 64, 5)
-        self.fc1 = nn.Linear(64 * 5 * 5, 120)
-        self.fc2 = nn.Linear(120, 64)
-        self.fc3 = nn.Linear(64, num_classes)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """The body's output (the input of ``fc3``), shape ``(batch, 64)``."""
-        x = self.pool(F.relu(self.conv1(x)))
-        x = self.pool(F.relu(self.conv2(x)))
-        x = x.flatten(1)
-        x = F.relu(self.fc1(x))
-        return F.relu(self.fc2(x))
-
-    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of shape ``(batch, num_classes)``."""
-        return F.log_softmax(self.fc3(features), dim=1)
 
 
-class CIFAR100CNN(_FedRepClassifier):
+class CIFAR100CNN(_OfficialCIFARCNN):
     """The official ``CNNCifar100``: 1,075,044 parameters, of which the head ``fc3`` has 12,900 (1.20%).
 
     ``conv1`` 3→64 (5x5) → ReLU → max-pool 2 → ``conv2`` 64→128 (5x5) → ReLU → max-pool 2 → flatten
     (3200) → ``fc1`` 3200→256 → ReLU → ``fc2`` 256→128 → ReLU → ``drop`` Dropout(0.6) → ``fc3``
     128→``num_classes`` → ``log_softmax``. Input: ``(batch, 3, 32, 32)``.
     """
-
-    fedrep_head = "fc3"
 
     def __init__(
         self,
@@ -117,24 +98,5 @@ class CIFAR100CNN(_FedRepClassifier):
         momentum: float = 0.5,
         weight_decay: float = 1e-4,
     ):
-        super().__init__()
+        super().__init__(num_classes, conv_channels=128, hidden=(256, 128), dropout=dropout)
         self.save_hyperparameters()
-        self.conv1 = nn.Conv2d(3, 64, 5)
-        self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(64, 128, 5)
-        self.fc1 = nn.Linear(128 * 5 * 5, 256)
-        self.fc2 = nn.Linear(256, 128)
-        self.drop = nn.Dropout(dropout)
-        self.fc3 = nn.Linear(128, num_classes)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """The body's output before the dropout, shape ``(batch, 128)``."""
-        x = self.pool(F.relu(self.conv1(x)))
-        x = self.pool(F.relu(self.conv2(x)))
-        x = x.flatten(1)
-        x = F.relu(self.fc1(x))
-        return F.relu(self.fc2(x))
-
-    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of shape ``(batch, num_classes)`` (dropout, then ``fc3``)."""
-        return F.log_softmax(self.fc3(self.drop(features)), dim=1)

@@ -8,12 +8,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_fedrep.models.cnn import _FedRepClassifier
+from lightning_fedrep.models.classifier import FedRepClassifier
 
 __all__ = ["FEMNISTMLP"]
 
 
-class FEMNISTMLP(_FedRepClassifier):
+class FEMNISTMLP(FedRepClassifier):
     """The official FEMNIST/MNIST ``MLP``: 550,346 parameters, of which the head ``layer_out`` has 650.
 
     Flatten (1x28x28 → 784) → ``layer_input`` 784→512 → ReLU → ``layer_hidden1`` 512→256 → ReLU →

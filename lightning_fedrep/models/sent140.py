@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_fedrep.data.sent140 import read_word_vectors
-from lightning_fedrep.models.cnn import _FedRepClassifier
+from lightning_fedrep.models.classifier import FedRepClassifier
 
 __all__ = ["SENT140_LG_GLOBAL", "Sent140RNN"]
 
@@ -24,7 +24,7 @@ SENT140_LG_GLOBAL = ("rnn.weight_ih_l0", "decoder")
 """LG-FedAvg's shared tensors for this model, as the official ``w_glob_keys = [net_keys[i] for i in [0,6,7]]``."""
 
 
-class Sent140RNN(_FedRepClassifier):
+class Sent140RNN(FedRepClassifier):
     """The official ``RNNSent``: an LSTM over frozen GloVe vectors; the head ``decoder`` (10→2) has 22 parameters.
 
     ``glove_path`` is the word-vector file the data module reads (GloVe text or LEAF ``embs.json``); its

@@ -14,7 +14,7 @@ from lightning_fedrep.federation.api.registry import ALGORITHMS, get_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec, evaluation_spec, scored_tensors
 from lightning_fedrep.federation.checkpoint.entry import CHECKPOINT_KEY
 from lightning_fedrep.federation.checkpoint.reading import check_version, read_checkpoint
-from lightning_fedrep.federation.store import ClientStore
+from lightning_fedrep.federation.store import ClientStore, check_client_id
 
 
 def personalized_state_dict(
@@ -46,16 +46,7 @@ def personalized_state_dict(
     state = checkpoint[CHECKPOINT_KEY]
     check_version(state, source)
     clients = (state.get("federation") or {}).get("num_clients")
-    if (
-        isinstance(client, bool)
-        or not isinstance(client, int)
-        or client < -1
-        or (clients is not None and client >= clients)
-    ):
-        raise IndexError(
-            f"client must be a client id in 0..{'' if clients is None else clients - 1} (or -1 for a client that never "
-            f"trained), got {client!r}."
-        )
+    check_client_id(client, clients)
     store = ClientStore([])
     store.load_state_dict(state["clients"])
     personal = store.personal(client, state["local_names"])
