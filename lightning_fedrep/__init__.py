@@ -74,7 +74,7 @@ from lightning_fedrep.federation.api.scoring import EvaluationSpec
 from lightning_fedrep.federation.checkpoint.export import personalized_state_dict
 from lightning_fedrep.federation.module.split import ParameterSplit, SplitError, resolve_split
 from lightning_fedrep.federation.plan import ClientWork, RoundPlan, RoundSpec, StepLocation
-from lightning_fedrep.lightning.callback import FederatedCallback, LiveStep, VectorizedLossTerm
+from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.ddp import FederatedDDPStrategy
 from lightning_fedrep.lightning.strategy import CHECKPOINT_KEY, FederatedStrategy, FedRepStrategy
 from lightning_fedrep.runners.runner_report import EngineReport, RunnerReport
@@ -121,7 +121,6 @@ __all__ = [
     "LGFedAvg",
     "Local",
     "GradTransform",
-    "LiveStep",
     "LossTerm",
     "Objective",
     "ParamTransform",
@@ -145,7 +144,6 @@ __all__ = [
     "StepLocation",
     "TwoClassExponential",
     "ValidateAtRounds",
-    "VectorizedLossTerm",
     "personalized_state_dict",
     "register_algorithm",
     "resolve_split",

@@ -34,11 +34,13 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
     HFMAML,
     L2GD,
     AdaptiveParticipation,
+    Algorithm,
     DirichletPartitioner,
     Ditto,
     DynamicExponential,
     EvaluationSpec,
     FedCP,
+    FederatedCallback,
     FederatedDataModule,
     FederatedDDPStrategy,
     FedMTL,
@@ -163,6 +165,30 @@ class UnbatchedProx(FedProx):
     def objective(self, phase: str) -> Objective:
         (term,) = super().objective(phase).terms
         return Objective(terms=(dataclasses.replace(term, vmappable=False),))
+
+
+class LegacyLossTerm(Algorithm):
+    """An algorithm still written for the removed loss-term route."""
+
+    def __init__(self) -> None:
+        super().__init__("legacy_loss_term", {"body", "head"}, "an algorithm of the removed loss-term route")
+
+    def loss_term(self, module: Any, global_state: Any) -> Any:
+        return None
+
+
+class LegacyCallbackTerm(FederatedCallback):
+    """A callback still written for the removed loss-term route."""
+
+    def loss_term(self, trainer: Any, pl_module: Any, batch: Any, step: Any) -> Any:
+        return None
+
+
+class LegacyObjectiveCallback(FederatedCallback):
+    """A callback whose objective still takes the Trainer and the module."""
+
+    def objective(self, trainer: Any, pl_module: Any, phase: str) -> Objective:
+        return Objective()
 
 
 class HalvedLrProx(FedProx):
@@ -355,6 +381,9 @@ CASES = [
         "set-up",
     ),
     Refused('fit(FedRepStrategy(algorithm="per_fedavg"))', ValueError, "fedrep_loss", "set-up"),
+    Refused("LegacyLossTerm()", TypeError, "loss_term"),
+    Refused("fit(callbacks=[LegacyCallbackTerm()])", TypeError, "loss_term", "set-up"),
+    Refused("fit(callbacks=[LegacyObjectiveCallback()])", TypeError, "objective(phase)", "set-up"),
     Refused("HFMAML(parts=2)", ValueError, "parts"),
     Refused("HFMAML(delta=0.0)", ValueError, "delta"),
     Refused("FedMTL(chunk=0)", ValueError, "chunk"),

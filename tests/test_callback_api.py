@@ -20,6 +20,8 @@ from lightning_fedrep import (
     FederatedStrategy,
     Federation,
     HeadFineTuning,
+    LossTerm,
+    Objective,
     personalized_state_dict,
 )
 from lightning_fedrep.callbacks.participation import AdaptiveParticipation, FixedExponential
@@ -147,8 +149,11 @@ class FedProx(Algorithm):
         super().__init__("fedprox", {"body", "head"}, "FedProx: FedAvg with a proximal term")
         self.mu = mu
 
-    def loss_term(self, module, global_state):
-        return self.mu / 2 * sum((p - global_state[n]).pow(2).sum() for n, p in module.named_parameters())
+    def objective(self, phase):
+        def proximal(view):
+            return self.mu / 2 * sum((w - view.server[n]).pow(2).sum() for n, w in view.trained.items())
+
+        return Objective(terms=(LossTerm(proximal, "proximal term"),))
 
 
 def plain_fedprox(init, dm, rounds, per_round, seed, mu):

@@ -1,9 +1,10 @@
 """The neural-collapse (FLUTE) penalties on the vectorized engine equal the sequential path's (FedRep and
 FLUTE schedules, the server step, unequal clients whose padding rows must not count, clients with
-different classes); the ``VectorizedLossTerm`` interface (client ids, phases, plain callables, the
-features check); loss terms without a vectorized form keep runs sequential."""
+different classes); a callback's ``objective(phase)`` terms on both runners (client ids, phases, the
+features check); a term that cannot be vmapped keeps runs sequential."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from lightning_fedrep import (
     FederatedCallback,
     FederatedDataModule,
     FederatedStrategy,
+    Objective,
     Phase,
 )
 from lightning_fedrep.callbacks import NeuralCollapse
@@ -96,25 +98,26 @@ def test_the_feature_penalty_ignores_padding_rows():
 
 
 class Sharpness(FederatedCallback):
-    """A loss term with no vectorized form."""
+    """A callback's loss term that says it cannot run inside the lockstep runner's ``vmap``."""
 
-    def loss_term(self, trainer, pl_module, batch, step):
-        return 0.01 * pl_module.classifier.weight.square().sum()
+    def objective(self, phase):
+        def sharpness(view):
+            return 0.01 * view.tensors["classifier.weight"].square().sum()
+
+        return Objective(terms=(LossTerm(sharpness, "Sharpness term", vmappable=False),))
 
 
-def test_a_loss_term_without_a_vectorized_form_keeps_the_run_sequential(caplog):
+def test_a_callback_term_that_cannot_be_vmapped_keeps_the_run_sequential(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto", callback=Sharpness(), rounds=1)
     assert strategy.engine_report.engine == "sequential"
-    assert "Sharpness.loss_term without a vectorized form cannot run in lockstep" in caplog.text
-    with pytest.raises(
-        ValueError, match="Sharpness.loss_term without a vectorized form cannot run in lockstep"
-    ):
+    assert "Sharpness term cannot run in lockstep" in caplog.text
+    with pytest.raises(ValueError, match="Sharpness term cannot run in lockstep"):
         fit("vectorized", callback=Sharpness(), rounds=1)
 
 
-def test_the_base_callback_has_no_vectorized_form():
-    assert FederatedCallback().vectorized_loss_term(None, None) is None
+def test_the_base_callback_adds_nothing():
+    assert all(FederatedCallback().objective(phase).empty for phase in ("head", "body", "all"))
 
 
 def test_feature_penalty_on_another_module_keeps_the_run_sequential(caplog):
@@ -165,8 +168,8 @@ def test_penalties_need_the_heads_input(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto", model_cls=ScaledOutput, rounds=1)
     assert strategy.engine_report.engine == "sequential"
-    assert "vectorized loss terms need the head's input" in caplog.text
-    with pytest.raises(ValueError, match="vectorized loss terms need the head's input"):
+    assert "loss terms that read features need the head's input" in caplog.text
+    with pytest.raises(ValueError, match="loss terms that read features need the head's input"):
         fit("vectorized", model_cls=ScaledOutput, rounds=1)
 
 
@@ -182,30 +185,29 @@ def test_penalties_without_the_feature_term_need_no_feature_split():
 
 
 class ClientScaled(FederatedCallback):
-    """A loss term that depends on the client and the phase; its vectorized form is a plain callable
-    that reads a per-client table by the client id."""
+    """A callback's loss term that depends on the client and the phase: it reads a per-client table by the
+    client id (a 0-dim tensor on both runners) and asks for the head's input."""
 
     def __init__(self):
         self.scale = torch.linspace(0.01, 0.06, len(SIZES))
 
-    def loss_term(self, trainer, pl_module, batch, step):
-        if step.phase != "head":
-            return None
-        return self.scale[step.client] * pl_module.classifier.weight.square().sum()
-
-    def vectorized_loss_term(self, trainer, pl_module):
+    def objective(self, phase):
         scale = self.scale
 
-        def term(tensors, features, mask, client, phase):
-            assert features.shape[0] == mask.shape[0] and mask.dim() == 1 and client.dim() == 0
-            if phase != "head":
+        def term(view):
+            assert view.features is not None and view.client.dim() == 0
+            if view.mask is not None:  # lockstep: one row of the mask per row of the features
+                assert view.features.shape[0] == view.mask.shape[0] and view.mask.dim() == 1
+            if view.phase != "head":
                 return None
-            return scale[client] * tensors["classifier.weight"].square().sum()
+            return scale[view.client] * view.tensors["classifier.weight"].square().sum()
 
-        return term
+        return Objective(
+            terms=(LossTerm(term, "ClientScaled term", needs_features=True, features_of="classifier"),)
+        )
 
 
-def test_a_plain_callable_term_gets_the_client_id_and_the_phase():
+def test_a_callback_term_gets_the_client_id_and_the_phase_on_both_runners():
     sequential = fit("sequential", FLUTE_STAR, ClientScaled())
     vectorized = fit("vectorized", FLUTE_STAR, ClientScaled())
     engine = vectorized.lockstep_engine
@@ -260,7 +262,9 @@ def test_the_vectorized_term_masks_padding_and_indexes_the_class_table():
     class Run:  # what objective reads of the run: the head, to find the classifier
         split = type("Split", (), {"head": ("classifier.weight", "classifier.bias")})()
 
+    callback.strategy = lambda trainer: None  # no Trainer here: setup keeps the stand-in below
     callback.federation = lambda trainer: Run()
+    callback.setup(SimpleNamespace(lightning_module=DeclaredNet()), None, "fit")
     clients = torch.tensor([4, 0, 2])
     g = torch.Generator().manual_seed(0)
     weights = torch.randn(3, 4, 8, generator=g, requires_grad=True)
@@ -281,7 +285,7 @@ def test_the_vectorized_term_masks_padding_and_indexes_the_class_table():
         return torch.stack(terms)
 
     def vectorized(phase, ids):
-        (term,) = callback.objective(None, DeclaredNet(), phase).terms
+        (term,) = callback.objective(phase).terms
         assert term.vmappable and term.needs_features and term.features_of == "classifier"
 
         def one(weight, f, m, c):

@@ -75,7 +75,7 @@ RULES: tuple[Rule, ...] = (
     Rule("evaluation", "data loaders", "evaluation reads batches it is handed"),
     Rule("evaluation", "app", "the command and reports sit on top of everything"),
     Rule("evaluation", "lightning", "evaluation runs without Lightning"),
-    Rule("runners", "lightning face", "runners use the core's types (loss_terms, not hooks)"),
+    Rule("runners", "lightning face", "runners use the core's types (Objective, not hooks)"),
     Rule("runners", "lightning", "runners read the Trainer through Constraints, built by the face"),
     Rule("runners", "callbacks", "runners see callbacks only through duck-typed hooks"),
     Rule("runners", "data loaders", "runners take their batches through the core's protocols"),
@@ -270,7 +270,7 @@ def test_rules_name_existing_groups() -> None:
 
 
 def test_dependency_rules_hold() -> None:
-    """Catches any import that breaks a rule, e.g. ``runners/lockstep/engine.py`` importing ``VectorizedLossTerm``
+    """Catches any import that breaks a rule, e.g. ``runners/lockstep/engine.py`` importing ``FederatedCallback``
     from ``lightning_fedrep.lightning.callback``, ``federation/sharding.py`` importing ``data.loaders`` under
     TYPE_CHECKING, ``federation/api/registry.py`` importing the built-in algorithm modules, or
     ``runners/sequential.py`` importing ``runners.lockstep.probe`` again."""
@@ -287,10 +287,10 @@ def test_pending_violations_still_exist() -> None:
 
 
 def test_loss_term_type_lives_with_the_algorithm_api() -> None:
-    """Catches the loss-term type (``LossTerm``, ``Objective``, ``StepView``, or the deprecated
-    ``VectorizedLossTerm``/``LiveStep``) defined in the callback module (``lightning/callback.py``) again or
-    anywhere outside the algorithm API (``federation/api/``), or ``LossTerm`` moved out of
-    ``federation/api/objective.py``."""
+    """Catches the loss-term type (``LossTerm``, ``Objective``, ``StepView``, the transforms) defined in the
+    callback module (``lightning/callback.py``) again or anywhere outside the algorithm API (``federation/api/``),
+    ``LossTerm`` moved out of ``federation/api/objective.py``, or a type of the removed loss-term route
+    (``VectorizedLossTerm``, ``LiveStep``) defined again anywhere."""
     names = (
         "LossTerm",
         "Objective",
@@ -309,6 +309,7 @@ def test_loss_term_type_lives_with_the_algorithm_api() -> None:
     assert owners and all(group_of(m) == "core" for m, _ in owners), owners
     assert all(m.startswith("federation.api.") for m, _ in owners), owners
     assert ("federation.api.objective", "LossTerm") in owners, owners
+    assert not {name for _, name in owners} & {"VectorizedLossTerm", "LiveStep"}, owners
 
 
 ALGORITHM_API = frozenset(

@@ -1,16 +1,17 @@
 """Step transforms of the local objective (``GradTransform`` before the optimizer step, ``ParamTransform``
-after it) on both runners, against a plain PyTorch loop; the deprecated ``Algorithm.loss_term`` adapter."""
+after it) on both runners, against a plain PyTorch loop; algorithms and callbacks still written for the removed
+loss-term route (``loss_term``, ``vectorized_loss_term``, a callback's ``objective(trainer, pl_module, phase)``)
+are refused, and the port the refusal shows trains what the old term did."""
 
 import copy
-import warnings
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from lightning_fedrep import Algorithm, GradTransform, Objective, ParamTransform
+from lightning_fedrep import Algorithm, FederatedCallback, GradTransform, LossTerm, Objective, ParamTransform
 from tests.fixtures import reference_clients
-from tests.test_fedprox import LOCAL_EPOCHS, NUM_CLIENTS, PER_ROUND, ROUNDS, fit
+from tests.test_fedprox import LOCAL_EPOCHS, NUM_CLIENTS, PER_ROUND, ROUNDS, fit, plain_fedprox
 
 HALF, PULL = 0.5, 0.3
 
@@ -74,6 +75,8 @@ def test_grad_and_param_transforms_equal_a_plain_loop(engine):
 
 
 class LegacyProx(Algorithm):
+    """A FedProx written for the removed loss-term route (``mu / 2 = 0.25``)."""
+
     def __init__(self):
         super().__init__("legacy_prox", {"body", "head"}, "test")
 
@@ -81,14 +84,99 @@ class LegacyProx(Algorithm):
         return 0.25 * sum((p - global_state[n]).pow(2).sum() for n, p in module.named_parameters())
 
 
-def test_the_deprecated_loss_term_still_runs_sequentially_with_a_warning():
-    """The v1 ``Algorithm.loss_term`` keeps working (sequential runner, the reason names it) and warns,
-    naming ``Algorithm.objective``."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        strategy, _, _ = fit("auto", LegacyProx())
-    assert strategy.runner_report.engine == "sequential"
-    assert "LegacyProx.loss_term" in strategy.runner_report.reason
-    assert any(
-        issubclass(w.category, DeprecationWarning) and "Algorithm.objective" in str(w.message) for w in caught
+def test_an_algorithm_with_the_removed_loss_term_is_refused_at_construction():
+    """Nothing calls ``loss_term`` any more: accepted, the run would train without the term. The error names
+    the hook and shows its one-line port to ``objective(phase)``."""
+    with pytest.raises(
+        TypeError, match=r"LegacyProx\.loss_term\(module, global_state\) is a removed hook"
+    ) as caught:
+        LegacyProx()
+    assert (
+        'def objective(self, phase): return Objective(terms=(LossTerm(lambda view: <the term>, "<name>"),))'
+        in str(caught.value)
     )
+    assert "view.server instead of global_state" in str(caught.value)
+
+
+class PortedProx(Algorithm):
+    """``LegacyProx`` ported as its refusal says: the same term, of the step's view, in ``objective``."""
+
+    def __init__(self):
+        super().__init__("ported_prox", {"body", "head"}, "test")
+
+    def objective(self, phase):
+        return Objective(
+            terms=(
+                LossTerm(
+                    lambda view: (
+                        0.25 * sum((w - view.server[n]).pow(2).sum() for n, w in view.trained.items())
+                    ),
+                    "ported proximal term",
+                ),
+            )
+        )
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_the_ported_loss_term_equals_the_plain_loop_on_both_runners(engine):
+    """The port trains what the old term trained (FedProx with ``mu = 0.5``, written out in plain PyTorch), now
+    on the lockstep runner too."""
+    strategy, init, dm = fit(engine, PortedProx())
+    assert strategy.runner_report.engine == engine
+    dm.setup()
+    for name, value in plain_fedprox(init, dm, mu=0.5).items():
+        torch.testing.assert_close(strategy.global_tensors()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class LegacyCallbackTerm(FederatedCallback):
+    def loss_term(self, trainer, pl_module, batch, step):
+        return 0.01 * pl_module.classifier.weight.square().sum()
+
+
+class LegacyVectorizedTerm(FederatedCallback):
+    def vectorized_loss_term(self, trainer, pl_module):
+        return lambda tensors, features, mask, client, phase: None
+
+
+class LegacyObjective(FederatedCallback):
+    def objective(self, trainer, pl_module, phase):
+        return Objective()
+
+
+class Started(FederatedCallback):
+    """Records that a training batch started (a refusal at set-up comes before any)."""
+
+    def __init__(self):
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches += 1
+
+
+@pytest.mark.parametrize(
+    "callback,message",
+    [
+        (
+            LegacyCallbackTerm(),
+            r"LegacyCallbackTerm\.loss_term\(trainer, pl_module, batch, step\) is a removed hook",
+        ),
+        (
+            LegacyVectorizedTerm(),
+            r"LegacyVectorizedTerm\.vectorized_loss_term\(trainer, pl_module\) is a removed hook",
+        ),
+        (
+            LegacyObjective(),
+            r"LegacyObjective\.objective must take one argument, objective\(phase\) -> Objective",
+        ),
+    ],
+    ids=["loss_term", "vectorized_loss_term", "objective(trainer, pl_module, phase)"],
+)
+def test_a_callback_with_a_removed_hook_is_refused_at_setup(callback, message):
+    """A callback still written for the removed route is refused when the strategy's ``setup`` takes the
+    callbacks, before any step; the error names the hook and shows the port to ``objective(phase)``."""
+    started = Started()
+    with pytest.raises(TypeError, match=message) as caught:
+        fit("sequential", Algorithm("fedavg", {"body", "head"}, "test"), callbacks=[callback, started])
+    assert started.batches == 0
+    text = str(caught.value)
+    assert "def objective(self, phase)" in text or "setup(trainer, pl_module, stage)" in text

@@ -91,12 +91,12 @@ def test_a_step_rule_without_a_declared_loss_is_refused_at_setup():
 
 
 class SecondRule(FederatedCallback):
-    def objective(self, trainer, pl_module, phase):
+    def objective(self, phase):
         return Objective(step=StepRule(lambda *a: None, "callback rule"))
 
 
 class ExtraTerm(FederatedCallback):
-    def objective(self, trainer, pl_module, phase):
+    def objective(self, phase):
         return Objective(terms=(LossTerm(lambda view: None, "extra term"),))
 
 

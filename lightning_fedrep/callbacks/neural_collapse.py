@@ -184,12 +184,19 @@ class NeuralCollapse(FederatedCallback):
         """One entry per measured round: ``{"round": r, "nc/global_nc2": ..., ...}``."""
         self.server_round = -1
         """The last round whose server step was applied."""
+        self._trainer: L.Trainer | None = None
         self._hook: Any = None
         self._collected: list[Tensor] | None = None
         self._device_masks: Tensor | None = None
         self._metric_samples: dict[int, Tensor] = {}
 
     # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Keep the Trainer: :meth:`objective`, asked at the strategy's ``setup`` right after, finds the
+        classifier in its module (which ``configure_model`` may build only after this hook)."""
+        super().setup(trainer, pl_module, stage)
+        self._trainer = trainer
+
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Find the classifier, hook its input, and read every client's classes from the data."""
         federation = self.federation(trainer)
@@ -238,6 +245,7 @@ class NeuralCollapse(FederatedCallback):
         self._hook = pl_module.get_submodule(features).register_forward_pre_hook(self._make_hook())
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = None
         if stage == "fit":
             self._remove_hook()
 
@@ -282,7 +290,7 @@ class NeuralCollapse(FederatedCallback):
             self._device_masks = self.masks.to(device)
         return self._device_masks
 
-    def objective(self, trainer: L.Trainer, pl_module: L.LightningModule, phase: str) -> Objective:
+    def objective(self, phase: str) -> Objective:
         """The penalties as one vmappable :class:`LossTerm` (both runners), for every phase:
         ``λ R(W_i) + μ ||W_i||_F^2 (+ ν ||φ(X)||_F^2 when the body trains)``.
 
@@ -292,7 +300,13 @@ class NeuralCollapse(FederatedCallback):
         (padding masked on the lockstep runner). The features are asked for only when ``nu > 0``: the
         lockstep runner then needs a feature split whose features are exactly that input, and otherwise
         runs sequentially (``engine="auto"``)."""
-        name = self._classifier_name(pl_module, self.federation(trainer))
+        trainer = self._trainer
+        if trainer is None:
+            raise RuntimeError(
+                "NeuralCollapse.objective(phase) is asked at the strategy's setup, after NeuralCollapse.setup("
+                "trainer, pl_module, stage) kept the Trainer; call setup first."
+            )
+        name = self._classifier_name(trainer.lightning_module, self.federation(trainer))
         weight_name = f"{name}.weight" if name else "weight"
         feature_term = bool(self.nu) and phase in ("body", "all")
         callback = self  # a closure over the callback: its masks are read from the data at fit start

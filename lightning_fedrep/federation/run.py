@@ -10,7 +10,6 @@ into one call here, handing in what it reads from the Trainer as plain values an
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,7 +19,7 @@ from torch import Tensor
 
 from lightning_fedrep.federation import Federation
 from lightning_fedrep.federation.api.algorithm import Algorithm
-from lightning_fedrep.federation.api.objective import LossTerm, Objective, StepView
+from lightning_fedrep.federation.api.objective import Objective, StepView, refuse_removed_hooks
 from lightning_fedrep.federation.checkpoint.entry import (
     OptimizerState,
     check_round_runner,
@@ -130,18 +129,14 @@ class Runner(Protocol):
 
 class CallbackBus:
     """The federated callbacks, as the run sees them. The face binds ``trainer`` and ``module`` (opaque
-    here: each hook receives them first, as Lightning callbacks do). ``loss_callbacks`` is kept for old
-    callers; the loss terms come from every callback's ``objective`` (:func:`local_objective`)."""
+    here: each event hook receives them first, as Lightning callbacks do). The loss terms come from every
+    callback's ``objective(phase)`` (:func:`local_objective`); a callback that still defines a removed
+    loss-term hook is refused here, at the strategy's ``setup``."""
 
-    def __init__(
-        self,
-        callbacks: Sequence[Any] = (),
-        loss_callbacks: Sequence[Any] = (),
-        trainer: Any = None,
-        module: Any = None,
-    ):
+    def __init__(self, callbacks: Sequence[Any] = (), trainer: Any = None, module: Any = None):
+        for callback in callbacks:
+            refuse_removed_hooks(callback, "FederatedCallback")
         self.callbacks = list(callbacks)
-        self.loss_callbacks = list(loss_callbacks)
         self.trainer = trainer
         self.module = module
 
@@ -168,18 +163,13 @@ PHASE_PARTS = ("head", "body", "all")
 
 
 def local_objective(algorithm: Algorithm, bus: CallbackBus, phase: str) -> Objective:
-    """The local objective of a phase training ``phase``: the algorithm's, then each callback's (resolved
-    once per fit and phase, at its first use)."""
+    """The local objective of a phase training ``phase``: the algorithm's, then each callback's, every one
+    asked ``objective(phase)`` (resolved once per fit and phase, at its first use)."""
     cache = bus.__dict__.setdefault("_objectives", {})
     if phase not in cache:
-        objective = _algorithm_objective(algorithm, bus, phase)
+        objective = _objective_of(algorithm, phase)
         for callback in bus.callbacks:
-            found = callback.objective(bus.trainer, bus.module, phase)
-            if not isinstance(found, Objective):
-                raise TypeError(
-                    f"{type(callback).__name__}.objective must return an Objective (Objective() for none), "
-                    f"got {found!r}."
-                )
+            found = _objective_of(callback, phase)
             if objective.step is not None and found.step is not None:
                 raise ValueError(
                     f"{type(callback).__name__}.objective sets the step rule {found.step.name!r}, but the "
@@ -191,27 +181,14 @@ def local_objective(algorithm: Algorithm, bus: CallbackBus, phase: str) -> Objec
     return cache[phase]
 
 
-def _algorithm_objective(algorithm: Algorithm, bus: CallbackBus, phase: str) -> Objective:
-    """``algorithm.objective(phase)``; a v1 algorithm's ``loss_term`` through its adapter (sequential only)."""
-    if (
-        type(algorithm).loss_term is Algorithm.loss_term
-        or type(algorithm).objective is not Algorithm.objective
-    ):
-        return algorithm.objective(phase)
-    warnings.warn(
-        f"{type(algorithm).__name__}.loss_term(module, global_state) is deprecated: return "
-        "Objective(terms=(LossTerm(fn, name),)) from Algorithm.objective(phase) instead (a vmappable term "
-        "also runs on the lockstep runner).",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-
-    def legacy(view: StepView) -> Any:
-        return algorithm.loss_term(bus.module, view.server)
-
-    return Objective(
-        terms=(LossTerm(legacy, f"{type(algorithm).__name__}.loss_term (deprecated API)", False),)
-    )
+def _objective_of(owner: Any, phase: str) -> Objective:
+    """``owner.objective(phase)`` (an algorithm's or a callback's), refused unless it is an ``Objective``."""
+    found = owner.objective(phase)
+    if not isinstance(found, Objective):
+        raise TypeError(
+            f"{type(owner).__name__}.objective must return an Objective (Objective() for none), got {found!r}."
+        )
+    return found
 
 
 def has_loss_terms(algorithm: Algorithm, bus: CallbackBus) -> bool:

@@ -10,12 +10,13 @@ hook                                                  when
                                                       first batch); return ``plan`` or a changed plan
                                                       (``plan.replace(...)``). Each callback receives
                                                       the previous one's plan, so they compose.
-``objective(trainer, pl_module, phase) -> Objective``  once per fit and phase part, at ``setup``: the
+``objective(phase) -> Objective``                     once per fit and phase part, at the strategy's
+                                                      ``setup`` (after the callbacks' ``setup``): the
                                                       :class:`~lightning_fedrep.federation.api.objective.Objective`
                                                       (loss terms, step transforms) the callback adds to
                                                       every local step of that phase, on both runners
-                                                      (automatic optimization only)
-``loss_term`` / ``vectorized_loss_term``              deprecated: the default ``objective`` adapts them
+                                                      (automatic optimization only); the same hook as
+                                                      ``Algorithm.objective(phase)``
 ``on_round_start(trainer, pl_module, plan)``          before the round's first step
 ``on_client_start(trainer, pl_module, client)``       after a client was loaded, before its first step
 ``on_client_end(trainer, pl_module, result)``         after a client's last step of the round and its
@@ -33,33 +34,18 @@ From any hook, :meth:`FederatedCallback.federation` gives the run's :class:`Fede
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor
 
 from lightning_fedrep.evaluation.metrics import ClientMetrics
 from lightning_fedrep.federation import ClientResult, Federation, RoundResult
 from lightning_fedrep.federation.api.algorithm import Algorithm
-from lightning_fedrep.federation.api.loss_terms import (
-    LiveStep,
-    VectorizedLossTerm,
-    adds_loss_term,
-    no_loss_term,
-)
-from lightning_fedrep.federation.api.objective import LossTerm, Objective, StepView
+from lightning_fedrep.federation.api.objective import Objective
 from lightning_fedrep.federation.plan import RoundPlan
 
-__all__ = [
-    "ClientResult",
-    "FederatedCallback",
-    "FederatedStrategyAPI",
-    "LiveStep",
-    "RoundResult",
-    "VectorizedLossTerm",
-]
+__all__ = ["ClientResult", "FederatedCallback", "FederatedStrategyAPI", "RoundResult"]
 
 
 @runtime_checkable
@@ -122,81 +108,20 @@ class FederatedCallback(Callback):
         """
         return plan
 
-    def objective(self, trainer: L.Trainer, pl_module: L.LightningModule, phase: str) -> Objective:
+    def objective(self, phase: str) -> Objective:
         """What the callback adds to every local step of a phase training ``phase`` (``"head"``, ``"body"``,
-        ``"all"``): :class:`LossTerm` s added to the loss, gradient and parameter transforms around the
-        optimizer step. Called once per fit and phase part, at ``setup`` (read state that is set later,
-        e.g. per-client tables, when the term runs). A term with ``vmappable=False`` keeps ``engine="auto"``
-        sequential (naming it) and is refused by ``engine="vectorized"``.
-
-        The default adapts the deprecated :meth:`loss_term` (the sequential runner's form) and
-        :meth:`vectorized_loss_term` (the lockstep runner's form; without one the term is not vmappable).
+        ``"all"``): :class:`~lightning_fedrep.LossTerm` s added to the loss, gradient and parameter transforms
+        around the optimizer step; the same hook as ``Algorithm.objective(phase)``, and the terms run as the
+        algorithm's do. Called once per fit and phase part, at the strategy's ``setup``, after every callback's
+        ``setup(trainer, pl_module, stage)``: keep there what the objective needs of the trainer or module, and
+        read state that is set later (e.g. per-client tables) when the term runs. A term with
+        ``vmappable=False`` keeps ``engine="auto"`` sequential (naming it) and is refused by
+        ``engine="vectorized"``. The default adds nothing.
 
         Args:
-            trainer: the Lightning ``Trainer`` running the federation.
-            pl_module: the ``LightningModule`` being trained (the live client's tensors are loaded in it).
             phase: the phase's part, ``"head"``, ``"body"`` or ``"all"``.
         """
-        if not adds_loss_term(self):
-            return Objective()
-        warnings.warn(
-            f"{type(self).__name__}.loss_term/vectorized_loss_term are deprecated: return "
-            "Objective(terms=(LossTerm(fn, name),)) from FederatedCallback.objective(trainer, pl_module, phase).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-
-        def live(view: StepView) -> Tensor | None:
-            step = LiveStep(view.round, int(view.client), view.phase, view.batch_idx or 0)
-            return self.loss_term(trainer, pl_module, view.batch, step)
-
-        vectorized = _vectorized(self, self.vectorized_loss_term(trainer, pl_module))
-        if vectorized is None:
-            return Objective(
-                terms=(LossTerm(live, f"{type(self).__name__}.loss_term without a vectorized form", False),)
-            )
-
-        def pure(view: StepView) -> Tensor | None:
-            features = view.features if vectorized.needs_features else None
-            return vectorized(dict(view.tensors), features, view.mask, view.client, view.phase)
-
-        name = f"{type(self).__name__}.vectorized_loss_term"
-        term = LossTerm(pure, name, True, vectorized.needs_features, vectorized.features_of, live=live)
-        return Objective(terms=(term,))
-
-    @no_loss_term
-    def loss_term(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step: LiveStep
-    ) -> Tensor | None:
-        """Deprecated (write :meth:`objective`): a term to add to the live client's training loss, or
-        ``None`` (every local step).
-
-        Args:
-            trainer: the Lightning ``Trainer`` running the federation.
-            pl_module: the ``LightningModule`` being trained (the live client's tensors are loaded in it).
-            batch: the step's batch, as ``training_step`` received it.
-            step: where the step is (:class:`LiveStep`: round, client, phase, batch index).
-        """
-        return None
-
-    def vectorized_loss_term(
-        self, trainer: L.Trainer, pl_module: L.LightningModule
-    ) -> VectorizedLossTerm | None:
-        """Deprecated (write :meth:`objective`). Optional: :meth:`loss_term` as a pure per-client function
-        for the vectorized engine, or ``None``.
-
-        Called once when the engine is built (at ``setup``, before ``on_fit_start``: read state that is
-        set later, e.g. per-client tables, when the term runs). The engine applies the returned
-        :class:`VectorizedLossTerm` inside its ``vmap``, once per client per lockstep step; it must add
-        exactly what :meth:`loss_term` adds. ``None`` (the default) sends a run whose callbacks add a
-        :meth:`loss_term` to the sequential path (``engine="auto"``), or refuses it
-        (``engine="vectorized"``). A plain callable is taken as ``VectorizedLossTerm(fn)``.
-
-        Args:
-            trainer: the Lightning ``Trainer`` running the federation.
-            pl_module: the ``LightningModule`` being trained (the live client's tensors are loaded in it).
-        """
-        return None
+        return Objective()
 
     def on_round_start(self, trainer: L.Trainer, pl_module: L.LightningModule, plan: RoundPlan) -> None:
         """Before the round's first step.
@@ -258,16 +183,3 @@ class FederatedCallback(Callback):
         """Add ``values`` as columns of the current round's history row (``strategy.history``, summaries)
         of the federation ``trainer`` (the Lightning ``Trainer``) runs."""
         self.federation(trainer).record(**values)
-
-
-def _vectorized(callback: FederatedCallback, term: Any) -> VectorizedLossTerm | None:
-    """A callback's ``vectorized_loss_term`` answer as a :class:`VectorizedLossTerm` (a plain callable gets
-    the defaults), or ``None``."""
-    if term is None or isinstance(term, VectorizedLossTerm):
-        return term
-    if not callable(term):
-        raise TypeError(
-            f"{type(callback).__name__}.vectorized_loss_term must return a VectorizedLossTerm, a callable or "
-            f"None, got {term!r}."
-        )
-    return VectorizedLossTerm(term)

@@ -261,8 +261,7 @@ class FederatedStrategyMixin(StrategyAPI):
         evaluating.setup(self, trainer)
         federation.collective = self.collective
         self._callbacks = [c for c in trainer.callbacks if isinstance(c, FederatedCallback)]
-        terms = [c for c in self._callbacks if type(c).loss_term is not FederatedCallback.loss_term]
-        self._run.bus = CallbackBus(self._callbacks, terms, trainer, module)
+        self._run.bus = CallbackBus(self._callbacks, trainer, module)
         federation.timing = any(c.needs_client_timing for c in self._callbacks)
         _refuse_manual_loss_terms(fit and not module.automatic_optimization, self.algorithm, self._run.bus)
         constraints = constraints_of(trainer, module, self.optimizers)

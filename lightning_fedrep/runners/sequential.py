@@ -145,9 +145,6 @@ class SequentialRunner:
         view = self._view(batch, batch_idx)
         found = []
         for term in objective.terms:
-            if term.live is not None:
-                found.append(term.live(view))
-                continue
             features = None
             if term.needs_features:
                 features = captured.get(term.features_of)
@@ -283,9 +280,7 @@ class _captured_features:
     def __init__(self, module: Any, objective: Objective | None, captured: dict[str, Tensor]):
         names = []
         if objective is not None and module is not None:
-            names = list(
-                dict.fromkeys(t.features_of for t in objective.terms if t.needs_features and t.live is None)
-            )
+            names = list(dict.fromkeys(t.features_of for t in objective.terms if t.needs_features))
         self.hooks = [
             module.get_submodule(name).register_forward_pre_hook(
                 lambda _m, args, name=name: captured.__setitem__(name, args[0]) if args else None

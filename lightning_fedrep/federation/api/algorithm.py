@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from lightning_fedrep.federation.api.aggregation import Aggregator, WeightedAverage, WeightedMean
 from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
 from lightning_fedrep.federation.api.exchange import ClientEnd, ClientOutcome, ServerState, uses_results
-from lightning_fedrep.federation.api.objective import Objective
+from lightning_fedrep.federation.api.objective import Objective, refuse_removed_hooks
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
 from lightning_fedrep.federation.module.split import ParameterSplit
 
@@ -130,6 +130,7 @@ class Algorithm:
         self.name = name
         self.shares: frozenset[Group] = groups
         self.description = description
+        refuse_removed_hooks(self, "Algorithm")
         _warn_v1_aggregate(self)
 
     @property
@@ -192,17 +193,9 @@ class Algorithm:
     def objective(self, phase: str) -> Objective:
         """The local objective of a phase training ``phase`` (``"head"``, ``"body"``, ``"all"``): loss terms
         and step transforms (``lightning_fedrep.federation.api.objective``), run by both runners where they
-        are vmappable. Called once per fit and phase part, at ``setup``. The default adds nothing."""
+        are vmappable. Called once per fit and phase part, at ``setup`` (after :meth:`setup`). The default adds
+        nothing."""
         return Objective()
-
-    def loss_term(self, module: nn.Module, global_state: Mapping[str, Tensor]) -> Tensor | None:
-        """Deprecated (write :meth:`objective`, which also runs on the lockstep runner): an extra term for
-        the live client's training loss, or ``None`` (called every local step; sequential runner only).
-
-        ``module`` is the live module holding the client's tensors; ``global_state`` maps shared tensor
-        names to the round's starting global values (read-only). Automatic optimization only.
-        """
-        return None
 
     client_tensors: tuple[ClientTensors, ...] = ()
     """Extra per-client tensors the algorithm keeps (e.g. SCAFFOLD's control variates): stored, checkpointed,

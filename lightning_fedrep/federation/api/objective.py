@@ -20,6 +20,7 @@ No Lightning here (the core).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ __all__ = [
     "StepView",
     "masked_mean",
     "pure_loss",
+    "refuse_removed_hooks",
 ]
 
 _EMPTY: Mapping[str, Tensor] = {}
@@ -68,9 +70,9 @@ class StepView:
         client_state: the client's declared per-client tensors (``Algorithm.client_tensors``; in lockstep
             its own row of the group's stack). ``finish_client`` updates them, and a :class:`StepRule` through
             its :class:`StepOutcome` ``client_state`` (after each step); never a term or transform.
-        batch: the raw batch on the sequential runner (``None`` in lockstep). Only the adapters of the
-            deprecated ``loss_term`` hooks read it; a term that does is ``vmappable=False``.
-        batch_idx: Lightning's batch index on the sequential runner (``None`` in lockstep); adapters only.
+        batch: the raw batch, as ``training_step`` received it, on the sequential runner (``None`` in
+            lockstep): a term that reads it is ``vmappable=False``.
+        batch_idx: Lightning's batch index on the sequential runner (``None`` in lockstep).
         slot: the slot the phase trains (``"model"``, or a per-client slot an algorithm declares, e.g.
             Ditto's ``"personal"``).
         before: for a :class:`ParamTransform` with ``needs_before``, the trained tensors' values before the
@@ -108,8 +110,6 @@ class LossTerm:
             ``features_of``).
         features_of: the submodule whose input ``features`` means (required with ``needs_features``).
         phases: the phase parts it applies to (``None``: every phase).
-        live: the sequential runner's form where it differs from ``fn`` (only the adapter of the
-            deprecated callback ``loss_term``/``vectorized_loss_term`` pair needs it).
     """
 
     fn: Callable[[StepView], Tensor | None]
@@ -118,7 +118,6 @@ class LossTerm:
     needs_features: bool = False
     features_of: str | None = None
     phases: frozenset[str] | None = None
-    live: Callable[[StepView], Tensor | None] | None = None
 
     def applies(self, phase: str) -> bool:
         """Whether the term is added in a phase training ``phase``."""
@@ -239,12 +238,7 @@ class Objective:
             if not isinstance(items, tuple) or not all(isinstance(i, cls) for i in items):
                 raise TypeError(f"Objective.{kind} must be a tuple of {cls.__name__}, got {items!r}.")
             for item in items:
-                if (
-                    isinstance(item, LossTerm)
-                    and item.needs_features
-                    and not item.features_of
-                    and item.live is None
-                ):
+                if isinstance(item, LossTerm) and item.needs_features and not item.features_of:
                     raise ValueError(
                         f"LossTerm {item.name!r} sets needs_features=True without features_of: name the "
                         "submodule whose input the features are (e.g. features_of='classifier')."
@@ -285,3 +279,69 @@ class Objective:
         """The names of the terms and transforms that cannot run inside the lockstep runner's ``vmap``."""
         items = (*self.terms, *self.grad_transforms, *self.param_transforms)
         return [i.name for i in items if not i.vmappable]
+
+
+_PORT = 'def objective(self, phase): return Objective(terms=(LossTerm(lambda view: <the term>, "<name>"),))'
+"""The one-line shape of a loss term declared through ``objective``, shown in the refusals below."""
+
+_REMOVED_HOOKS: dict[tuple[str, str], str] = {
+    ("Algorithm", "loss_term"): (
+        "{cls}.loss_term(module, global_state) is a removed hook: nothing calls it, so its term would be "
+        "silently left out of the loss. Port it to Algorithm.objective(phase), which both runners run:\n    {port}\n"
+        "where the term reads view.tensors (the client's tensors by name; view.trained: those the phase trains) "
+        "instead of the module's parameters, and view.server instead of global_state."
+    ),
+    ("FederatedCallback", "loss_term"): (
+        "{cls}.loss_term(trainer, pl_module, batch, step) is a removed hook: nothing calls it, so its term "
+        "would be silently left out of the loss. Port it to FederatedCallback.objective(phase), which both "
+        "runners run:\n    {port}\nwhere the term reads view.tensors instead of pl_module's parameters, "
+        "view.client, view.phase, view.round and view.batch_idx instead of step, and view.batch instead of batch "
+        "(a term that reads the batch is LossTerm(..., vmappable=False)); keep what it needs of the trainer in "
+        "setup(trainer, pl_module, stage), which runs before objective."
+    ),
+    ("FederatedCallback", "vectorized_loss_term"): (
+        "{cls}.vectorized_loss_term(trainer, pl_module) is a removed hook: nothing calls it, so its term would "
+        "be silently left out of the loss. Port it (with its loss_term) to FederatedCallback.objective(phase), "
+        "one function of the step's view that both runners run:\n    {port}\nwhere fn(tensors, features, "
+        "mask, client, phase) reads view.tensors, view.features (with LossTerm(..., needs_features=True, "
+        "features_of='<the submodule whose input they are>')), view.mask (None on the sequential runner), "
+        "view.client and view.phase."
+    ),
+}
+
+
+_CALLBACK_OBJECTIVE = (
+    " The callback hook objective(trainer, pl_module, phase) lost its first two arguments: keep what it needs of "
+    "them in setup(trainer, pl_module, stage), which runs before it."
+)
+
+
+def refuse_removed_hooks(owner: object, kind: str) -> None:
+    """Refuse ``owner``, an algorithm (``kind="Algorithm"``) or a federated callback (``"FederatedCallback"``),
+    whose class still defines a hook of the removed loss-term route (``loss_term``, ``vectorized_loss_term``) or
+    an ``objective`` that does not take ``(phase)``: the runners would never call it, and the run would train
+    without its term. Runs when an algorithm is constructed and when the strategy's ``setup`` takes the
+    callbacks; the ``TypeError`` names the hook and shows its port to ``objective(phase)``."""
+    cls = type(owner)
+    for hook in ("loss_term", "vectorized_loss_term"):
+        message = _REMOVED_HOOKS.get((kind, hook))
+        if message is not None and callable(getattr(cls, hook, None)):
+            raise TypeError(message.format(cls=cls.__name__, port=_PORT))
+    objective = getattr(owner, "objective", None)
+    if objective is not None and not _takes_phase(objective):
+        raise TypeError(
+            f"{cls.__name__}.objective must take one argument, objective(phase) -> Objective (as "
+            f"Algorithm.objective and FederatedCallback.objective do), got {cls.__name__}.objective"
+            f"{inspect.signature(objective)}." + (_CALLBACK_OBJECTIVE if kind == "FederatedCallback" else "")
+        )
+
+
+def _takes_phase(hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` (a bound ``objective``) can be called as ``hook(phase)``."""
+    try:
+        inspect.signature(hook).bind("all")
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): it is called as documented
+        return True
+    return True

@@ -219,7 +219,7 @@ class LockstepEngine:
             elif self.needs_features:
                 self.loss_terms_problem = self._features_of_problem(x)
         if self.needs_features and self.split is None:
-            self.loss_terms_problem = f"the callbacks' vectorized loss terms need the head's input ({why})"
+            self.loss_terms_problem = f"the loss terms that read features need the head's input ({why})"
         return why
 
     def _probe_batches(self, loader: Any, device: torch.device) -> list[tuple[Any, int, str]]:
