@@ -232,7 +232,8 @@ def test_a_bad_start_outcome_is_refused_naming_the_hook_and_the_name(outcome, er
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])
 def test_a_resumed_mid_round_checkpoint_gives_the_uninterrupted_result(tmp_path, engine):
     """Saved while clients had started (the hook ran) but not finished: the resumed run does not call the hook
-    again for them (visits would count twice) and keeps what it returned (``moved`` reads ``ClientEnd.start``)."""
+    again for them (visits would count twice) and keeps what it returned (``moved`` reads ``ClientEnd.start``;
+    saved in the last round, so no later visit overwrites it)."""
     full, init, dm = fit(BlendStart(), engine)
     saver = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     fit(BlendStart(), engine, callbacks=[saver], root=tmp_path / "a")
@@ -240,8 +241,7 @@ def test_a_resumed_mid_round_checkpoint_gives_the_uninterrupted_result(tmp_path,
     for path in sorted((tmp_path / "ck").glob("step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1])):
         state = torch.load(path, weights_only=True)["lightning_fedrep"]["round"]
         if state["open"] and state["index"] >= 1 and any(state.get("starts", {}).values()):
-            chosen = path  # a started client whose start the hook changed, not yet finished
-            break
+            chosen = path  # the last with a started client whose start the hook changed, not yet finished
     assert chosen is not None, "no mid-round checkpoint with a started client"
     resumed, _, _ = fit(BlendStart(), engine, ckpt_path=chosen, root=tmp_path / "b")
     assert_like_plain(resumed, plain_blend(init, dm))
@@ -283,3 +283,21 @@ def test_a_rolled_back_round_undoes_what_start_client_changed():
     for client, state in before.items():
         for name, value in state.items():
             assert torch.equal(fed.store.client_state(client)[name], value), (client, name)
+
+
+def test_start_client_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """``BlendStart`` (``tests/scripts/algorithms_run.py``), 2 rounds, every client each round: the global model
+    and every client's declared tensors on 2 processes equal the 1-process run. Fails when the hook runs on a
+    process that does not hold the client, or its new declared tensors do not travel back with the client."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch shared with other test files
+    single = singles["blend_start"]
+    assert all(float(t["visits"]) == 2 for t in single["declared"].values())
+    for held in (rank["blend_start"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held)
+        for client, tensors in single["declared"].items():
+            for name, value in tensors.items():
+                torch.testing.assert_close(held["declared"][client][name], value, rtol=0, atol=0)
