@@ -20,6 +20,7 @@ from lightning_fedrep import FederatedStrategy
 from lightning_fedrep.federation.api.algorithm import Algorithm
 from lightning_fedrep.federation.api.declared import ClientTensors
 from lightning_fedrep.federation.api.exchange import ClientOutcome, StartOutcome
+from lightning_fedrep.federation.checkpoint.reading import CheckpointError
 from lightning_fedrep.federation.round import ClientFaultWarning, RoundTransaction
 from tests.fixtures import quiet_trainer, reference_clients, tiny_datamodule
 from tests.test_engine_equivalence import LossNet
@@ -247,6 +248,13 @@ def test_a_resumed_mid_round_checkpoint_gives_the_uninterrupted_result(tmp_path,
     assert_like_plain(resumed, plain_blend(init, dm))
     for name, value in full.global_tensors().items():
         torch.testing.assert_close(resumed.global_tensors()[name], value, rtol=0, atol=0)
+    damaged = torch.load(chosen, weights_only=True)
+    starts = damaged["lightning_fedrep"]["round"]["starts"]
+    client = next(c for c, values in starts.items() if values)
+    starts[client]["classifier.bias"] = torch.zeros(3)
+    torch.save(damaged, tmp_path / "damaged.ckpt")
+    with pytest.raises(CheckpointError, match=r"\['starts'\].*'classifier\.bias'"):
+        fit(BlendStart(), engine, ckpt_path=tmp_path / "damaged.ckpt", root=tmp_path / "c")
 
 
 def test_a_client_left_out_gets_back_what_start_client_changed():
