@@ -309,3 +309,36 @@ def test_start_client_on_two_processes_equals_the_same_run_on_one(tmp_path_facto
         for client, tensors in single["declared"].items():
             for name, value in tensors.items():
                 torch.testing.assert_close(held["declared"][client][name], value, rtol=0, atol=0)
+
+
+class BufferNet(LossNet):
+    """LossNet with a buffer (shared with the body): the lockstep runner holds it once for a whole group."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("offset", torch.zeros(6))
+
+    def forward(self, x):
+        return super().forward(x + self.offset)
+
+
+def test_lockstep_refuses_start_client_with_buffers_it_holds_once():
+    """An algorithm overriding ``start_client`` may give each client its own buffers, which the lockstep runner
+    cannot: ``engine="vectorized"`` is refused naming the hook and the buffer, ``"auto"`` runs sequentially."""
+    strategy = FederatedStrategy(
+        algorithm=BlendStart(), clients_per_round=PER_ROUND, seed=SEED, engine="vectorized"
+    )
+    with pytest.raises(
+        ValueError, match=r"BlendStart\.start_client may give a client its own starting buffers \(offset\)"
+    ):
+        quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0).fit(
+            BufferNet(), datamodule=datamodule()
+        )
+    strategy = FederatedStrategy(
+        algorithm=BlendStart(), clients_per_round=PER_ROUND, seed=SEED, engine="auto"
+    )
+    quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0).fit(
+        BufferNet(), datamodule=datamodule()
+    )
+    assert strategy.runner_report.engine == "sequential"
+    assert "start_client" in strategy.runner_report.reason
