@@ -327,9 +327,15 @@ class RoundTransaction:
                 f"{hook} must return a StartOutcome (lightning_fedrep.federation.api.exchange), "
                 f"got {type(outcome).__name__}."
             )
-        values = _checked_values(outcome.start, start.start, hook, "start", "the client's shared and local tensors")
+        values = _checked_values(
+            outcome.start, start.start, hook, "start", "the client's shared and local tensors"
+        )
         state = _checked_values(
-            outcome.client_state, start.client_state, hook, "client_state", "the algorithm's declared client tensors"
+            outcome.client_state,
+            start.client_state,
+            hook,
+            "client_state",
+            "the algorithm's declared client tensors",
         )
         if state:
             self.put_step_state(client, state)

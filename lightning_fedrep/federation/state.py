@@ -366,7 +366,8 @@ class FederationState:
             )
             if self._starts:  # the clients start_client ran for (a resumed round does not run it again)
                 state["round"]["starts"] = {
-                    c: {n: t.detach().clone() for n, t in values.items()} for c, values in self._starts.items()
+                    c: {n: t.detach().clone() for n, t in values.items()}
+                    for c, values in self._starts.items()
                 }
             if live is not None and live.slot != "model":  # a declared slot is live: keep the model aside
                 state["round"].update(
