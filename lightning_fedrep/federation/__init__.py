@@ -129,6 +129,8 @@ class Federation(FederationState, RoundTransaction, LiveModule, RankTransfer):
         self._local_average: WeightedAverage | None = None
         """``first_state="average"``: the round's weighted sum of the participants' local tensors."""
         self._finished: list[ClientResult] = []
+        self._starts: dict[int, dict[str, Tensor]] = {}
+        """The open round's started clients not yet finished: the starting values ``start_client`` changed."""
         self._live: _LiveClient | None = None
         self._eval_stash: list[Tensor] | None = None
         self._eval_client: int | None = None

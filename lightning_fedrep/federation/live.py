@@ -44,11 +44,13 @@ class LiveModule:
         self._optimizers = list(optimizers)
 
     def load_client(self, client: int) -> None:
-        """Make ``client`` live: the round's global shared part, its local part and, if kept, its
-        optimizer state (the shared part's optimizer state restarts)."""
+        """Make ``client`` live: the round's global shared part, its local part (as ``Algorithm.start_client``
+        changes them) and, if kept, its optimizer state (the shared part's optimizer state restarts)."""
         self._write_personal(client)
         self._live = _LiveClient(client)
         self.live_phase = None
+        changed = self.begin_client(client)  # Algorithm.start_client, where overridden
+        self._write(list(changed), list(changed.values()))
         kept = self.store.optimizer_states.get(client, {})
         for index, optimizer in enumerate(self._optimizers):
             optimizer.state.clear()

@@ -22,8 +22,10 @@ from lightning_fedrep.federation.api.exchange import (
     ClientEnd,
     ClientMap,
     ClientOutcome,
+    ClientStart,
     RoundResults,
     ServerState,
+    StartOutcome,
     uses_results,
 )
 from lightning_fedrep.federation.plan import RoundPlan, StepLocation, plan_round, sample_clients
@@ -163,6 +165,7 @@ class RoundTransaction:
         self._average = aggregator
         self._local_average = self._new_local_average(plan.aggregate)
         self._finished = []
+        self._starts = {}
 
     def _new_aggregator(self, plan: RoundPlan) -> Aggregator | None:
         """The algorithm's aggregator for the round (``WeightedMean`` unless it chooses another), or ``None``
@@ -282,8 +285,61 @@ class RoundTransaction:
 
     def start_tensors(self, client: int) -> dict[str, Tensor]:
         """A client's tensors at the start of its round by name (not copies): the global shared part,
-        its local part, and what it fine-tuned."""
-        return {**self.global_view(), **self.store.personal(client, self.local_names)}
+        its local part, what it fine-tuned, and what ``Algorithm.start_client`` changed (:meth:`begin_client`)."""
+        return {
+            **self.global_view(),
+            **self.store.personal(client, self.local_names),
+            **self._starts.get(client, {}),
+        }
+
+    def begin_client(self, client: int) -> dict[str, Tensor]:
+        """``client`` starts its work in the open round: ``Algorithm.start_client`` runs (where the algorithm
+        overrides it, in a round that aggregates, once per client and round), its new declared tensors are
+        stored (undone with the client if it is left out) and the starting values it changed are kept for
+        :meth:`start_tensors` until the client finishes. Returns those changed starting values by name (what
+        the runner writes into the client's live tensors); ``{}`` when nothing changed."""
+        if client in self._starts:  # started already (a round resumed from a mid-round checkpoint)
+            return self._starts[client]
+        if type(self.algorithm).start_client is Algorithm.start_client or not self.round_open:
+            return {}
+        if not self.plan(self.round_index).aggregate:
+            return {}
+        changed = self._start_outcome(client)
+        self._starts[client] = changed
+        return changed
+
+    def _start_outcome(self, client: int) -> dict[str, Tensor]:
+        """``Algorithm.start_client`` on the client's starting tensors, checked; stores its new declared tensors
+        and returns copies of its new starting values."""
+        start = ClientStart(
+            client=client,
+            round=self.round_index,
+            num_samples=int(self._require_data()[client]),
+            start=self.start_tensors(client),
+            client_state=self.store.client_state(client),
+            server=self.server_tensors,
+            shared_names=self.shared_names,
+        )
+        outcome = self.algorithm.start_client(start)
+        hook = f"{type(self.algorithm).__name__}.start_client()"
+        if not isinstance(outcome, StartOutcome):
+            raise TypeError(
+                f"{hook} must return a StartOutcome (lightning_fedrep.federation.api.exchange), "
+                f"got {type(outcome).__name__}."
+            )
+        values = _checked_values(
+            outcome.start, start.start, hook, "start", "the client's shared and local tensors"
+        )
+        state = _checked_values(
+            outcome.client_state,
+            start.client_state,
+            hook,
+            "client_state",
+            "the algorithm's declared client tensors",
+        )
+        if state:
+            self.put_step_state(client, state)
+        return values
 
     def store_client(
         self,
@@ -342,6 +398,7 @@ class RoundTransaction:
             self.store.optimizer_states[client] = optimizer_state
         result = ClientResult(self.round_index, client, steps, timed_steps, seconds, metrics=metrics)
         self._finished.append(result)
+        self._starts.pop(client, None)
         return result
 
     @torch.no_grad()
@@ -411,6 +468,7 @@ class RoundTransaction:
         )
         result = ClientResult(self.round_index, client, steps, 0, 0.0, fault=reason)
         self._finished.append(result)
+        self._starts.pop(client, None)
         return result
 
     @torch.no_grad()
@@ -456,6 +514,7 @@ class RoundTransaction:
         self._average = None
         self._local_average = None
         self._before_round = None
+        self._starts = {}
         result = RoundResult(
             self.round_index, self.plan(self.round_index), tuple(self._finished), aggregated, weight, faults
         )
@@ -540,6 +599,7 @@ class RoundTransaction:
         self._average, self._finished, self._live, self.live_phase = None, [], None, None
         self._local_average = None
         self._before_round = None
+        self._starts = {}
         self._write(self.shared_names, self.global_state)
         self._write(self.local_names, self.store.template)
         return True
@@ -564,6 +624,10 @@ class RoundTransaction:
             self._local_average = WeightedAverage(self.store.template)
             self._local_average.load_state_dict(round_state["local_average"])
         self._finished = [ClientResult(**r) for r in round_state.get("finished", [])]
+        self._starts = {
+            int(c): {n: t.to(self._device) for n, t in values.items()}
+            for c, values in round_state.get("starts", {}).items()
+        }
         self._write(self.shared_names + self.local_names, round_state["live_tensors"])
         client = round_state["live_client"]
         self._live = None if client < 0 else _LiveClient(client)
@@ -616,6 +680,28 @@ def _checked_map(
             f"declared tensors {sorted(tensors)}, got {changed if not isinstance(changed, Mapping) else sorted(changed)}."
         )
     return changed
+
+
+def _checked_values(
+    given: Mapping[str, Tensor], like: Mapping[str, Tensor], hook: str, field_name: str, what: str
+) -> dict[str, Tensor]:
+    """Copies of ``given`` (a hook's new values of some of ``like``'s names), on ``like``'s device and dtype;
+    an unknown name or a wrong shape is refused naming the hook, the field and the name."""
+    if not isinstance(given, Mapping):
+        raise TypeError(f"{hook} returned {field_name}={given!r}: give a dict of tensors by name.")
+    unknown = sorted(set(given) - set(like))
+    if unknown:
+        raise KeyError(f"{hook} returned {field_name} for {unknown}, which are not {what} {sorted(like)}.")
+    values = {}
+    for name, value in given.items():
+        ref = like[name]
+        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(ref.shape):
+            got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+            raise ValueError(
+                f"{hook} returned {field_name}[{name!r}] with {got}; {name!r} has shape {tuple(ref.shape)}."
+            )
+        values[name] = value.detach().to(ref.device, ref.dtype).clone()
+    return values
 
 
 def _nonfinite(tensors: Mapping[str, Tensor], checked: Collection[int] = ()) -> list[str]:

@@ -364,6 +364,11 @@ class FederationState:
                 live_counts=[live.steps, live.timed_steps, live.seconds] if live is not None else [],
                 live_fault=live.fault if live is not None else "",
             )
+            if self._starts:  # the clients start_client ran for (a resumed round does not run it again)
+                state["round"]["starts"] = {
+                    c: {n: t.detach().clone() for n, t in values.items()}
+                    for c, values in self._starts.items()
+                }
             if live is not None and live.slot != "model":  # a declared slot is live: keep the model aside
                 state["round"].update(
                     live_slot=live.slot,

@@ -81,6 +81,12 @@ def build_engine(
         reasons.append(
             f"{type(algorithm).__name__}.configure_round may set a per-client lr_scale, which lockstep does not apply"
         )
+    started = _start_client_buffers(algorithm, module, federation)
+    if started:
+        reasons.append(
+            f"{type(algorithm).__name__}.start_client may give a client its own starting buffers "
+            f"({', '.join(started)}), which lockstep holds once for a whole group"
+        )
     slots = sorted({phase.slot for phase in federation.config.phases} - {"model"})
     if slots:
         reasons.append(
@@ -115,6 +121,15 @@ def build_engine(
         "fast_dev_run: a smoke run is not worth compiling" if compile and constraints.smoke else None
     )
     return Decision(engine, report)
+
+
+def _start_client_buffers(algorithm: Algorithm, module: nn.Module, federation: Federation) -> list[str]:
+    """The buffers among the tensors an overridden ``Algorithm.start_client`` may change per client (the
+    lockstep runner stacks each client's parameters, but reads buffers from the module, one for all)."""
+    if type(algorithm).start_client is Algorithm.start_client:
+        return []
+    names = set(federation.layout.shared) | set(federation.layout.local)
+    return sorted(n for n, _ in module.named_buffers() if n in names)
 
 
 def start_engine(

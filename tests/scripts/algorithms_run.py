@@ -1,4 +1,5 @@
-"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL and FedCP, each fitted on 1 or N CPU processes (gloo) in ONE launch.
+"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP and an algorithm with a
+``start_client`` (``tests/test_start_client.py``), each fitted on 1 or N CPU processes (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
 share this launch: Lightning's launcher re-runs this script for every extra rank once, at the first ``fit``; the
@@ -29,9 +30,28 @@ from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
 from tests.scripts.federated_run import Net, client_data, holdings  # noqa: E402
 from tests.scripts.launcher import run_script  # noqa: E402
 
-ALGORITHMS = ("fedprox", "scaffold", "fedrep_median", "ditto", "l2gd", "apfl", "fedrod", "fed_mtl", "fedcp")
+ALGORITHMS = (
+    "fedprox",
+    "scaffold",
+    "fedrep_median",
+    "ditto",
+    "l2gd",
+    "apfl",
+    "fedrod",
+    "fed_mtl",
+    "fedcp",
+    "blend_start",
+)
 """Fitted on 2 processes; the 1-process reference also fits ``fedavg`` (FedProx must differ from it)."""
-VARIANTS = {"fed_mtl": lambda: FedMTL(chunk=None, strength=0.05)}
+
+
+def _blend_start():  # tests/test_start_client.py's algorithm: Algorithm.start_client where the client is held
+    from tests.test_start_client import BlendStart
+
+    return BlendStart()
+
+
+VARIANTS = {"fed_mtl": lambda: FedMTL(chunk=None, strength=0.05), "blend_start": _blend_start}
 """Names fitted with an algorithm object instead: Fed-MTL's official strength (1e-5 here) moves the weights
 by less than the comparison's tolerance, and its 4000-row blocks drop every row of this small model (the
 trace, which reads the other clients' columns, would vanish): a regularizer reading the wrong columns would pass

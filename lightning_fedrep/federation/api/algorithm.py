@@ -32,7 +32,14 @@ from torch import Tensor, nn
 
 from lightning_fedrep.federation.api.aggregation import Aggregator, WeightedAverage, WeightedMean
 from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
-from lightning_fedrep.federation.api.exchange import ClientEnd, ClientOutcome, ServerState, uses_results
+from lightning_fedrep.federation.api.exchange import (
+    ClientEnd,
+    ClientOutcome,
+    ClientStart,
+    ServerState,
+    StartOutcome,
+    uses_results,
+)
 from lightning_fedrep.federation.api.objective import Objective, refuse_removed_hooks
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
 from lightning_fedrep.federation.module.split import ParameterSplit
@@ -215,6 +222,23 @@ class Algorithm:
         if self.evaluation_slot is not None:
             return EvaluationSpec("slot", slot=self.evaluation_slot)
         return EvaluationSpec()
+
+    def start_client(self, start: ClientStart) -> StartOutcome:
+        """Before a client's first local step of an aggregating round, once its tensors are live: new starting
+        values of some of its shared and local tensors, new values of some of its declared client tensors
+        (FedALA's blend of its stored model with the global one, per-client state set up at a first
+        participation, FedDBE; an alignment before training, FedAS). The default changes nothing, and is not
+        called at all when a class does not override it.
+
+        Called once per client and round, on the process that holds the client, on both runners (the lockstep
+        runner calls it for every client of a group before the group's first step, the sequential runner when
+        the client is loaded): make it a function of ``start`` and of the algorithm's own settings, not of the
+        clients finished earlier in the round. What it changes is undone with the client when the client is
+        left out of the round or the round is rolled back; a round resumed from a mid-round checkpoint does not
+        call it again for a client that had started. ``ClientEnd.start`` then holds the values it returned.
+        ``start`` carries no training batches yet (see :class:`ClientStart`).
+        """
+        return StartOutcome()
 
     def finish_client(self, end: ClientEnd) -> ClientOutcome:
         """After a client's last local step of a round: what it uploads to the aggregator, its new declared

@@ -1,6 +1,9 @@
-"""What a round's clients hand the server, and what the server holds between rounds (the Algorithm API v2).
+"""What a round's clients start from and hand the server, and what the server holds between rounds.
 
-After a client's last local step the federation calls ``Algorithm.finish_client(ClientEnd)``, which returns
+Before a client's first local step of an aggregating round the federation calls
+``Algorithm.start_client(ClientStart)`` where the algorithm overrides it, which returns a :class:`StartOutcome`
+(new starting values of some of the client's tensors, new values of some of its declared tensors). After a
+client's last local step the federation calls ``Algorithm.finish_client(ClientEnd)``, which returns
 a :class:`ClientOutcome` (what the aggregator receives, the client's new declared tensors, per-client
 metrics). At the round's close a v2 ``Algorithm.aggregate(server, results, failures)`` receives the
 :class:`ServerState` and the :class:`RoundResults` and returns the new server state and metrics for the
@@ -19,7 +22,64 @@ from torch import Tensor
 if TYPE_CHECKING:
     from lightning_fedrep.federation.api.aggregation import Aggregator, ClientUpdate
 
-__all__ = ["ClientEnd", "ClientMap", "ClientOutcome", "RoundResults", "ServerState", "uses_results"]
+__all__ = [
+    "ClientEnd",
+    "ClientMap",
+    "ClientOutcome",
+    "ClientStart",
+    "RoundResults",
+    "ServerState",
+    "StartOutcome",
+    "uses_results",
+]
+
+
+@dataclass(frozen=True)
+class ClientStart:
+    """A client about to train in an aggregating round (views, not copies: valid during the call; do not
+    modify them in place, return new values in a :class:`StartOutcome`).
+
+    ``start`` maps the module's shared and local tensor names to the values the client would train from:
+    the round's global shared tensors and its stored local part (the template if it never trained);
+    ``client_state`` holds its declared client tensors as they are before the round (slots such as Ditto's
+    ``"personal.<name>"`` included), ``server`` the declared server tensors.
+
+    No training data: a hook that needs the client's batches (FedALA's learned blend weights, FedAS's
+    alignment, FedPAC's statistics on the new body) waits for a later issue, which adds them as a new optional
+    field here (the core holds no data loaders, and each runner reads a client's samples its own way).
+    """
+
+    client: int
+    round: int
+    num_samples: int
+    """The client's training samples."""
+    start: Mapping[str, Tensor]
+    client_state: Mapping[str, Tensor]
+    server: Mapping[str, Tensor]
+    shared_names: tuple[str, ...] = ()
+    """The names of ``start`` the server shares (the others are the client's local part)."""
+
+    def shared(self) -> dict[str, Tensor]:
+        """The round's global values of the shared tensors."""
+        return {n: self.start[n] for n in self.shared_names}
+
+    def local(self) -> dict[str, Tensor]:
+        """The client's stored values of its local tensors."""
+        return {n: t for n, t in self.start.items() if n not in self.shared_names}
+
+
+@dataclass(frozen=True)
+class StartOutcome:
+    """What ``start_client`` returns: new starting values of some of the client's tensors (names of
+    ``ClientStart.start``; those left out start as given) and new values of some of its declared client tensors
+    (names of ``ClientStart.client_state``; those left out keep their values). Each value has the shape of the
+    value it replaces. The default changes nothing."""
+
+    start: Mapping[str, Tensor] = field(default_factory=dict)
+    """New starting values of some of the client's shared and local tensors, by name."""
+    client_state: Mapping[str, Tensor] = field(default_factory=dict)
+    """New values of some of the client's declared tensors, by name (stored at once; a client left out of
+    the round, or a rolled-back round, gets back what it held before)."""
 
 
 @dataclass(frozen=True)
@@ -27,8 +87,9 @@ class ClientEnd:
     """A client after its last local step of the round (views, not copies: valid during the call).
 
     ``start``/``end`` map the module's shared and local tensor names to their values at the start of the
-    client's round and at the end of its work; ``client_state`` holds its declared client tensors as they
-    were before the round, ``server`` the declared server tensors; ``lr`` is the first optimizer's first
+    client's round (what it trained from: after ``Algorithm.start_client``) and at the end of its work;
+    ``client_state`` holds its declared client tensors as stored before this call (what ``start_client`` and a
+    step rule wrote this round included), ``server`` the declared server tensors; ``lr`` is the first optimizer's first
     param group's learning rate (``None`` if unknown); ``slots`` the declared slots the client trained this
     round (``Phase(slot=...)``) at the end of its work, by ``"<slot>.<tensor name>"`` (stored with its
     declared tensors after ``finish_client``; ``{}`` when no phase trained a slot).

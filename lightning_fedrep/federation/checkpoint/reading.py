@@ -215,3 +215,15 @@ class _Checker:
         if round_state["open"]:
             self.tensors(round_state, "live_tensors", names, shapes, [*where, "live_tensors"])
             self.typed(round_state, "live_client", int, [*where, "live_client"])
+            self.starts(round_state, dict(zip(names, shapes)), [*where, "starts"])
+
+    def starts(self, round_state: dict, shape_of: dict[str, Any], where: list[Any]) -> None:
+        """The started clients' starting values ``Algorithm.start_client`` changed (optional)."""
+        if "starts" not in round_state:
+            return
+        for client, values in self.typed(round_state, "starts", dict, where).items():
+            self.client_id(client, where, None)
+            for name, value in self.typed({"t": values}, "t", dict, [*where, client]).items():
+                if name not in shape_of:
+                    self.fail([*where, client], f"keyed by the module's tensor names {list(shape_of)}", name)
+                self.tensor(value, name, shape_of[name], [*where, client, name])

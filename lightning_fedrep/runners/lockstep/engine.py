@@ -815,10 +815,13 @@ class LockstepEngine:
 
     # ------------------------------------------------------------------ groups and phases
     def _open_group(self, segment: Segment) -> bool:
-        """Stack the group's starting tensors (or restore a checkpointed group: returns ``True``)."""
+        """Stack the group's starting tensors, after ``Algorithm.start_client`` (or restore a checkpointed group:
+        returns ``True``)."""
         federation = self.federation
         pending, self._pending = self._pending, None
         clients = segment.group_clients
+        for client in clients:  # Algorithm.start_client, where overridden (not again for a resumed group)
+            federation.begin_client(client)
         starts = [federation.start_tensors(c) for c in clients]
         stacked = {n: torch.stack([s[n].detach() for s in starts]).clone() for n in self.trainable}
         kept = [federation.store.optimizer_states.get(c) for c in clients]
