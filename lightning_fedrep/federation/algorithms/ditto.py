@@ -62,7 +62,7 @@ class Ditto(Algorithm):
         )
         self.lam = check_real("lam", lam, 0.0, owner="Ditto")
 
-    def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
+    def default_phases(self, local_epochs: int) -> tuple[Phase, ...]:
         """The global model's FedAvg epochs, then the personal model's, both ``local_epochs``."""
         return (Phase("all", epochs=local_epochs), Phase("all", epochs=local_epochs, slot=SLOT))
 
