@@ -73,8 +73,6 @@ class StepView:
         batch_idx: Lightning's batch index on the sequential runner (``None`` in lockstep); adapters only.
         slot: the slot the phase trains (``"model"``, or a per-client slot an algorithm declares, e.g.
             Ditto's ``"personal"``).
-        before: for a :class:`ParamTransform` with ``needs_before``, the trained tensors' values before the
-            optimizer step (copies); empty otherwise.
     """
 
     tensors: Mapping[str, Tensor]
@@ -91,7 +89,6 @@ class StepView:
     batch: Any = None
     batch_idx: int | None = None
     slot: str = "model"
-    before: Mapping[str, Tensor] = field(default_factory=lambda: _EMPTY)
 
 
 @dataclass(frozen=True)
@@ -139,11 +136,7 @@ class GradTransform:
 
 @dataclass(frozen=True)
 class ParamTransform:
-    """Maps the client's trained tensors (by name) after its optimizer step, without grad.
-
-    ``needs_before=True``: ``view.before`` holds the trained tensors as they were before the step (Ditto's
-    pull reads them; the runner copies them only for such a transform).
-    """
+    """Maps the client's trained tensors (by name) after its optimizer step, without grad."""
 
     fn: Callable[[Mapping[str, Tensor], StepView], Mapping[str, Tensor]]
     """``fn(tensors, view) -> tensors``: the new trained tensors by name (a name left out keeps its value)."""
@@ -151,7 +144,6 @@ class ParamTransform:
     """The transform's name in reports and errors."""
     vmappable: bool = True
     """Whether ``fn`` runs inside the lockstep runner's ``vmap`` (``False`` keeps ``engine="auto"`` sequential)."""
-    needs_before: bool = False
 
 
 PureLoss = Callable[[Mapping[str, Tensor], Tensor, Tensor, "Tensor | None"], Tensor]
