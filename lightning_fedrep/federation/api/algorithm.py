@@ -194,11 +194,6 @@ class Algorithm:
         """
         return plan
 
-    scales_lr: bool = True
-    """Whether an overridden :meth:`configure_round` may set a per-client ``lr_scale``, which the lockstep
-    runner does not apply (so ``engine="auto"`` runs such an algorithm sequentially). ``False`` (it only reads
-    the plan, or picks clients): the lockstep runner may run it, and still refuses a round that sets one."""
-
     def objective(self, phase: str) -> Objective:
         """The local objective of a phase training ``phase`` (``"head"``, ``"body"``, ``"all"``): loss terms
         and step transforms (``lightning_fedrep.federation.api.objective``), run by both runners where they
@@ -290,10 +285,11 @@ def _check_epochs(cls: type[Algorithm]) -> None:
     takes = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     required = {p.name for p in parameters if p.default is p.empty and p.kind is not p.VAR_POSITIONAL}
     if not set(declared) <= takes or not required <= set(declared):
+        signature = ", ".join(["self", *(p.name for p in parameters)])
         raise TypeError(
-            f"{cls.__name__}.default_phases(self, {', '.join(p.name for p in parameters)}) is called with the epoch shorthands "
-            f"{where} declares, by name: {declared!r}. Make the two agree, e.g. epochs = ('head_epochs', "
-            "'body_epochs') with def default_phases(self, head_epochs, body_epochs)."
+            f"{cls.__name__}.default_phases({signature}) is called with the epoch shorthands {where} declares, "
+            f"by name: {declared!r}. Make the two agree, e.g. epochs = ('head_epochs', 'body_epochs') with "
+            "def default_phases(self, head_epochs, body_epochs)."
         )
 
 

@@ -61,7 +61,9 @@ class StepView:
         phase: the part the phase trains (``"head"``, ``"body"``, ``"all"``): Python branches on it are fine.
         round: the round index.
         step: the client's local step in the round.
-        lr: the client's learning rate (the optimizer's first param group), or ``None`` if unknown.
+        lr: the client's learning rate (the optimizer's first param group's, times the client's ``lr_scale``),
+            or ``None`` if unknown; in lockstep, where the clients of one step have different ``lr_scale``, a
+            0-dim tensor (batched under ``vmap``): use it in tensor arithmetic, not in a Python ``if``.
         features: the head's input on the batch when the term asks for it (``needs_features``), else ``None``.
         mask: ``[batch]``, 1 for real rows and 0 for padding (lockstep runner); ``None`` on the
             sequential runner, where every row is real.
@@ -82,7 +84,7 @@ class StepView:
     phase: str
     round: int
     step: int
-    lr: float | None = None
+    lr: float | Tensor | None = None
     features: Tensor | None = None
     mask: Tensor | None = None
     client_state: Mapping[str, Tensor] = field(default_factory=lambda: _EMPTY)
