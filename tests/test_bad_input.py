@@ -446,9 +446,9 @@ def _joint(self, local_epochs):
             ("local_epochs", "rounds"),
             _joint,
             ValueError,
-            r"Mine\.epochs .*'rounds' is not an epoch shorthand",
+            r"Mine\.epochs = .*'rounds' is not an epoch shorthand",
         ),
-        (("local_epochs", "local_epochs"), _joint, ValueError, r"Mine\.epochs .*a name repeats"),
+        (("local_epochs", "local_epochs"), _joint, ValueError, r"Mine\.epochs = .* names a shorthand twice"),
         ("local_epochs", _joint, TypeError, r"Mine\.epochs must be a tuple"),
         (
             ("head_epochs",),

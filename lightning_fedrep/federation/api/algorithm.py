@@ -110,6 +110,39 @@ def parse_phases(phases: Sequence[Phase | dict]) -> tuple[Phase, ...]:
     return parsed
 
 
+EPOCH_SHORTHANDS = ("head_epochs", "body_epochs", "local_epochs")
+"""The strategy's epoch shorthands an algorithm may declare in :attr:`Algorithm.epochs`."""
+
+
+def _check_epochs(cls: type[Algorithm]) -> None:
+    """Refuse ``cls.epochs`` naming something other than the epoch shorthands, or a ``default_phases`` that
+    does not take the declared shorthands by name (it is called with those and no others)."""
+    declared, where = cls.epochs, f"{cls.__name__}.epochs"
+    if isinstance(declared, str) or not isinstance(declared, tuple):
+        raise TypeError(
+            f"{where} must be a tuple of epoch shorthands such as ('local_epochs',), got {declared!r}."
+        )
+    unknown = [n for n in declared if n not in EPOCH_SHORTHANDS]
+    if unknown:
+        raise ValueError(
+            f"{where} = {declared!r}: {unknown[0]!r} is not an epoch shorthand; declare some of {EPOCH_SHORTHANDS}."
+        )
+    if len(set(declared)) != len(declared):
+        raise ValueError(f"{where} = {declared!r} names a shorthand twice: name each at most once.")
+    parameters = list(inspect.signature(cls.default_phases).parameters.values())[1:]  # after self
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    takes = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    required = {p.name for p in parameters if p.default is p.empty and p.kind is not p.VAR_POSITIONAL}
+    if not set(declared) <= takes or not required <= set(declared):
+        signature = ", ".join(["self", *(p.name for p in parameters)])
+        raise TypeError(
+            f"{cls.__name__}.default_phases({signature}) is called with the epoch shorthands {where} declares, "
+            f"by name: {declared!r}. Make the two agree, e.g. epochs = ('head_epochs', 'body_epochs') with "
+            "def default_phases(self, head_epochs, body_epochs)."
+        )
+
+
 class Algorithm:
     """A federated algorithm of the FedRep family: what the server averages and how clients train.
 
@@ -255,42 +288,6 @@ class Algorithm:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, shares={sorted(self.shares)})"
-
-
-EPOCH_SHORTHANDS = ("head_epochs", "body_epochs", "local_epochs")
-"""The strategy's epoch shorthands an algorithm may declare in :attr:`Algorithm.epochs`."""
-
-
-def _check_epochs(cls: type[Algorithm]) -> None:
-    """Refuse ``cls.epochs`` naming something other than the epoch shorthands, or a ``default_phases`` that
-    does not take the declared shorthands by name (it is called with those and no others)."""
-    declared, where = cls.epochs, f"{cls.__name__}.epochs"
-    if isinstance(declared, str) or not isinstance(declared, tuple):
-        raise TypeError(
-            f"{where} must be a tuple of epoch shorthands such as ('local_epochs',), got {declared!r}."
-        )
-    unknown = [n for n in declared if n not in EPOCH_SHORTHANDS]
-    if unknown or len(set(declared)) != len(declared):
-        raise ValueError(
-            f"{where} names each of {EPOCH_SHORTHANDS} at most once, got {declared!r}"
-            + (
-                f": {', '.join(map(repr, unknown))} is not an epoch shorthand."
-                if unknown
-                else ": a name repeats."
-            )
-        )
-    parameters = list(inspect.signature(cls.default_phases).parameters.values())[1:]  # after self
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return
-    takes = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    required = {p.name for p in parameters if p.default is p.empty and p.kind is not p.VAR_POSITIONAL}
-    if not set(declared) <= takes or not required <= set(declared):
-        signature = ", ".join(["self", *(p.name for p in parameters)])
-        raise TypeError(
-            f"{cls.__name__}.default_phases({signature}) is called with the epoch shorthands {where} declares, "
-            f"by name: {declared!r}. Make the two agree, e.g. epochs = ('head_epochs', 'body_epochs') with "
-            "def default_phases(self, head_epochs, body_epochs)."
-        )
 
 
 _WARNED_V1: weakref.WeakSet[type] = weakref.WeakSet()
