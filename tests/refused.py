@@ -191,13 +191,6 @@ class LegacyObjectiveCallback(FederatedCallback):
         return Objective()
 
 
-class HalvedLrProx(FedProx):
-    """FedProx that halves the first client's learning rate every round (``lr_scale``, which lockstep does not apply)."""
-
-    def configure_round(self, plan: Any, server: Any) -> Any:
-        return plan.replace(settings={plan.clients[0]: {"lr_scale": 0.5}})
-
-
 class SmoothingNet(TinyNet):
     """Declares cross-entropy (what the vectorized engine trains); its ``training_step`` smooths the labels.
     Its initial weights are seeded: the refusal quotes both losses."""
@@ -510,12 +503,6 @@ CASES = [
         S + 'engine="vectorized", algorithm=UnbatchedProx()), model=SmoothingNet())',
         ValueError,
         "engine",
-        "set-up",
-    ),
-    Refused(
-        S + 'engine="vectorized", algorithm=HalvedLrProx()), model=SmoothingNet())',
-        ValueError,
-        "lr_scale",
         "set-up",
     ),
     # checkpoints

@@ -34,7 +34,9 @@ class CoordinateMedian(Algorithm):
         self.rounds: list[tuple[list[int], list[tuple[int, str]]]] = []
         """Per aggregated round: the clients whose updates arrived, and the failures (client, reason)."""
 
-    def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
+    epochs = ("head_epochs", "body_epochs")
+
+    def default_phases(self, head_epochs: int, body_epochs: int) -> tuple[Phase, ...]:
         return (Phase("head", epochs=head_epochs), Phase("body", epochs=body_epochs))
 
     def aggregator(self, like):

@@ -39,7 +39,9 @@ class MomentumV2(Algorithm):
         super().__init__(name, set(shares), "FedAvgM on the v2 API")
         self.beta = beta
 
-    def default_phases(self, head_epochs, body_epochs, local_epochs):
+    epochs = ("head_epochs", "body_epochs")
+
+    def default_phases(self, head_epochs, body_epochs):
         return (Phase("head", epochs=head_epochs), Phase("body", epochs=body_epochs))
 
     def finish_client(self, end):

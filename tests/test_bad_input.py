@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FedRepStrategy, Phase, personalized_state_dict
 from lightning_fedrep.data.partition import ShardPartitioner
+from lightning_fedrep.federation.api.algorithm import Algorithm
 from lightning_fedrep.federation.api.epochs import epoch_settings
 from lightning_fedrep.federation.api.registry import ALGORITHMS
 from lightning_fedrep.federation.checkpoint.reading import CheckpointError
@@ -401,3 +402,76 @@ def test_an_epoch_setting_next_to_explicit_phases_is_refused():
         ValueError, match=r"head_epochs=2\) has no effect: phases=\.\.\. gives the local work"
     ):
         FedRepStrategy(phases=[Phase("all", epochs=1)], head_epochs=2)
+
+
+class HeadThenJoint(Algorithm):
+    """A user algorithm reading ``head_epochs`` and ``local_epochs``: a head phase, then a joint one."""
+
+    epochs = ("head_epochs", "local_epochs")
+
+    def __init__(self) -> None:
+        super().__init__("head_then_joint", {"body"}, "head, then everything")
+
+    def default_phases(self, head_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
+        return (Phase("head", epochs=head_epochs), Phase("all", epochs=local_epochs))
+
+
+def test_an_algorithm_gets_the_epoch_shorthands_it_declares_and_no_other():
+    """Fails if the strategy passes a shorthand the algorithm does not declare (``default_phases`` would raise
+    a ``TypeError``), ignores a declared one, or lets an undeclared one through."""
+    strategy = FedRepStrategy(algorithm=HeadThenJoint(), head_epochs=3, local_epochs=2)
+    assert strategy.config.phases == (Phase("head", epochs=3), Phase("all", epochs=2))
+    assert epoch_settings(HeadThenJoint(), head_epochs=3, body_epochs=4, local_epochs=2) == {
+        "head_epochs": 3,
+        "local_epochs": 2,
+    }
+    with pytest.raises(
+        ValueError, match=r"body_epochs=4\) has no effect .* set by head_epochs and local_epochs"
+    ):
+        FedRepStrategy(algorithm=HeadThenJoint(), body_epochs=4)
+
+
+def _algorithm_class(epochs, default_phases):
+    return type("Mine", (Algorithm,), {"epochs": epochs, "default_phases": default_phases})
+
+
+def _joint(self, local_epochs):
+    return (Phase("all", epochs=local_epochs),)
+
+
+@pytest.mark.parametrize(
+    ("epochs", "phases", "error", "match"),
+    [
+        (
+            ("local_epochs", "rounds"),
+            _joint,
+            ValueError,
+            r"Mine\.epochs = .*'rounds' is not an epoch shorthand",
+        ),
+        (("local_epochs", "local_epochs"), _joint, ValueError, r"Mine\.epochs = .* names a shorthand twice"),
+        ("local_epochs", _joint, TypeError, r"Mine\.epochs must be a tuple"),
+        (
+            ("head_epochs",),
+            _joint,
+            TypeError,
+            r"default_phases\(self, local_epochs\) is called with .*'head_epochs'",
+        ),
+        (
+            ("local_epochs",),
+            lambda self, head_epochs, body_epochs, local_epochs: (),
+            TypeError,
+            r"default_phases\(self, head_epochs, body_epochs, local_epochs\) is called with",
+        ),
+    ],
+    ids=["unknown", "repeated", "not-a-tuple", "not-taken", "not-declared"],
+)
+def test_a_bad_epochs_declaration_is_refused_when_the_class_is_defined(epochs, phases, error, match):
+    """Fails if a declaration naming no shorthand, or disagreeing with ``default_phases``, passes until a fit
+    calls ``default_phases`` (a ``TypeError`` far from its cause)."""
+    with pytest.raises(error, match=match):
+        _algorithm_class(epochs, phases)
+
+
+def test_a_default_phases_taking_keywords_accepts_any_declaration():
+    cls = _algorithm_class(("head_epochs", "body_epochs"), lambda self, **epochs: (Phase("all", epochs=1),))
+    assert cls("mine", {"body"}, "").epochs == ("head_epochs", "body_epochs")

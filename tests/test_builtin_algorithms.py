@@ -15,6 +15,7 @@ import warnings
 
 import lightning_fedrep
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.epochs import default_phases
 from lightning_fedrep.federation.api.registry import ALGORITHMS
 
 OLD_BUILT_INS = [
@@ -78,7 +79,8 @@ def test_built_ins_are_classes_identical_to_the_old_instances():
             assert repr(algorithm) == text
             joint = (Phase("all", epochs=3),)
             split = (Phase("head", epochs=7), Phase("body", epochs=2))
-            assert algorithm.default_phases(7, 2, 3) == (split if name == "fedrep" else joint)
+            epochs = {"head_epochs": 7, "body_epochs": 2, "local_epochs": 3}
+            assert default_phases(algorithm, epochs) == (split if name == "fedrep" else joint)
 
 
 def test_registry_order_is_unchanged_in_a_fresh_process():

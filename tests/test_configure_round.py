@@ -1,6 +1,6 @@
 """``Algorithm.configure_round(plan, server)``: an algorithm picks its clients with ``plan.generator`` and sets a
-per-client ``lr_scale``; checked against a plain PyTorch loop, across a mid-round resume, on the lockstep
-runner's fallback, and for a bad return value."""
+per-client ``lr_scale``; checked against a plain PyTorch loop (on both runners, SGD and Adam), across a mid-round
+resume, and for a bad return value."""
 
 import copy
 import zlib
@@ -77,9 +77,9 @@ def plain_loop(init, dm):
     return global_state
 
 
-def fit(algorithm, engine="sequential", ckpt_path=None, callbacks=(), global_seed=0):
+def fit(algorithm, engine="sequential", ckpt_path=None, callbacks=(), global_seed=0, optimizer="sgd"):
     torch.manual_seed(0)
-    init = LossNet()
+    init = LossNet(optimizer=optimizer)
     dm = datamodule()
     strategy = FederatedStrategy(
         algorithm=algorithm,
@@ -137,16 +137,24 @@ def test_resumed_run_repeats_the_plans(tmp_path):
         torch.testing.assert_close(resumed.global_tensors()[name], value, rtol=0, atol=0, msg=name)
 
 
-def test_lockstep_falls_back_naming_lr_scale():
-    """engine='auto' runs the sequential runner and says why, naming ``lr_scale``; engine='vectorized' is
-    refused. Fails if the selection drops the configure_round reason (the lockstep runner would ignore
-    ``lr_scale``)."""
-    strategy, _, _ = fit(Picky(), engine="auto")
-    assert strategy.runner_report.engine == "sequential"
-    assert "Picky.configure_round" in strategy.runner_report.reason
-    assert "lr_scale" in strategy.runner_report.reason
-    with pytest.raises(ValueError, match="lr_scale"):
-        fit(Picky(), engine="vectorized")
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_lockstep_applies_lr_scale_as_a_plain_loop(optimizer):
+    """The lockstep runner trains a round whose clients have different ``lr_scale`` (one group: each client
+    steps at its own learning rate) as the plain loop does, torch's SGD or Adam at the scaled lr, and as the
+    sequential runner. Fails if the lockstep runner ignores ``lr_scale`` (or scales every client by one), or
+    if ``engine="auto"`` still runs an algorithm with ``configure_round`` sequentially for it."""
+    strategy, init, dm = fit(Picky(), engine="vectorized", optimizer=optimizer)
+    assert strategy.runner_report.engine == "vectorized"
+    sequential, _, _ = fit(Picky(), optimizer=optimizer)
+    dm.setup()
+    expected = plain_loop(init, dm)
+    for name, value in expected.items():
+        torch.testing.assert_close(strategy.global_tensors()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            strategy.global_tensors()[name], sequential.global_tensors()[name], rtol=1e-6, atol=1e-7, msg=name
+        )
+    auto, _, _ = fit(Picky(), engine="auto", optimizer=optimizer)
+    assert "lr_scale" not in auto.runner_report.reason
 
 
 class Broken(Algorithm):

@@ -101,7 +101,7 @@ def fit(tmp_path=None, strategy=None, ckpt_path=None, callbacks=()):
 
 def test_ditto_equals_a_plain_loop():
     """Golden test: global weights, every client's personal weights, and the tested accuracy/loss (on the
-    personal models). Fails if the pull reads the post-step weights (``view.before[n]`` -> ``v``), pulls
+    personal models). Fails if the pull reads the post-step weights (``before[n]`` -> ``v`` in ``Ditto.objective``), pulls
     towards the client's live global weights instead of the round-start ones, or evaluation (and
     ``client_model``) scores the global model (``evaluation_slot = None``)."""
     strategy, init, dm, trainer, model = fit()

@@ -145,7 +145,7 @@ def test_a_mid_round_checkpoint_resumes_like_the_uninterrupted_run(tmp_path):
 
 def test_auto_may_run_fed_mtl_on_the_lockstep_runner(monkeypatch):
     """Fails if the regularizer is ``vmappable=False`` or FedMTL's ``configure_round`` (which only records the
-    round's clients) keeps ``engine="auto"`` sequential (``scales_lr = True``)."""
+    round's clients) keeps ``engine="auto"`` sequential."""
     monkeypatch.setattr(
         sizing, "faster_lane_width", lambda wide, narrow, device, **kwargs: (True, 1e-3, 2e-3)
     )
@@ -154,18 +154,28 @@ def test_auto_may_run_fed_mtl_on_the_lockstep_runner(monkeypatch):
 
 
 class ScaledFedMTL(FedMTL):
-    """Sets an ``lr_scale`` though it says ``scales_lr = False``."""
+    """Halves the learning rate of each round's first client."""
 
     def configure_round(self, plan, server):
         plan = super().configure_round(plan, server)
         return plan.replace(settings={plan.clients[0]: {"lr_scale": 0.5}})
 
 
-def test_a_round_that_scales_the_lr_is_still_refused_in_lockstep():
-    """``scales_lr = False`` lets lockstep run an algorithm's ``configure_round``; a round that sets ``lr_scale``
-    anyway is refused when it opens, naming it (fails if the lockstep runner trusted the flag)."""
-    with pytest.raises(ValueError, match="lr_scale"):
-        fit(ScaledFedMTL(), engine="vectorized")
+def test_a_round_that_scales_the_lr_trains_alike_on_both_runners():
+    """The lockstep runner applies the ``lr_scale`` that FedMTL's ``configure_round`` sets beside recording the
+    round's clients: every client's model as on the sequential runner. Fails if one runner ignores it."""
+    lockstep, *_ = fit(ScaledFedMTL(chunk=CHUNK, strength=STRENGTH), engine="vectorized")
+    assert lockstep.runner_report.engine == "vectorized"
+    sequential, *_ = fit(ScaledFedMTL(chunk=CHUNK, strength=STRENGTH), engine="sequential")
+    unscaled, *_ = fit(FedMTL(chunk=CHUNK, strength=STRENGTH), engine="sequential")
+    first = sequential.round_plan(0).clients[0]
+    assert not torch.allclose(
+        unscaled.client_tensors(first)["classifier.weight"],
+        sequential.client_tensors(first)["classifier.weight"],
+    )
+    for client in range(NUM_CLIENTS):
+        for name, value in sequential.client_tensors(client).items():
+            torch.testing.assert_close(lockstep.client_tensors(client)[name], value, msg=(client, name))
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import lightning_fedrep.federation as federation_module
 from lightning_fedrep.federation import Federation, FederationConfig
 from lightning_fedrep.federation.api.aggregation import WeightedAverage
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.epochs import default_phases
 from lightning_fedrep.federation.api.registry import ALGORITHMS
 from lightning_fedrep.federation.module.split import SplitError, resolve_layout
 from lightning_fedrep.federation.plan import plan_round
@@ -45,7 +46,7 @@ def client_data(client: int, num_batches: int, batch_size: int = 5):
 
 def make_federation(module, algorithm="fedrep", phases=None, keep=False, sizes=(10, 20, 15)):
     algo = ALGORITHMS[algorithm]
-    phases = phases or algo.default_phases(2, 1, 1)
+    phases = phases or default_phases(algo, {"head_epochs": 2, "body_epochs": 1, "local_epochs": 1})
     layout = resolve_layout(module, "head", shares=algo.shares, needs_head=True)
     config = FederationConfig(
         phases=tuple(phases), clients_per_round=1.0, client_optimizer_state="keep" if keep else "reset"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import make_trainer, quiet  # noqa: E402
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy, IIDPartitioner  # noqa: E402
-from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
+from lightning_fedrep.federation.api.epochs import default_phases, epoch_settings  # noqa: E402
 from lightning_fedrep.federation.api.registry import get_algorithm  # noqa: E402
 from lightning_fedrep.models import MLPClassifier  # noqa: E402
 from lightning_fedrep.models.optim import fedrep_sgd  # noqa: E402
@@ -78,7 +78,9 @@ def plain_round(dm: FederatedDataModule, algorithm: str) -> dict[str, torch.Tens
     model = MLPClassifier()
     loader = dm.train_dataloader()
     x_all, y_all = dm.client_data(0).dataset.tensors
-    phases = get_algorithm(algorithm).default_phases(HEAD_EPOCHS, BODY_EPOCHS, 1)
+    phases = default_phases(
+        get_algorithm(algorithm), {"head_epochs": HEAD_EPOCHS, "body_epochs": BODY_EPOCHS, "local_epochs": 1}
+    )
     shared = [
         n for n, _ in model.named_parameters() if algorithm == "fedavg" or not n.startswith("classifier")
     ]

@@ -35,7 +35,7 @@ from lightning_fedrep.federation.api.arguments import (
     check_clients_per_round,
     check_int,
 )
-from lightning_fedrep.federation.api.epochs import EPOCH_DEFAULTS, check_epoch_shorthands
+from lightning_fedrep.federation.api.epochs import EPOCH_DEFAULTS, check_epoch_shorthands, default_phases
 from lightning_fedrep.federation.api.registry import ALGORITHMS, get_algorithm
 from lightning_fedrep.federation.checkpoint.entry import (
     CHECKPOINT_KEY,
@@ -186,9 +186,7 @@ class FederatedStrategyMixin(StrategyAPI):
         """After ``trainer.predict`` on a federated data module: the client of each predicted batch, in
         the order of the returned predictions."""
         self.config = FederationConfig(
-            phases=parse_phases(phases)
-            if phases is not None
-            else self.algorithm.default_phases(head_epochs, body_epochs, local_epochs),
+            phases=parse_phases(phases) if phases is not None else default_phases(self.algorithm, epochs),
             clients_per_round=check_clients_per_round(clients_per_round),
             weighting=weighting,
             client_optimizer_state=client_optimizer_state,

@@ -77,10 +77,6 @@ def build_engine(
         reasons.append(
             "on_client_error='skip' leaves out the one client whose step raised, which needs its own steps"
         )
-    if type(algorithm).configure_round is not Algorithm.configure_round and algorithm.scales_lr:
-        reasons.append(
-            f"{type(algorithm).__name__}.configure_round may set a per-client lr_scale, which lockstep does not apply"
-        )
     started = _start_client_buffers(algorithm, module, federation)
     if started:
         reasons.append(

@@ -191,17 +191,9 @@ class SequentialRunner:
             self._transform_grads(objective)
             return loss
 
-        before = self._before(objective)
         output = optimizer_step(transformed) if objective.grad_transforms else optimizer_step()
-        self._transform_params(objective, before)
+        self._transform_params(objective)
         return output
-
-    @torch.no_grad()
-    def _before(self, objective: Objective) -> dict[str, Tensor]:
-        """Copies of the trained tensors before the step, if a parameter transform reads them."""
-        if not any(t.needs_before for t in objective.param_transforms):
-            return {}
-        return {n: p.detach().clone() for n, p in self.module.named_parameters() if p.requires_grad}
 
     def _transform_grads(self, objective: Objective) -> None:
         view = self._view()
@@ -212,8 +204,8 @@ class SequentialRunner:
                 trained[name].grad = grad
 
     @torch.no_grad()
-    def _transform_params(self, objective: Objective, before: dict[str, Tensor]) -> None:
-        view = replace(self._view(), before=before)
+    def _transform_params(self, objective: Objective) -> None:
+        view = self._view()
         for transform in objective.param_transforms:
             current = {n: p.detach() for n, p in view.trained.items()}
             for name, value in transform.fn(current, view).items():

@@ -100,7 +100,7 @@ class APFL(Algorithm):
         v = {n: view.client_state[f"{SLOT}.{n}"] for n in names}
         mix = {n: alpha * v[n] + beta * w[n] for n in names}
         mixed = torch.func.grad(lambda t: loss({**rest, **t}, x, y, view.mask))(mix)
-        lr = view.lr or 0.0
+        lr = 0.0 if view.lr is None else view.lr
         personal = {f"{SLOT}.{n}": v[n] - lr * alpha * mixed[n] for n in names}
         return StepOutcome(grads, value, personal)
 

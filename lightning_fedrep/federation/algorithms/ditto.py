@@ -19,7 +19,7 @@ from torch import Tensor
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
 from lightning_fedrep.federation.api.arguments import check_real
 from lightning_fedrep.federation.api.declared import ClientTensors
-from lightning_fedrep.federation.api.objective import Objective, ParamTransform, StepView
+from lightning_fedrep.federation.api.objective import GradTransform, Objective, ParamTransform, StepView
 from lightning_fedrep.federation.api.registry import register_algorithm
 
 __all__ = ["Ditto"]
@@ -62,27 +62,35 @@ class Ditto(Algorithm):
         )
         self.lam = check_real("lam", lam, 0.0, owner="Ditto")
 
-    def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
+    def default_phases(self, local_epochs: int) -> tuple[Phase, ...]:
         """The global model's FedAvg epochs, then the personal model's, both ``local_epochs``."""
         return (Phase("all", epochs=local_epochs), Phase("all", epochs=local_epochs, slot=SLOT))
 
     def objective(self, phase: str) -> Objective:
-        """The pull, applied after each step of the personal slot's phases (none in the global ones)."""
+        """The pull, applied after each step of the personal slot's phases (none in the global ones). It reads
+        the personal weights as they were before the optimizer step: a gradient transform, which runs right
+        before the step, keeps a copy of them (and leaves the gradients as they are)."""
         lam = self.lam
+        before: dict[str, Tensor] = {}
+
+        def keep(grads: Mapping[str, Tensor], view: StepView) -> dict[str, Tensor]:
+            before.clear()
+            if view.slot == SLOT and view.lr and lam:
+                before.update({n: t.detach().clone() for n, t in view.trained.items() if n in view.server})
+            return {}
 
         def pull(current: Mapping[str, Tensor], view: StepView) -> dict[str, Tensor]:
-            if view.slot != SLOT or not view.lr or not lam:
+            if not before:
                 return {}
             return {
-                n: v - view.lr * lam * (view.before[n] - view.server[n])
-                for n, v in current.items()
-                if n in view.server
+                n: v - view.lr * lam * (before[n] - view.server[n]) for n, v in current.items() if n in before
             }
 
-        transform = ParamTransform(
-            pull, "Ditto pull on the personal slot (sequential runner only)", False, needs_before=True
+        runner = "(sequential runner only)"
+        return Objective(
+            grad_transforms=(GradTransform(keep, f"Ditto personal weights before the step {runner}", False),),
+            param_transforms=(ParamTransform(pull, f"Ditto pull on the personal slot {runner}", False),),
         )
-        return Objective(param_transforms=(transform,))
 
     def __repr__(self) -> str:
         return f"Ditto(lam={self.lam})"

@@ -55,17 +55,16 @@ class FedMTL(Algorithm):
     never another client): each client uploads its flattened end weights (``Stacked``: every upload reaches
     :meth:`aggregate`, on every process), and the algorithm keeps every client's latest weights itself
     (never-trained clients hold the initial model, the declared server tensor ``init``), saved with the
-    federation (``state_dict``), and learns the round's clients in ``configure_round`` (``scales_lr =
-    False``). The kept weights change only when a round closes, so every client of a round reads the others'
-    round-start weights, whichever trains first and on whichever process. The term reads per-round tables
-    indexed by ``view.client``, so both runners train it (in lockstep inside the ``vmap``), on one process or
-    several (``fed_mtl_ddp``). Phases other than ``"all"`` train without the term.
+    federation (``state_dict``), and learns the round's clients in ``configure_round``. The kept weights change
+    only when a round closes, so every client of a round reads the others' round-start weights, whichever
+    trains first and on whichever process. The term reads per-round tables indexed by ``view.client``, so both
+    runners train it (in lockstep inside the ``vmap``), on one process or several (``fed_mtl_ddp``). Phases
+    other than ``"all"`` train without the term.
 
     ``Trainer(strategy="fed_mtl")`` uses ``FedMTL()``.
     """
 
     server_tensors = (ServerTensors("init", like="model", init="module"),)
-    scales_lr = False
 
     def __init__(self, chunk: int | None = 4000, strength: float | None = None):
         super().__init__("fed_mtl", (), "Fed-MTL: local full models + 10^-f (||W||^2 + tr(W Omega W^T)).")

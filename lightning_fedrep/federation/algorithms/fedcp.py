@@ -339,8 +339,6 @@ class FedCP(Algorithm):
         self._split = _find_split(module, split.head, datamodule)
         self._module = module
 
-    scales_lr = False  # configure_round only checks the phases
-
     def configure_round(self, plan: Any, server: Any) -> Any:
         """The plan unchanged; refuses a federated round whose local work is not one ``Phase("all")`` (the
         CPN is taken from the server at a client's first step of the round, and trains with the model)."""
@@ -422,7 +420,7 @@ class FedCP(Algorithm):
         (grads, policy_grads), value = torch.func.grad_and_value(objective, argnums=(0, 1))(
             dict(view.trained), cpn
         )
-        lr = view.lr or 0.0
+        lr = 0.0 if view.lr is None else view.lr
         state = {f"{CLIENT_CPN}.{k}": cpn[k] - lr * policy_grads[k] for k in CPN_KEYS}
         state[CONTEXT] = context.detach()
         return StepOutcome(grads, value, state)

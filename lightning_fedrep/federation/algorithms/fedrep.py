@@ -39,8 +39,10 @@ class FedRep(Algorithm):
             "the body is averaged, heads stay local.",
         )
 
-    def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
-        """The head phase (body frozen), then the body phase (head frozen)."""
+    epochs = ("head_epochs", "body_epochs")
+
+    def default_phases(self, head_epochs: int, body_epochs: int) -> tuple[Phase, ...]:
+        """The head phase (body frozen) for ``head_epochs``, then the body phase (head frozen) for ``body_epochs``."""
         return (Phase("head", epochs=head_epochs), Phase("body", epochs=body_epochs))
 
 

@@ -129,7 +129,6 @@ class FedRoD(Algorithm):
     """
 
     client_tensors = (ClientTensors(SLOT, like="head", init="module"),)
-    scales_lr = False  # configure_round only checks label_counts against the federation
 
     def __init__(self, label_counts: Tensor | Literal["data", "batch"] = "data"):
         super().__init__(
@@ -218,7 +217,7 @@ class FedRoD(Algorithm):
         personal = {n: view.client_state[f"{SLOT}.{n}"] for n in (weight, bias)}
         summed = {n: rest[n] + personal[n] for n in personal}
         head_grads = torch.func.grad(lambda h: loss({**rest, **h}, x, y, view.mask))(summed)
-        lr = view.lr or 0.0
+        lr = 0.0 if view.lr is None else view.lr
         return StepOutcome(grads, value, {f"{SLOT}.{n}": personal[n] - lr * head_grads[n] for n in personal})
 
     def __repr__(self) -> str:

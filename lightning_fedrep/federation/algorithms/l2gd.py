@@ -80,7 +80,7 @@ class L2GD(Algorithm):
         """The official ``lr = α / (n (1 - p))`` for ``num_clients`` clients (``n``)."""
         return self.alpha / (num_clients * (1.0 - self.p))
 
-    def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
+    def default_phases(self, local_epochs: int) -> tuple[Phase, ...]:
         """One local iteration: ``local_epochs`` of the client's own model."""
         return (Phase("all", epochs=local_epochs, slot=SLOT),)
 

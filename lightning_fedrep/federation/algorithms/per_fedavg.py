@@ -118,7 +118,7 @@ class PerFedAvg(Algorithm):
 
             grads, value = torch.func.grad_and_value(both)(dict(view.trained))
             return StepOutcome(grads, value)
-        lr_in = (view.lr or 0.0) * self.inner_scale
+        lr_in = (0.0 if view.lr is None else view.lr) * self.inner_scale
 
         def outer(w: dict[str, Tensor]) -> Tensor:
             inner = torch.func.grad(lambda u: at(u, support))(w)

@@ -21,6 +21,7 @@ FedPer, LG-FedAvg, FedAvg, Local Only) are such subclasses, one module each in
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 import weakref
@@ -116,6 +117,39 @@ def parse_phases(phases: Sequence[Phase | dict]) -> tuple[Phase, ...]:
     return parsed
 
 
+EPOCH_SHORTHANDS = ("head_epochs", "body_epochs", "local_epochs")
+"""The strategy's epoch shorthands an algorithm may declare in :attr:`Algorithm.epochs`."""
+
+
+def _check_epochs(cls: type[Algorithm]) -> None:
+    """Refuse ``cls.epochs`` naming something other than the epoch shorthands, or a ``default_phases`` that
+    does not take the declared shorthands by name (it is called with those and no others)."""
+    declared, where = cls.epochs, f"{cls.__name__}.epochs"
+    if isinstance(declared, str) or not isinstance(declared, tuple):
+        raise TypeError(
+            f"{where} must be a tuple of epoch shorthands such as ('local_epochs',), got {declared!r}."
+        )
+    unknown = [n for n in declared if n not in EPOCH_SHORTHANDS]
+    if unknown:
+        raise ValueError(
+            f"{where} = {declared!r}: {unknown[0]!r} is not an epoch shorthand; declare some of {EPOCH_SHORTHANDS}."
+        )
+    if len(set(declared)) != len(declared):
+        raise ValueError(f"{where} = {declared!r} names a shorthand twice: name each at most once.")
+    parameters = list(inspect.signature(cls.default_phases).parameters.values())[1:]  # after self
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    takes = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    required = {p.name for p in parameters if p.default is p.empty and p.kind is not p.VAR_POSITIONAL}
+    if not set(declared) <= takes or not required <= set(declared):
+        signature = ", ".join(["self", *(p.name for p in parameters)])
+        raise TypeError(
+            f"{cls.__name__}.default_phases({signature}) is called with the epoch shorthands {where} declares, "
+            f"by name: {declared!r}. Make the two agree, e.g. epochs = ('head_epochs', 'body_epochs') with "
+            "def default_phases(self, head_epochs, body_epochs)."
+        )
+
+
 class Algorithm:
     """A federated algorithm of the FedRep family: what the server averages and how clients train.
 
@@ -145,11 +179,20 @@ class Algorithm:
         """Whether the algorithm must know which parameters are the head (it shares one group only)."""
         return len(self.shares) == 1
 
-    def default_phases(self, head_epochs: int, body_epochs: int, local_epochs: int) -> tuple[Phase, ...]:
-        """Local phases when the user gives only the epoch shorthands (called at construction):
-        ``head_epochs`` and ``body_epochs`` for an algorithm that trains the head, then the body (FedRep),
-        ``local_epochs`` for one that trains everything in one phase (the default)."""
+    epochs: tuple[str, ...] = ("local_epochs",)
+    """The strategy's epoch shorthands :meth:`default_phases` reads, among ``"head_epochs"``, ``"body_epochs"``
+    and ``"local_epochs"`` (FedRep: ``("head_epochs", "body_epochs")``). The strategy passes exactly these, by
+    name, and refuses any other set away from its default (it would change nothing). Checked when the class is
+    defined."""
+
+    def default_phases(self, local_epochs: int) -> tuple[Phase, ...]:
+        """Local phases when the user gives only the epoch shorthands (called at construction), from the
+        shorthands :attr:`epochs` declares, by name: the default trains everything for ``local_epochs``."""
         return (Phase("all", epochs=local_epochs),)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _check_epochs(cls)
 
     def aggregator(self, like: Mapping[str, Tensor]) -> Aggregator:
         """A new aggregator for an aggregating round (called when the round opens, and when a mid-round
@@ -191,11 +234,6 @@ class Algorithm:
         resumed run repeats the plan. The default returns ``plan`` unchanged.
         """
         return plan
-
-    scales_lr: bool = True
-    """Whether an overridden :meth:`configure_round` may set a per-client ``lr_scale``, which the lockstep
-    runner does not apply (so ``engine="auto"`` runs such an algorithm sequentially). ``False`` (it only reads
-    the plan, or picks clients): the lockstep runner may run it, and still refuses a round that sets one."""
 
     def objective(self, phase: str) -> Objective:
         """The local objective of a phase training ``phase`` (``"head"``, ``"body"``, ``"all"``): loss terms

@@ -1,6 +1,7 @@
-"""The strategy's epoch shorthands (``head_epochs``, ``body_epochs``, ``local_epochs``): their defaults, which of
-them an algorithm's default phases read, the check that refuses one that changes nothing, and
-:func:`epoch_settings`, which keeps only those an algorithm reads (for sweeps over algorithms).
+"""The strategy's epoch shorthands (``head_epochs``, ``body_epochs``, ``local_epochs``): their defaults, an
+algorithm's default phases from those it declares (:attr:`~.algorithm.Algorithm.epochs`), the check that refuses
+one that changes nothing, and :func:`epoch_settings`, which keeps only those an algorithm reads (for sweeps over
+algorithms).
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ EPOCH_DEFAULTS = {"head_epochs": 10, "body_epochs": 1, "local_epochs": 1}
 """The strategy's epoch shorthands and their defaults."""
 
 
-def epochs_read(algorithm: Algorithm, epochs: Mapping[str, int]) -> list[str]:
-    """Which of the epoch shorthands ``epochs`` change ``algorithm``'s default phases (FedRep reads
-    ``head_epochs`` and ``body_epochs``, the built-in others ``local_epochs``)."""
-    phases = algorithm.default_phases(**epochs)
-    return [n for n in epochs if algorithm.default_phases(**{**epochs, n: epochs[n] + 1}) != phases]
+def default_phases(algorithm: Algorithm, epochs: Mapping[str, int]) -> tuple[Phase, ...]:
+    """``algorithm``'s default phases from the shorthands among ``epochs`` it declares in ``algorithm.epochs``
+    (called by the strategy when no ``phases`` are given)."""
+    return algorithm.default_phases(**{name: epochs[name] for name in algorithm.epochs})
 
 
 def epoch_settings(algorithm: str | Algorithm, **epochs: int) -> dict[str, int]:
@@ -28,7 +28,7 @@ def epoch_settings(algorithm: str | Algorithm, **epochs: int) -> dict[str, int]:
     unknown = set(epochs) - set(EPOCH_DEFAULTS)
     if unknown:
         raise TypeError(f"epoch_settings takes {sorted(EPOCH_DEFAULTS)}, got {sorted(unknown)}.")
-    read = epochs_read(get_algorithm(algorithm), {**EPOCH_DEFAULTS, **epochs})
+    read = get_algorithm(algorithm).epochs
     return {name: value for name, value in epochs.items() if name in read}
 
 
@@ -41,11 +41,11 @@ def check_epoch_shorthands(
 ) -> None:
     """Refuse an epoch shorthand (``head_epochs``, ``body_epochs``, ``local_epochs``) set away from its
     default where it changes nothing: explicit ``phases`` are given, or ``algorithm``'s default phases do
-    not read it (FedAvg has no head phase)."""
+    not read it (``algorithm.epochs`` does not name it: FedAvg has no head phase)."""
     changed = {name: value for name, value in epochs.items() if value != defaults[name]}
     if not changed:
         return
-    read = epochs_read(algorithm, epochs)
+    read = algorithm.epochs
     for name, value in changed.items():
         given = f"{owner}({name}={value})" if owner else f"{name}={value}"
         if phases_given:
@@ -53,7 +53,7 @@ def check_epoch_shorthands(
                 f"{given} has no effect: phases=... gives the local work. Drop {name}, or write it into the phases."
             )
         if name not in read:
-            phases = ", ".join(_phase_text(p) for p in algorithm.default_phases(**epochs))
+            phases = ", ".join(_phase_text(p) for p in default_phases(algorithm, epochs))
             instead = " and ".join(read) if read else "no epoch setting (use phases=...)"
             hint = ", or use algorithm='fedrep' for a head phase" if name == "head_epochs" else ""
             raise ValueError(

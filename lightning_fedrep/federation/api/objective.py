@@ -63,7 +63,9 @@ class StepView:
         phase: the part the phase trains (``"head"``, ``"body"``, ``"all"``): Python branches on it are fine.
         round: the round index.
         step: the client's local step in the round.
-        lr: the client's learning rate (the optimizer's first param group), or ``None`` if unknown.
+        lr: the client's learning rate (the optimizer's first param group's, times the client's ``lr_scale``),
+            or ``None`` if unknown; in lockstep, where the clients of one step have different ``lr_scale``, a
+            0-dim tensor (batched under ``vmap``): use it in tensor arithmetic, not in a Python ``if``.
         features: the head's input on the batch when the term asks for it (``needs_features``), else ``None``.
         mask: ``[batch]``, 1 for real rows and 0 for padding (lockstep runner); ``None`` on the
             sequential runner, where every row is real.
@@ -75,8 +77,6 @@ class StepView:
         batch_idx: Lightning's batch index on the sequential runner (``None`` in lockstep).
         slot: the slot the phase trains (``"model"``, or a per-client slot an algorithm declares, e.g.
             Ditto's ``"personal"``).
-        before: for a :class:`ParamTransform` with ``needs_before``, the trained tensors' values before the
-            optimizer step (copies); empty otherwise.
     """
 
     tensors: Mapping[str, Tensor]
@@ -86,14 +86,13 @@ class StepView:
     phase: str
     round: int
     step: int
-    lr: float | None = None
+    lr: float | Tensor | None = None
     features: Tensor | None = None
     mask: Tensor | None = None
     client_state: Mapping[str, Tensor] = field(default_factory=lambda: _EMPTY)
     batch: Any = None
     batch_idx: int | None = None
     slot: str = "model"
-    before: Mapping[str, Tensor] = field(default_factory=lambda: _EMPTY)
 
 
 @dataclass(frozen=True)
@@ -138,11 +137,7 @@ class GradTransform:
 
 @dataclass(frozen=True)
 class ParamTransform:
-    """Maps the client's trained tensors (by name) after its optimizer step, without grad.
-
-    ``needs_before=True``: ``view.before`` holds the trained tensors as they were before the step (Ditto's
-    pull reads them; the runner copies them only for such a transform).
-    """
+    """Maps the client's trained tensors (by name) after its optimizer step, without grad."""
 
     fn: Callable[[Mapping[str, Tensor], StepView], Mapping[str, Tensor]]
     """``fn(tensors, view) -> tensors``: the new trained tensors by name (a name left out keeps its value)."""
@@ -150,7 +145,6 @@ class ParamTransform:
     """The transform's name in reports and errors."""
     vmappable: bool = True
     """Whether ``fn`` runs inside the lockstep runner's ``vmap`` (``False`` keeps ``engine="auto"`` sequential)."""
-    needs_before: bool = False
 
 
 PureLoss = Callable[[Mapping[str, Tensor], Tensor, Tensor, "Tensor | None"], Tensor]

@@ -466,6 +466,8 @@ class LockstepEngine:
         if self.group is None or self._group_index != segment.group:
             resumed = self._open_group(segment)
             started = [] if resumed else list(segment.group_clients)
+            scales = {work.client: work.lr_scale for work in schedule.plan.work}
+            self.group.lr_scales = tuple(scales[c] for c in segment.group_clients)
         if self.segment is not segment:
             self._enter_segment(segment)
         self._step = step
@@ -544,6 +546,7 @@ class LockstepEngine:
             m: Tensor,
             client: Tensor | None = None,
             state: dict[str, Tensor] | None = None,
+            lane: dict[str, Tensor] | None = None,
         ) -> Tensor:
             tensors = {**fixed, **rest, **own}
             output, features = run(tensors, x)
@@ -558,6 +561,7 @@ class LockstepEngine:
                     mask=m,
                     client_state=state,
                     **shared,
+                    **(lane or {}),
                 )
                 extra = term.fn(view)
                 if extra is not None:
@@ -574,7 +578,7 @@ class LockstepEngine:
         else:
             lanes_args = (trained, frozen, inputs, targets, mask)
             if terms:  # what a term's StepView reads per client
-                lanes_args += (self._segment_clients(mask.device), states)
+                lanes_args += (self._segment_clients(mask.device), states, self._lane_fields(mask.device))
             losses = over_lanes(client_loss, len(mask))(*lanes_args)
         losses = losses * self._active_weights(losses.dtype, losses.device)
         self._keep_losses(losses, mask)
@@ -591,7 +595,7 @@ class LockstepEngine:
         shared = self._view_fields(server)
         loss = self._pure_loss
 
-        def client_step(own, rest, x, y, m, client, state):  # noqa: ANN001, ANN202 (vmapped)
+        def client_step(own, rest, x, y, m, client, state, lane):  # noqa: ANN001, ANN202 (vmapped)
             view = StepView(
                 tensors={**fixed, **rest, **own},
                 trained=own,
@@ -599,6 +603,7 @@ class LockstepEngine:
                 mask=m,
                 client_state=state,
                 **shared,
+                **lane,
             )
             outcome = rule.fn(loss, view, x, y)
             return dict(outcome.grads), outcome.loss, dict(outcome.client_state)
@@ -607,7 +612,7 @@ class LockstepEngine:
         rest = {n: t.detach() for n, t in frozen.items()}
         clients = self._segment_clients(mask.device)
         grads, losses, new_state = torch.func.vmap(client_step)(
-            own, rest, inputs, targets, mask, clients, states
+            own, rest, inputs, targets, mask, clients, states, self._lane_fields(mask.device)
         )
         active = self._active_weights(losses.dtype, losses.device)
         self._keep_losses(losses * active, mask)
@@ -728,14 +733,32 @@ class LockstepEngine:
 
     def _view_fields(self, server: dict[str, Tensor]) -> dict[str, Any]:
         """The :class:`StepView` fields every lane of this step shares (the server tensors, the phase part, the
-        round, the local step and the learning rate)."""
-        return dict(
-            server=server,
-            phase=self.segment.part,
-            round=self.federation.round_index,
-            step=self._step,
-            lr=self._lr(),
+        round, the local step and, where the lanes' ``lr_scale`` agree, the learning rate)."""
+        shared = dict(
+            server=server, phase=self.segment.part, round=self.federation.round_index, step=self._step
         )
+        scales = self._lane_scales()
+        if len(set(scales)) == 1:
+            lr = self._lr()
+            shared["lr"] = lr * scales[0] if lr is not None and scales[0] != 1.0 else lr
+        return shared
+
+    def _lane_fields(self, device: torch.device) -> dict[str, Tensor]:
+        """The :class:`StepView` fields that differ between the lanes, batched by ``vmap`` (each client its own):
+        ``lr`` (a 0-dim tensor) where the lanes' ``lr_scale`` differ, else none."""
+        scales, lr = self._lane_scales(), self._lr()
+        if len(set(scales)) == 1 or lr is None:
+            return {}
+        key = ("lr", lr, device)
+        if key not in self._segment_tensors:
+            dtype = next(iter(self.group.stacked.values())).dtype
+            self._segment_tensors[key] = torch.tensor([lr * s for s in scales], dtype=dtype, device=device)
+        return {"lr": self._segment_tensors[key]}
+
+    def _lane_scales(self) -> tuple[float, ...]:
+        """The ``lr_scale`` of each lane of the segment."""
+        start, stop = self.segment.lanes
+        return self.group.lr_scales[start:stop]
 
     def _lr(self) -> float | None:
         groups = self.user_optimizer.param_groups
@@ -758,15 +781,21 @@ class LockstepEngine:
             others: dict[str, Tensor],
             client: Tensor,
             state: dict[str, Tensor],
+            lane: dict[str, Tensor],
         ):
             view = StepView(
-                tensors={**fixed, **others, **mine}, trained=mine, client=client, client_state=state, **shared
+                tensors={**fixed, **others, **mine},
+                trained=mine,
+                client=client,
+                client_state=state,
+                **shared,
+                **lane,
             )
             for transform in transforms:
                 value = {**value, **transform.fn(value, view)}
             return value
 
-        new = torch.func.vmap(apply)(values, own, rest, clients, states)
+        new = torch.func.vmap(apply)(values, own, rest, clients, states, self._lane_fields(device))
         active = self._active_weights(torch.bool, device)
         for name, value in new.items():
             keep = active.reshape(-1, *([1] * (value.dim() - 1)))

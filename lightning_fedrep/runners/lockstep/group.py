@@ -3,7 +3,8 @@
 Every trainable tensor ``n`` of the module becomes one tensor ``stacked[n]`` of shape ``[K, ...]``
 (client ``k``'s copy at ``[k]``); a segment differentiates a leaf view of its lanes' rows. Each client
 has its own optimizer (:mod:`lightning_fedrep.runners.lockstep.optimizers`); a client that does not step is not
-touched (momentum and weight decay included) and its step counters stay.
+touched (momentum and weight decay included) and its step counters stay. A client's ``lr_scale`` (the round
+plan's per-client setting) multiplies its learning rate for its steps, as on the sequential runner.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class ClientGroup:
         self.clients = tuple(clients)
         self.stacked = {n: t.detach() for n, t in start.items()}
         self.steps = [0] * len(self.clients)
+        self.lr_scales: tuple[float, ...] = (1.0,) * len(self.clients)
+        """Each client's factor on its learning rate this round (its plan's ``lr_scale``; set by the engine)."""
         self._lanes: tuple[int, int] = (0, len(self.clients))
         self._leaves: dict[str, Tensor] = {}
         self.optimizers = client_optimizers(self.stacked, user_optimizer, param_names)
@@ -63,9 +66,17 @@ class ClientGroup:
         self.optimizers.sync(user_optimizer)
 
     def step(self, active: Sequence[bool]) -> None:
-        """One optimizer step of each active lane of the segment, from the gradients on its leaves."""
-        start, _ = self._lanes
-        self.optimizers.step(self._leaves, start, active)
+        """One optimizer step of each active lane of the segment, from the gradients on its leaves; the lanes
+        of each ``lr_scale`` step together at their learning rate."""
+        start, stop = self._lanes
+        scales = self.lr_scales[start:stop]
+        if len(set(scales)) == 1:
+            self.optimizers.step(self._leaves, start, active, scales[0])
+        else:
+            for scale in sorted(set(scales)):
+                lanes = [on and s == scale for on, s in zip(active, scales)]
+                if any(lanes):
+                    self.optimizers.step(self._leaves, start, lanes, scale)
         for leaf in self._leaves.values():
             leaf.grad = None
         for j, on in enumerate(active):

@@ -4,9 +4,10 @@
 its own parameter with its own state: for an optimizer whose update of a parameter reads only that
 parameter's gradient and state (SGD, Adam, ...) that is exactly K separate optimizers. :class:`StackedSGD`
 is ``torch.optim.SGD``'s update written on the stacked rows of the clients that step, one update per
-tensor instead of one per client and tensor. Both keep each client's state in the sequential path's
-format (``{parameter index: {"momentum_buffer": ...}}``), so kept optimizer state and checkpoints
-move between the engines.
+tensor instead of one per client and tensor. Both step a set of clients at one factor on the learning rate
+(a client's ``lr_scale``, as the sequential runner scales every param group's ``lr`` for a step). Both keep
+each client's state in the sequential path's format (``{parameter index: {"momentum_buffer": ...}}``), so kept
+optimizer state and checkpoints move between the engines.
 """
 
 from __future__ import annotations
@@ -76,8 +77,22 @@ class ViewOptimizers:
                     mine[key] = value
 
     @torch.no_grad()
-    def step(self, leaves: Mapping[str, Tensor], start: int, active: Sequence[bool]) -> None:
-        """One step of each active client ``start + j`` from the gradients on the lanes' ``leaves``."""
+    def step(
+        self, leaves: Mapping[str, Tensor], start: int, active: Sequence[bool], lr_scale: float = 1.0
+    ) -> None:
+        """One step of each active client ``start + j`` from the gradients on the lanes' ``leaves``, at
+        ``lr_scale`` times each param group's learning rate (put back after the step)."""
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        if lr_scale != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * lr_scale
+        try:
+            self._step(leaves, start, active)
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, saved):
+                group["lr"] = lr
+
+    def _step(self, leaves: Mapping[str, Tensor], start: int, active: Sequence[bool]) -> None:
         stepped = []
         for name, leaf in leaves.items():
             if leaf.grad is None:
@@ -145,10 +160,14 @@ class StackedSGD:
         self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in user_optimizer.param_groups]
 
     @torch.no_grad()
-    def step(self, leaves: Mapping[str, Tensor], start: int, active: Sequence[bool]) -> None:
-        """One SGD step of each active client ``start + j`` from the gradients on the lanes' ``leaves``."""
+    def step(
+        self, leaves: Mapping[str, Tensor], start: int, active: Sequence[bool], lr_scale: float = 1.0
+    ) -> None:
+        """One SGD step of each active client ``start + j`` from the gradients on the lanes' ``leaves``, at
+        ``lr_scale`` times each param group's learning rate."""
+        hyper = self.hyper if lr_scale == 1.0 else [{**h, "lr": h["lr"] * lr_scale} for h in self.hyper]
         if all(active):
-            self._step_all(leaves, slice(start, start + len(active)))
+            self._step_all(leaves, slice(start, start + len(active)), hyper)
             return
         device = next(iter(self.stacked.values())).device if self.stacked else None
         chosen = torch.tensor([j for j, on in enumerate(active) if on], dtype=torch.long, device=device)
@@ -158,7 +177,7 @@ class StackedSGD:
         for name, leaf in leaves.items():
             if leaf.grad is None:
                 continue
-            h = self.hyper[self.group_of[name]]
+            h = hyper[self.group_of[name]]
             param = self.stacked[name]
             rows_here = rows.to(param.device)
             grad = leaf.grad[chosen.to(leaf.grad.device)]
@@ -166,7 +185,7 @@ class StackedSGD:
             grad = self._direction(name, _decayed(grad, p, h), rows_here, h)
             param[rows_here] = p.add(grad, alpha=-h["lr"])
 
-    def _step_all(self, leaves: Mapping[str, Tensor], rows: slice) -> None:
+    def _step_all(self, leaves: Mapping[str, Tensor], rows: slice, hyper: list[dict[str, Any]]) -> None:
         """The step of the consecutive ``rows`` (every lane steps). The tensors of a param group whose rows all
         have momentum buffers step together, one ``torch._foreach_*`` op per stage (SGD's update, op for op);
         the others one by one (:meth:`_step_rows`)."""
@@ -175,13 +194,13 @@ class StackedSGD:
             if leaf.grad is None:
                 continue
             g = self.group_of[name]
-            h = self.hyper[g]
+            h = hyper[g]
             if h["momentum"] != 0 and not h["nesterov"] and self._all_have_buffers(name, rows):
                 together.setdefault(g, []).append((name, leaf.grad))
             else:
                 self._step_rows(name, leaf.grad, rows, h)
         for g, named_grads in together.items():
-            h = self.hyper[g]
+            h = hyper[g]
             params = [self.stacked[name][rows] for name, _ in named_grads]
             buffers = [self.buffers[name][rows] for name, _ in named_grads]
             grads = [grad for _, grad in named_grads]

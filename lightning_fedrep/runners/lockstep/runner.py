@@ -31,13 +31,7 @@ class LockstepRunner:
         return self.engine.schedule(plan) if own else self.engine.build_schedule(plan)
 
     def open_round(self, plan: RoundPlan) -> None:
-        scaled = [w.client for w in plan.work if w.lr_scale != 1.0]
-        if scaled:
-            raise ValueError(
-                f"Round {plan.round} sets a per-client lr_scale for clients {scaled[:10]}, which the lockstep "
-                "runner does not apply. Pass engine='sequential' (or engine='auto'), or drop lr_scale from "
-                "configure_round."
-            )
+        pass  # each group takes its clients' lr_scale from the plan when it opens
 
     def begin_step(self, plan: RoundPlan, step: int) -> None:
         for client in self.engine.begin_step(self.engine.schedule(plan), step):
