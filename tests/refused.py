@@ -316,6 +316,13 @@ class DictAggregatorFedRep(FedRep):
         return {}
 
 
+class V1AggregateFedRep(FedRep):
+    """Its ``aggregate`` is the removed v1 server step ``(global_state, average)``."""
+
+    def aggregate(self, global_state: Any, average: Any) -> Any:
+        return average.mean(global_state)
+
+
 def shifted(dataset: TensorDataset, by: int) -> TensorDataset:
     """``dataset`` with every label raised by ``by``."""
     return TensorDataset(dataset.tensors[0], dataset.tensors[1] + by)
@@ -652,9 +659,11 @@ CASES = [
     Refused('RunSummary(print_table="no")', TypeError, "print_table"),
     Refused('parse_seeds("1,x")', ValueError, "--seeds"),
     Refused('split_seeds(["test", "--seeds", "1,2"])', ValueError, "--seeds"),
-    # aggregation (an algorithm's aggregator, checked when a round opens, before its first step)
+    # aggregation (an algorithm's aggregator, checked when a round opens, before its first step; its server
+    # step, at construction)
     Refused(S + "algorithm=StackedFedRep(max_bytes=500)))", ValueError, "max_bytes", "set-up"),
     Refused(S + "algorithm=DictAggregatorFedRep()))", TypeError, "aggregator()", "set-up"),
+    Refused("V1AggregateFedRep()", TypeError, "aggregate(global_state, average)"),
 ]
 
 

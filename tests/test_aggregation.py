@@ -42,12 +42,10 @@ class CoordinateMedian(Algorithm):
     def aggregator(self, like):
         return Stacked(like)
 
-    def aggregate(self, global_state, average):
-        self.rounds.append(
-            ([u.client for u in average.updates], [(f.client, f.reason) for f in average.failures])
-        )
-        rows = average.stacked()
-        return [rows[name].median(dim=0).values.to(g.dtype) for name, g in zip(average.names, global_state)]
+    def aggregate(self, server, results, failures):
+        self.rounds.append(([u.client for u in results.updates], [(f.client, f.reason) for f in failures]))
+        rows = results.aggregator.stacked()
+        return server.replace(shared={name: rows[name].median(dim=0).values for name in server.shared}), {}
 
 
 def plain_median_fedrep(init, dm, rounds, per_round, head_epochs, body_epochs, seed):
@@ -116,8 +114,8 @@ def test_a_coordinate_wise_median_written_as_user_code_trains_like_a_plain_media
 def test_a_non_finite_client_reaches_the_aggregator_as_a_failure_not_an_update():
     """Client 2 turns NaN in round 1 (``on_nonfinite="skip"``): the aggregator of round 1 gets the other
     clients' updates and one failure naming client 2 and why; the other rounds have no failure, and no
-    round claims that every client was left out. Fails when ``close_round`` does not report faults
-    (``failed``), when a faulty client is added as an update, or when the "every client was left out"
+    round claims that every client was left out. Fails when ``close_round`` does not hand the faults to
+    ``aggregate`` (``failures``), when a faulty client is added as an update, or when the "every client was left out"
     warning hangs on the ``first_state`` branch (as it did: it fired for any round with a fault)."""
     torch.manual_seed(0)
     dm = tiny_datamodule(num_clients=4, seed=3)
@@ -254,3 +252,32 @@ def test_a_mid_round_checkpoint_keeps_the_stacked_updates_and_resumes_bit_exactl
     for cid in range(4):
         for name, value in full.client_state_dict(cid).items():
             assert torch.equal(resumed.client_state_dict(cid)[name], value), (cid, name)
+
+
+def test_the_default_server_step_is_the_float64_weighted_mean_cast_back_bit_for_bit():
+    """``Algorithm.aggregate``'s default on a ``WeightedMean``'s results: the shared tensors become
+    ``sum_i w_i x_i / sum_i w_i`` summed in float64 and cast to each tensor's dtype (integers rounded), equal
+    bit for bit to that sum written out here; the server tensors stay and no metric is reported. Fails when
+    the default sums in the tensors' own dtype (float32 rounding), forgets to round integer tensors, or drops
+    a server tensor."""
+    from lightning_fedrep.federation import WeightedMean
+    from lightning_fedrep.federation.api.exchange import RoundResults, ServerState
+
+    torch.manual_seed(0)
+    like = {"w": torch.randn(5), "h": torch.randn(2, 3).to(torch.float16), "n": torch.tensor(0)}
+    clients = [(torch.randn(5), torch.randn(2, 3).to(torch.float16), torch.tensor(c + 3)) for c in range(3)]
+    weights = [7.0, 1.0, 30.0]
+    aggregator = WeightedMean(like)
+    for c, ((w, h, n), weight) in enumerate(zip(clients, weights)):
+        aggregator.add(ClientUpdate(c, 0, weight, int(weight), 2, {"w": w, "h": h, "n": n}))
+    server = ServerState(like, {"momentum": torch.ones(3)}, num_clients=3)
+    results = RoundResults(aggregator.result(), aggregator, (0, 1, 2), aggregator.weight, None)
+    new, metrics = Algorithm("mean", {"body"}, "the default").aggregate(server, results, ())
+    assert metrics == {} and torch.equal(new.tensors["momentum"], torch.ones(3))
+    for index, (name, ref) in enumerate(like.items()):
+        total = torch.zeros(ref.shape, dtype=torch.float64)
+        for values, weight in zip(clients, weights):
+            total += values[index].to(torch.float64) * weight
+        expected = total / sum(weights)
+        expected = (expected if ref.is_floating_point() else expected.round()).to(ref.dtype)
+        assert new.shared[name].dtype == ref.dtype and torch.equal(new.shared[name], expected), name

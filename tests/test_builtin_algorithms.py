@@ -1,10 +1,10 @@
 """The built-in algorithms as classes (``federation/algorithms/{fedrep,fedper,lg_fedavg,fedavg,local}.py``)
-and the deprecation of the v1 ``Algorithm.aggregate(global_state, average)``.
+and the refusal of the removed v1 ``Algorithm.aggregate(global_state, average)``.
 
 The built-ins are checked against their definitions from before they became classes, restated here as
 literals (names, registry order, shares, descriptions, repr, default phases); that they train as the
-papers say is ``test_golden.py``'s (a plain PyTorch loop per algorithm), and that a v1 ``aggregate`` still
-runs through the round after its warning is ``test_federation.py``'s ``ServerMomentum``.
+papers say is ``test_golden.py``'s (a plain PyTorch loop per algorithm), and that an algorithm's own server
+step runs through the round is ``test_federation.py``'s ``ServerMomentum``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+
+import pytest
 
 import lightning_fedrep
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
@@ -101,19 +103,11 @@ def test_registry_order_is_unchanged_in_a_fresh_process():
     assert list(ALGORITHMS)[: len(OLD_ORDER)] == OLD_ORDER  # and in this process
 
 
-def _constructed(make) -> list[warnings.WarningMessage]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        make()
-    return [w for w in caught if issubclass(w.category, DeprecationWarning)]
-
-
-def test_a_v1_aggregate_override_warns_once_at_construction():
-    """Catches a v1 ``aggregate(global_state, average)`` override constructed without a ``DeprecationWarning``
-    naming the class and the v2 signature (the ``_warn_v1_aggregate(self)`` call removed from
-    ``Algorithm.__init__``), a warning for every instance instead of once, and a warning attributed to the
-    library rather than the constructing code (Python shows a DeprecationWarning by default only in
-    ``__main__``: ``stacklevel=2`` fails here)."""
+def test_a_v1_aggregate_override_is_refused_at_construction_naming_the_port():
+    """Catches a v1 ``aggregate(global_state, average)`` override that constructs (it would then fail, or
+    compute a wrong number, only when the first round closes): the ``_refuse_v1_aggregate(self)`` call removed
+    from ``Algorithm.__init__``, or a message that does not name the class, the removed form and the one-line
+    port of the default body."""
 
     class MeanV1(Algorithm):
         def __init__(self) -> None:
@@ -122,25 +116,54 @@ def test_a_v1_aggregate_override_warns_once_at_construction():
         def aggregate(self, global_state, average):
             return average.mean(global_state)
 
-    caught = _constructed(MeanV1)
-    assert len(caught) == 1, [str(w.message) for w in caught]
-    message = str(caught[0].message)
-    assert "MeanV1.aggregate(global_state, average)" in message
-    assert "aggregate(self, server, results, failures) -> (ServerState, metrics)" in message
-    assert caught[0].filename == __file__
-    assert _constructed(MeanV1) == []  # once per class
+    with pytest.raises(TypeError) as refused:
+        MeanV1()
+    message = str(refused.value)
+    assert message.startswith("MeanV1.aggregate(global_state, average) is the removed v1 server step: ")
+    assert "write aggregate(self, server, results, failures) -> (ServerState, metrics) instead" in message
+    assert "`return server.replace(shared=results.reduced), {}`" in message
 
 
-def test_no_warning_for_v2_aggregate_built_ins_or_no_override():
-    """Catches the warning raised for a v2 ``aggregate(server, results, failures)`` (the ``uses_results`` test
-    dropped), for an algorithm that does not override ``aggregate``, or for any registered algorithm (the
-    built-ins, Ditto, FedProx, SCAFFOLD's v2 server step)."""
+def test_an_aggregate_that_cannot_take_the_three_arguments_is_refused_whatever_its_names():
+    """Catches a refusal that reads parameter names only: an override taking two arguments under other names,
+    or only ``(server, results)``, must be refused at construction, naming its own parameters."""
+
+    class TwoNames(Algorithm):
+        def aggregate(self, state, mean):
+            return state
+
+    class NoFailures(Algorithm):
+        def aggregate(self, server, results):
+            return server, {}
+
+    with pytest.raises(TypeError, match=r"^TwoNames\.aggregate\(state, mean\) cannot take the server step's"):
+        TwoNames("two", {"body"}, "two names")
+    with pytest.raises(TypeError, match=r"^NoFailures\.aggregate\(server, results\) cannot take"):
+        NoFailures("no_failures", {"body"}, "no failures")
+
+
+def test_no_refusal_for_the_server_step_its_variants_built_ins_or_no_override():
+    """Catches a refusal of a valid server step: ``(server, results, failures)``, other names, ``*args``, an
+    algorithm that does not override ``aggregate``, or any registered algorithm (the built-ins, Ditto, FedProx,
+    SCAFFOLD, ...), and a warning still raised for any of them."""
 
     class MeanV2(Algorithm):
         def aggregate(self, server, results, failures):
             return server.replace(shared=dict(results.reduced)), {}
 
-    assert _constructed(lambda: MeanV2("mean_v2", {"body"}, "v2 mean")) == []
-    assert _constructed(lambda: Algorithm("plain", {"body"}, "no override")) == []
-    for algorithm in list(ALGORITHMS.values()):
-        assert _constructed(type(algorithm)) == [], type(algorithm).__name__
+    class OtherNames(Algorithm):
+        def aggregate(self, state, reduced, faults=()):
+            return state, {}
+
+    class Forwarding(Algorithm):
+        def aggregate(self, *args, **kwargs):
+            return super().aggregate(*args, **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MeanV2("mean_v2", {"body"}, "v2 mean")
+        OtherNames("other", {"body"}, "other names")
+        Forwarding("forwarding", {"body"}, "forwarding")
+        Algorithm("plain", {"body"}, "no override")
+        for algorithm in list(ALGORITHMS.values()):
+            type(algorithm)()

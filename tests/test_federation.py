@@ -342,18 +342,19 @@ class ServerMomentum(Algorithm):
     def __init__(self, beta: float):
         super().__init__("fedavgm", {"body", "head"}, "FedAvg with server momentum")
         self.beta = beta
-        self.velocity: list[torch.Tensor] | None = None
+        self.velocity: dict[str, torch.Tensor] | None = None
 
-    def aggregate(self, global_state, average):
-        mean = average.mean(global_state)
-        update = [g - m for g, m in zip(global_state, mean)]
+    def aggregate(self, server, results, failures):
+        update = {n: g - results.reduced[n] for n, g in server.shared.items()}
         self.velocity = (
-            update if self.velocity is None else [self.beta * v + u for v, u in zip(self.velocity, update)]
+            update
+            if self.velocity is None
+            else {n: self.beta * v + update[n] for n, v in self.velocity.items()}
         )
-        return [g - v for g, v in zip(global_state, self.velocity)]
+        return server.replace(shared={n: g - self.velocity[n] for n, g in server.shared.items()}), {}
 
     def state_dict(self):
-        return {"velocity": self.velocity or []}
+        return {"velocity": self.velocity or {}}
 
     def load_state_dict(self, state):
         self.velocity = state["velocity"] or None

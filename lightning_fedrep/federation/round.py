@@ -26,7 +26,6 @@ from lightning_fedrep.federation.api.exchange import (
     RoundResults,
     ServerState,
     StartOutcome,
-    uses_results,
 )
 from lightning_fedrep.federation.plan import RoundPlan, StepLocation, plan_round, sample_clients
 from lightning_fedrep.federation.store import OptimizerState
@@ -482,15 +481,9 @@ class RoundTransaction:
             self._gather_round()
         aggregated, weight = False, 0.0
         faults = tuple(ClientFault(r.round, r.client, r.steps, r.fault) for r in self._finished if r.fault)
-        if self._average is not None:
-            for fault in faults:
-                self._average.failed(fault)
         if self._average is not None and not self._average.empty:
             weight = self._average.weight
-            if uses_results(self.algorithm):
-                self._server_step(faults)
-            else:
-                self.global_state = self.algorithm.aggregate(self.global_state, self._average)
+            self._server_step(faults)
             aggregated = True
         elif self._average is not None and faults:
             warnings.warn(
@@ -522,8 +515,8 @@ class RoundTransaction:
         return result
 
     def _server_step(self, faults: tuple[ClientFault, ...]) -> None:
-        """The v2 ``Algorithm.aggregate(server, results, failures)``: new global shared and server tensors,
-        and metrics for the round's history row."""
+        """``Algorithm.aggregate(server, results, failures)``: new global shared and server tensors, and
+        metrics for the round's history row."""
         average = self._average
         server = ServerState(self.global_view(), dict(self.server_tensors), len(self._require_data()))
         clients = tuple(r.client for r in self._finished if not r.fault)

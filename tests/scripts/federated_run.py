@@ -50,9 +50,9 @@ class MedianFedRep(FedRep):
     def aggregator(self, like):
         return Stacked(like)
 
-    def aggregate(self, global_state, average):
-        rows = average.stacked()
-        return [rows[name].median(dim=0).values for name in average.names]
+    def aggregate(self, server, results, failures):
+        rows = results.aggregator.stacked()
+        return server.replace(shared={name: rows[name].median(dim=0).values for name in server.shared}), {}
 
 
 register_algorithm(MedianFedRep(), override=True)

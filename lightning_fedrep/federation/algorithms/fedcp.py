@@ -383,7 +383,7 @@ class FedCP(Algorithm):
         upload.update({f"{HEAD_G}.{n}": 0.5 * end.end[n] + 0.5 * server[f"{HEAD_G}.{n}"] for n in self._head})
         return ClientOutcome(upload=upload)
 
-    def aggregate(self, server, results, failures):  # noqa: ANN001, ANN201 (the v2 signature)
+    def aggregate(self, server, results, failures):  # noqa: ANN001, ANN201 (Algorithm.aggregate's signature)
         """The new extractor, CPN and global head: the uploads' weighted means."""
         shared = {k: results.reduced[k] for k in server.shared}
         tensors = {n: results.reduced[n] for n in server.tensors if n in results.reduced}

@@ -32,10 +32,8 @@ SLOT = "personal"
 class _Unweighted(WeightedMean):
     """The plain mean of the uploads (``w̄ = Σ w_i / n``, whatever the strategy's weighting)."""
 
-    def add(self, update: ClientUpdate | list[Tensor], weight: float | None = None) -> None:  # type: ignore[override]
-        if isinstance(update, ClientUpdate):
-            update = replace(update, weight=1.0)
-        super().add(update, weight)
+    def add(self, update: ClientUpdate) -> None:
+        super().add(replace(update, weight=1.0))
 
 
 class L2GD(Algorithm):

@@ -34,10 +34,8 @@ __all__ = ["Scaffold"]
 class _Unweighted(WeightedMean):
     """The plain mean of the uploads (every client weighs 1, whatever the strategy's weighting)."""
 
-    def add(self, update: ClientUpdate | list[Tensor], weight: float | None = None) -> None:  # type: ignore[override]
-        if isinstance(update, ClientUpdate):
-            update = replace(update, weight=1.0)
-        super().add(update, weight)
+    def add(self, update: ClientUpdate) -> None:
+        super().add(replace(update, weight=1.0))
 
 
 class Scaffold(Algorithm):

@@ -1,12 +1,11 @@
 """Server-side aggregation: what each surviving client hands the server, and the aggregators that reduce it.
 
 A round's clients reach the server as :class:`ClientUpdate` records, one per client that finished the
-round with finite values, in the order they finish; a client left out of the round reaches it as a
-:class:`ClientFault` (``Aggregator.failed``), never as an update.
+round with finite values, in the order they finish; a client left out of the round reaches the server step
+as a :class:`ClientFault` (``Algorithm.aggregate``'s ``failures``), never as an update.
 
-* :class:`WeightedMean` (the default) streams: running float64 sums ``sum_i w_i x_i`` and ``sum_i w_i``,
-  one flat all-reduce across processes. It *is* a :class:`WeightedAverage`, so
-  ``Algorithm.aggregate(global_state, average)`` keeps calling ``average.mean(global_state)``.
+* :class:`WeightedMean` (the default) streams: running float64 sums ``sum_i w_i x_i`` and ``sum_i w_i``
+  (a :class:`WeightedAverage`), one flat all-reduce across processes.
 * :class:`Stacked` materializes: it keeps every client's update (copies), gathered from every process and
   ordered by client id, so robust rules (coordinate-wise median, trimmed mean) and FedNova are user code
   in ``Algorithm.aggregate``. It costs clients x upload bytes, bounded by ``max_bytes``.
@@ -14,7 +13,7 @@ round with finite values, in the order they finish; a client left out of the rou
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -121,10 +120,10 @@ class ClientUpdate:
 class Aggregator:
     """Reduces a round's :class:`ClientUpdate` objects as they arrive (a Flower-like aggregation step).
 
-    The federation calls :meth:`add` once per surviving client, :meth:`failed` once per client left out
-    (at the round's close, in plan order, on every process), :meth:`reduce` once across processes, then
-    hands the aggregator to ``Algorithm.aggregate(global_state, aggregator)``. Subclasses implement
-    :meth:`add`, :meth:`result`, :meth:`reduce` and the mid-round checkpoint (:meth:`state_dict`).
+    The federation calls :meth:`add` once per surviving client, :meth:`reduce` once across processes at the
+    round's close, then hands :meth:`result` and the aggregator itself to ``Algorithm.aggregate(server,
+    results, failures)`` (``results.reduced``, ``results.aggregator``). Subclasses implement :meth:`add`,
+    :meth:`result`, :meth:`reduce` and the mid-round checkpoint (:meth:`state_dict`).
 
     Args:
         like: the shared tensors by name (the round's starting global state): names, shapes, dtypes.
@@ -132,17 +131,10 @@ class Aggregator:
 
     def __init__(self, like: Mapping[str, Tensor]):
         self.names: tuple[str, ...] = tuple(like)
-        self.failures: list[ClientFault] = []
-        """The clients left out of the round (``ClientFault``), in plan order."""
 
     def add(self, update: ClientUpdate) -> None:
         """Take one surviving client's update."""
         raise NotImplementedError
-
-    def failed(self, fault: ClientFault) -> None:
-        """A client left out of the round (non-finite values, an error; ``fault`` says which and why): it
-        contributes no update."""
-        self.failures.append(fault)
 
     def expect(self, clients: int) -> None:
         """The round opens with ``clients`` participants (refuse here what cannot be held)."""
@@ -161,7 +153,7 @@ class Aggregator:
         raise NotImplementedError
 
     def result(self) -> dict[str, Tensor]:
-        """The aggregate by name (the default server step's new global values)."""
+        """The aggregate by name (``RoundResults.reduced``: the default server step's new global values)."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -176,8 +168,6 @@ class Aggregator:
 class WeightedMean(WeightedAverage, Aggregator):
     """The sample-weighted (or uniform) mean of the uploads: float64 sums, one flat all-reduce across
     processes, checkpointed as ``{"sums", "weight"}``. The default aggregator of every algorithm.
-
-    It is a :class:`WeightedAverage`: ``add`` also takes the old ``(tensors, weight)`` form.
     """
 
     def __init__(self, like: Mapping[str, Tensor]):
@@ -185,12 +175,9 @@ class WeightedMean(WeightedAverage, Aggregator):
         WeightedAverage.__init__(self, list(like.values()))
         self._like = list(like.values())
 
-    def add(self, update: ClientUpdate | list[Tensor], weight: float | None = None) -> None:  # type: ignore[override]
-        """Add a :class:`ClientUpdate` (or, as :class:`WeightedAverage`, a list of tensors and a weight)."""
-        if isinstance(update, ClientUpdate):
-            WeightedAverage.add(self, [update.upload[n] for n in self.names], update.weight)
-        else:
-            WeightedAverage.add(self, update, weight)
+    def add(self, update: ClientUpdate) -> None:  # type: ignore[override]
+        """Add one surviving client's :class:`ClientUpdate`, weighted by ``update.weight``."""
+        WeightedAverage.add(self, [update.upload[n] for n in self.names], update.weight)
 
     def reduce(self, collective: Collective) -> None:
         self.load_flat(collective.all_reduce_sum(self.flat()))
@@ -267,11 +254,6 @@ class Stacked(Aggregator):
             mean = mean / weights.sum()
             out[name] = (mean if rows.is_floating_point() else mean.round()).to(rows.dtype)
         return out
-
-    def mean(self, like: Sequence[Tensor]) -> list[Tensor]:
-        """As :meth:`WeightedAverage.mean`, so ``Algorithm.aggregate``'s default works with it."""
-        result = self.result()
-        return [result[n].to(t.dtype) for n, t in zip(self.names, like)]
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -8,7 +8,7 @@ The strategy never checks an algorithm's name. It asks the algorithm object:
 * :meth:`Algorithm.default_phases` — the local work when only the epoch shorthands are given;
 * :meth:`Algorithm.aggregator` — what reduces the round's per-client updates (a streaming
   ``WeightedMean`` by default; ``Stacked`` keeps every client's update, for median or trimmed mean);
-* :meth:`Algorithm.aggregate` — the new global shared state from the round's aggregator;
+* :meth:`Algorithm.aggregate` — the server step: the new server state from the round's results;
 * :meth:`Algorithm.objective` — the local objective of a phase: loss terms added to every local
   training loss (e.g. FedProx's proximal term) and step transforms (``federation.objective``);
 * :meth:`Algorithm.state_dict` — server state the algorithm keeps across rounds (saved in checkpoints).
@@ -22,24 +22,21 @@ FedPer, LG-FedAvg, FedAvg, Local Only) are such subclasses, one module each in
 from __future__ import annotations
 
 import inspect
-import sys
-import warnings
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from torch import Tensor, nn
 
-from lightning_fedrep.federation.api.aggregation import Aggregator, WeightedAverage, WeightedMean
+from lightning_fedrep.federation.api.aggregation import Aggregator, ClientFault, WeightedMean
 from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
 from lightning_fedrep.federation.api.exchange import (
     ClientEnd,
     ClientOutcome,
     ClientStart,
+    RoundResults,
     ServerState,
     StartOutcome,
-    uses_results,
 )
 from lightning_fedrep.federation.api.objective import Objective, refuse_removed_hooks
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
@@ -172,7 +169,7 @@ class Algorithm:
         self.shares: frozenset[Group] = groups
         self.description = description
         refuse_removed_hooks(self, "Algorithm")
-        _warn_v1_aggregate(self)
+        _refuse_v1_aggregate(self)
 
     @property
     def needs_split(self) -> bool:
@@ -199,26 +196,38 @@ class Algorithm:
         checkpoint is resumed). ``like`` maps the shared tensor names to the round's starting global values.
 
         The default is the streaming ``WeightedMean`` (float64 weighted sums). Return
-        ``Stacked(like)`` to receive every client's update in :meth:`aggregate` (``average.updates``,
-        ``average.stacked()``): coordinate-wise median, trimmed mean, FedNova, as user code.
+        ``Stacked(like)`` to receive every client's update in :meth:`aggregate` (``results.updates``,
+        ``results.aggregator.stacked()``): coordinate-wise median, trimmed mean, FedNova, as user code.
         """
         return WeightedMean(like)
 
-    def aggregate(self, global_state: list[Tensor], average: WeightedAverage | Aggregator) -> list[Tensor]:
-        """The new global shared state at the end of a round (called once per aggregating round in which a
-        client survived).
+    def aggregate(
+        self, server: ServerState, results: RoundResults, failures: Sequence[ClientFault]
+    ) -> tuple[ServerState, dict[str, float]]:
+        """The server step: the new server state at the end of a round, and metrics for the round's history row.
 
-        ``global_state`` is the state the round started from (in ``average.names`` order), ``average`` the
-        round's :meth:`aggregator` after every client: with the default ``WeightedMean``, the running
-        weighted sum of the participants' shared tensors. ``average.failures`` lists the clients left out
-        (``ClientFault``). The default is the weighted mean (FedAvg's server step).
+        Called once per aggregating round in which at least one client survived, at the round's close, on
+        every process alike (after the processes' updates are combined), so it must be a pure function of
+        its arguments and of the algorithm's own state.
 
-        A v2 override ``aggregate(self, server, results, failures)`` (see :meth:`finish_client`) receives
-        ``server`` (the ``ServerState`` the round started from), ``results`` (the ``RoundResults``: the
-        round's reduction of the clients' uploads) and ``failures`` (the ``ClientFault`` of each client left
-        out), and returns the new ``ServerState`` and the round's history metrics.
+        ``server`` is the :class:`~.exchange.ServerState` the round started from: ``server.shared`` the
+        global shared tensors by name, ``server.tensors`` the declared server tensors
+        (:attr:`server_tensors`), ``server.num_clients`` the federation's size. ``results`` is the round's
+        :class:`~.exchange.RoundResults`: ``results.reduced`` maps each name the :meth:`aggregator`
+        received to its reduction (with the default ``WeightedMean``, the participants' mean weighted by
+        their training samples, or uniform, summed in float64 and cast to the tensor's dtype),
+        ``results.aggregator`` the aggregator itself (``Stacked``: every update), ``results.clients`` the
+        surviving clients, ``results.weight`` their total aggregation weight, ``results.plan`` the round's
+        plan. ``failures`` holds a ``ClientFault`` for each client left out of the round (non-finite values,
+        an error), in plan order; none of them is in ``results``.
+
+        Return ``(server.replace(shared=..., tensors=...), metrics)``: every shared and declared server
+        tensor by name (``replace`` keeps those not given), optionally a ``client_map``
+        (:class:`~.exchange.ServerState`), and a dict of floats joined to the round's history row (``{}``
+        for none). The default is FedAvg's server step: the shared tensors become the aggregator's
+        reduction (the weighted mean), the server tensors stay, no metrics.
         """
-        return average.mean(global_state)
+        return server.replace(shared={n: results.reduced[n] for n in server.shared}), {}
 
     def configure_round(self, plan: Any, server: ServerState) -> Any:
         """The round's plan as the algorithm wants it: which clients, which phases, per-client settings.
@@ -247,7 +256,7 @@ class Algorithm:
     rolled back and moved between processes with the client; :meth:`finish_client` updates them."""
 
     server_tensors: tuple[ServerTensors, ...] = ()
-    """Extra server tensors (e.g. server momentum); the v2 :meth:`aggregate` reads and replaces them."""
+    """Extra server tensors (e.g. server momentum); :meth:`aggregate` reads and replaces them."""
 
     evaluation_slot: str | None = None
     """``None``: evaluation scores each client's model (global shared part + its local part); a slot name
@@ -281,12 +290,8 @@ class Algorithm:
     def finish_client(self, end: ClientEnd) -> ClientOutcome:
         """After a client's last local step of a round: what it uploads to the aggregator, its new declared
         client tensors, its metrics (called once per client that trained with finite values). The default
-        uploads the shared tensors' end values and leaves the client tensors as they are.
-
-        A v2 :meth:`aggregate` has the signature ``aggregate(self, server: ServerState, results: RoundResults,
-        failures: Sequence[ClientFault]) -> tuple[ServerState, dict[str, float]]`` (told apart from the v1 one
-        by its parameter names): it receives the server state (global shared tensors, server tensors), the
-        round's reduction and the clients left out, and returns the new server state and history metrics.
+        uploads the shared tensors' end values and leaves the client tensors as they are; the uploads reach
+        :meth:`aggregate` through the round's :meth:`aggregator`.
         """
         return ClientOutcome(upload=end.shared())
 
@@ -307,29 +312,30 @@ class Algorithm:
         return f"{type(self).__name__}(name={self.name!r}, shares={sorted(self.shares)})"
 
 
-_WARNED_V1: weakref.WeakSet[type] = weakref.WeakSet()
-"""The classes already warned about their v1 ``aggregate`` (each is warned about once)."""
+_V1_PORT = (
+    "write aggregate(self, server, results, failures) -> (ServerState, metrics) instead; the default v1 "
+    "body `return average.mean(global_state)` becomes `return server.replace(shared=results.reduced), {}` "
+    "(global_state is list(server.shared.values()), average is results.aggregator, average.failures is "
+    "failures; see Algorithm.aggregate's docstring)."
+)
 
 
-def _warn_v1_aggregate(algorithm: Algorithm) -> None:
-    """A ``DeprecationWarning`` (once per class) when ``algorithm``'s class overrides ``aggregate`` with the v1
-    signature ``(global_state, average)``; it still runs (``federation/round.py`` tells the two apart)."""
+def _refuse_v1_aggregate(algorithm: Algorithm) -> None:
+    """Refuse (``TypeError``, at construction) an ``aggregate`` override that cannot take the server step's
+    three arguments ``(server, results, failures)``: the removed v1 ``(global_state, average)`` or a typo."""
     cls = type(algorithm)
-    if cls.aggregate is Algorithm.aggregate or uses_results(algorithm) or cls in _WARNED_V1:
+    if cls.aggregate is Algorithm.aggregate:
         return
-    _WARNED_V1.add(cls)
-    # point the warning at the code that constructs the algorithm (past each class's __init__): Python shows
-    # a DeprecationWarning by default only when it is attributed to __main__
-    frame, level = sys._getframe(1), 2
-    while (
-        frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is algorithm
-    ):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(
-        f"{cls.__name__}.aggregate(global_state, average) is the deprecated v1 server step: write "
-        "aggregate(self, server, results, failures) -> (ServerState, metrics) instead (see "
-        "Algorithm.finish_client's docstring; results.reduced maps each shared name to the weighted mean, and "
-        "server.replace(shared=...) makes the new state).",
-        DeprecationWarning,
-        stacklevel=level,
-    )
+    signature = inspect.signature(algorithm.aggregate)
+    try:
+        signature.bind(None, None, None)
+    except TypeError:
+        parameters = ", ".join(signature.parameters)
+        if list(signature.parameters)[:2] == ["global_state", "average"]:
+            raise TypeError(
+                f"{cls.__name__}.aggregate({parameters}) is the removed v1 server step: {_V1_PORT}"
+            ) from None
+        raise TypeError(
+            f"{cls.__name__}.aggregate({parameters}) cannot take the server step's arguments (server, "
+            f"results, failures): {_V1_PORT}"
+        ) from None

@@ -5,14 +5,13 @@ Before a client's first local step of an aggregating round the federation calls
 (new starting values of some of the client's tensors, new values of some of its declared tensors). After a
 client's last local step the federation calls ``Algorithm.finish_client(ClientEnd)``, which returns
 a :class:`ClientOutcome` (what the aggregator receives, the client's new declared tensors, per-client
-metrics). At the round's close a v2 ``Algorithm.aggregate(server, results, failures)`` receives the
+metrics). At the round's close ``Algorithm.aggregate(server, results, failures)`` receives the
 :class:`ServerState` and the :class:`RoundResults` and returns the new server state and metrics for the
 round's history row. No Lightning here (the core).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,6 @@ __all__ = [
     "RoundResults",
     "ServerState",
     "StartOutcome",
-    "uses_results",
 ]
 
 
@@ -179,10 +177,3 @@ class RoundResults:
     def updates(self) -> list[ClientUpdate]:
         """Every client's update (only with an aggregator that keeps them, e.g. ``Stacked``)."""
         return list(getattr(self.aggregator, "updates", []))
-
-
-def uses_results(algorithm: Any) -> bool:
-    """Whether ``algorithm.aggregate`` is the v2 server step ``(server, results, failures)`` rather than
-    the v1 ``(global_state, average)`` (told apart by its parameter names)."""
-    parameters = list(inspect.signature(algorithm.aggregate).parameters)
-    return parameters[:2] == ["server", "results"]
