@@ -63,7 +63,7 @@ def bind_training_loader(strategy: Any, dataloader: RoundLoader) -> RoundLoader:
             run, dataloader, plan, device, smoke, strategy.algorithm, strategy.collective
         )
     )
-    dataloader.bind(lambda: run.schedule(trainer.current_epoch))
+    dataloader.bind(lambda: strategy._run.schedule(trainer.current_epoch))
     return dataloader
 
 
