@@ -49,7 +49,7 @@ def client_sets(bad_client: int, bad_label: int, split: str, classes: int = 4):
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])
 @pytest.mark.parametrize("split,label", [("train", 15), ("val", 4), ("train", -1)])
 def test_a_label_the_model_cannot_score_is_refused_before_any_step_naming_the_client(engine, split, label):
-    """Catches the label check missing (drop ``check_labels(strategy, dataloader)`` from ``lightning/loading.py``'s ``bind_training_loader``):
+    """Catches the label check missing (drop ``self.check_labels(loader, probe)`` from ``data/binding.py``'s ``DataBinding.bind_training``):
     the run then fails inside a step with ``Target 15 is out of bounds`` (or vmap's ``index 15 is out of
     bounds``), naming no client. Without a sanity check, a validation label is refused before any step too
     (Lightning loads the validation data at the fit's start). The expected client, label and class count are

@@ -120,8 +120,8 @@ def test_batched_classification_metrics_equal_the_per_batch_path(tmp_path, algor
     ckpt = trained_checkpoint(tmp_path, HeadlineNet, algorithm)
     per_batch = test_metrics(ckpt, HeadlineNet, "sequential", algorithm)
     batched = test_metrics(ckpt, HeadlineNet, "auto", algorithm)
-    assert per_batch[0]._batched_evaluation is None
-    assert batched[0]._batched_evaluation is not None
+    assert per_batch[0]._evaluation.batched is None
+    assert batched[0]._evaluation.batched is not None
     assert batched[2] == 1 < per_batch[2] == 8  # one step for all eight clients, one per client before
     assert "test/acc" in batched[1] and "test/loss_p10" in batched[1]
     assert_same_metrics(per_batch, batched)
@@ -172,5 +172,5 @@ def test_a_module_that_logs_its_own_metrics_keeps_the_per_batch_path(tmp_path):
 
     ckpt = trained_checkpoint(tmp_path, Logging)
     strategy, logged, steps = test_metrics(ckpt, Logging, "auto")
-    assert strategy._batched_evaluation is None and steps == 8  # one batch per client
+    assert strategy._evaluation.batched is None and steps == 8  # one batch per client
     assert "test_ce" in logged and "test/acc" in logged

@@ -371,7 +371,7 @@ def test_float64_precision_runs_on_the_engine_and_equals_sequential():
     sequential, seq_trainer = fit("sequential", **options)
     vectorized, vec_trainer = fit("vectorized", **options)
     assert vectorized.runner_report.runner == "lockstep" and vectorized.lockstep_engine.caching
-    assert vectorized._batched_evaluation is not None
+    assert vectorized._evaluation.batched is not None
     assert vectorized.global_tensors()["body.0.weight"].dtype == torch.float64
     assert_same(sequential, vectorized)
     for name in ("val/acc", "val/loss"):

@@ -149,7 +149,7 @@ def test_evaluation_scores_the_algorithms_forward_on_the_sequential_runner():
     """Validation's and test's per-client accuracy and loss (the headline metrics and the user's own
     ``self(x)`` in ``test_step``) are ``plain(x)·scale + shift_c``. Fails if the client state is not the scored
     client's (``self.store.client_state(-1)`` in ``LiveModule.scoring``), or if evaluation ignores the forward
-    (``with strategy.federation.scoring(...)`` removed from ``evaluating.step``)."""
+    (``with strategy.federation.scoring(...)`` removed from ``FederatedEvaluation.step``)."""
     strategy, trainer, model, dm = fit()
     assert strategy.client_metrics["val"].per_client("val/acc")  # validated every round
     assert_scores(strategy, trainer, model, dm)
@@ -190,7 +190,7 @@ def test_scoring_forward_is_restored_when_the_forward_raises():
 def test_predictions_and_client_models_use_the_forward():
     """``trainer.predict`` (personalized: each client's test samples; a new client's) and ``client_model(c)(x)``
     (also after ``copy.deepcopy`` and a ``torch.save``/``torch.load`` round trip, and ``new_client_model()``)
-    predict ``plain(x)·scale + shift_c``. Fails if prediction ignores the forward (``evaluating.predict``
+    predict ``plain(x)·scale + shift_c``. Fails if prediction ignores the forward (``Prediction.step``
     calling ``user_step`` outside ``federation.scoring``) or if ``client_model`` does not set it
     (``set_forward(module, ...scored_forward...)`` removed)."""
     strategy, trainer, model, dm = fit()
@@ -231,7 +231,7 @@ def test_the_lockstep_runner_evaluates_the_forward_per_batch():
     """On the lockstep runner with a headline-only module (whose evaluation it would batch over clients with
     the module's head) the logged per-client accuracy and loss are ``plain(x)·scale + shift_c``, and
     ``runner_report.evaluation`` names the per-batch evaluation. Fails if the lockstep runner ignores the forward
-    (``batched = ...`` forced ``True`` in ``loading.bind_evaluation_loader``)."""
+    (``scores_per_batch`` forced ``False`` in ``runners/batched_evaluation.py``)."""
     strategy, trainer, model, dm = fit(net=HeadlineNet, engine="vectorized")
     assert strategy.runner_report.engine == "vectorized"
     assert strategy.runner_report.evaluation == PER_BATCH_FORWARD

@@ -150,7 +150,7 @@ def test_each_score_is_what_evaluation_client_model_predict_and_export_give(scor
         exported = personalized_state_dict(tmp_path / "ditto.ckpt", client, algorithm=strategy.algorithm)
         assert_same(exported, models[client], ("export", client))
     metrics = trainer.test(model, datamodule=dm, verbose=False)[0]
-    assert (strategy._batched_evaluation is not None) == (net is HeadlineNet)
+    assert (strategy._evaluation.batched is not None) == (net is HeadlineNet)
     assert_scored(metrics, scores(init, dm, models))
     strategy.predict = "personalized"
     outputs = trainer.predict(model, datamodule=dm)

@@ -122,7 +122,7 @@ def test_client_metrics_keep_the_global_and_the_fine_tuned_values_under_their_su
     """``client_metrics["val"]`` holds the last federated round's per-client ``val/acc`` (the global model's),
     ``client_metrics["finetune/val"]`` the fine-tuned models' ``finetune/val/acc``; each mean is the summary of
     the same name. Catches the fine-tuning validation stored as ``client_metrics["val"]`` under ``val/acc``
-    (the issue: ``evaluation.key`` -> ``evaluation.stage`` in ``lightning/evaluating.py``)."""
+    (the issue: ``evaluation.key`` -> ``evaluation.stage`` in ``evaluation/passes.py``)."""
     strategy = run["strategy"]
     results = strategy.results()
     assert set(strategy.client_metrics) == {"val", "finetune/val"}
@@ -265,7 +265,7 @@ def test_report_names_the_fine_tuning_and_shows_both_figures(run, tmp_path, caps
 def test_validate_after_fine_tuning_names_its_per_client_values_finetune(run, reference):
     """A ``validate`` of the fine-tuned models logs ``finetune/val/acc``, keeps its per-client values under
     ``client_metrics["finetune/val"]`` and writes them as ``clients_finetune_val.csv``; their mean is the
-    logged figure. Catches the end of the pass (``evaluating.end``) storing them as ``client_metrics["val"]``."""
+    logged figure. Catches the end of the pass (``FederatedEvaluation.end``) storing them as ``client_metrics["val"]``."""
     strategy, dm, folder = run["strategy"], run["dm"], run["folder"]
     with contextlib.redirect_stdout(io.StringIO()):
         (validated,) = strategy.lightning_module.trainer.validate(run["model"], datamodule=dm, verbose=False)

@@ -101,10 +101,7 @@ ENGINE_TO_LOADERS = (
 
 PENDING: dict[tuple[str, str], str] = {
     ("lightning.api", "runners.lockstep.engine"): FACE_TO_ENGINE,
-    ("lightning.api", "runners.lockstep.evaluation"): FACE_TO_ENGINE,
     ("lightning.api", "runners.lockstep.heads_together"): FACE_TO_ENGINE,
-    ("lightning.loading", "runners.lockstep.evaluation"): FACE_TO_ENGINE,
-    ("lightning.strategy", "runners.lockstep.evaluation"): FACE_TO_ENGINE,
     ("lightning.strategy", "runners.lockstep.fusion"): FACE_TO_ENGINE,
     ("lightning.strategy", "callbacks.progress"): FACE_TO_CALLBACKS,
     ("lightning.evaluating", "callbacks.evaluation_finetuning"): FACE_TO_CALLBACKS,

@@ -78,7 +78,7 @@ def checkpoint_client_state(path):
 
 
 def test_a_restored_module_tested_by_a_new_strategy_warns_naming_ckpt_path(best_checkpoint):
-    """Catches the silent untrained head: remove ``evaluating.warn_module_alone(...)`` from ``setup`` and
+    """Catches the silent untrained head: remove the ``module_alone_note(...)`` warning from ``lightning/evaluating.py``'s ``setup`` and
     ``trainer.test(MyModule.load_from_checkpoint(best))`` scores every client with the initial head without
     a word. ``ckpt_path=best`` scores each client's own head (read from the file) and does not warn."""
     best, _, _ = best_checkpoint
@@ -135,7 +135,7 @@ def test_an_algorithm_that_keeps_nothing_per_client_does_not_warn():
 
 def test_auto_prediction_of_plain_batches_warns_that_the_head_is_untrained(best_checkpoint):
     """Catches the info line alone: remove the ``untrained_new_client_note`` warning from
-    ``begin_prediction`` and FedRep's predictions on a plain ``DataLoader`` come from the untrained head with
+    ``Prediction.begin`` and FedRep's predictions on a plain ``DataLoader`` come from the untrained head with
     only a log line. The predictions are the new-client model's (a plain forward of the checkpoint's
     ``state_dict``: global body, initial head)."""
     best, fitted, trainer = best_checkpoint

@@ -14,14 +14,16 @@ from torch import Tensor
 
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.evaluation.head_tuning import ClientHead, HeadFineTuning
+from lightning_fedrep.evaluation.metrics import ClientMetrics
+from lightning_fedrep.evaluation.prediction import reads_clients
 from lightning_fedrep.federation import ClientFault, Federation, federation_fingerprint, fingerprint_changes
 from lightning_fedrep.federation.api.scoring import set_forward
 from lightning_fedrep.federation.checkpoint.entry import CHECKPOINT_KEY
+from lightning_fedrep.federation.module.feature_split import evaluation_split
 from lightning_fedrep.federation.module.split import ParameterSplit
 from lightning_fedrep.federation.plan import RankShare, RoundPlan, shard_round
 from lightning_fedrep.lightning import loading
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
-from lightning_fedrep.runners.lockstep.evaluation import evaluation_split
 from lightning_fedrep.runners.lockstep.heads_together import fit_heads_together
 from lightning_fedrep.runners.runner_report import RunnerReport
 
@@ -103,7 +105,24 @@ class StrategyAPI:
     def evaluated_clients(self) -> list[int]:
         """The clients this process evaluates in the current (or last) validation/test: every client with
         evaluation data on one process, this rank's share on several (``[]`` before any evaluation)."""
-        return list(self._eval_loader.evaluated_clients) if self._eval_loader is not None else []
+        return self._evaluation.evaluated_clients
+
+    @property
+    def client_metrics(self) -> dict[str, ClientMetrics]:
+        """Per stage (``"val"``, ``"test"``, ``"sanity"``, ``"finetune/val"``), the last evaluation's
+        per-client metrics."""
+        return self._evaluation.client_metrics
+
+    @property
+    def prediction_mode(self) -> str | None:
+        """Whose model the last ``trainer.predict`` ran: ``"personalized"`` or ``"new_client"``."""
+        return self._prediction.mode
+
+    @property
+    def prediction_clients(self) -> list[int]:
+        """After ``trainer.predict`` on a federated data module: the client of each predicted batch, in
+        the order of the returned predictions."""
+        return self._prediction.clients
 
     def fit_heads_together(
         self, tuning: HeadFineTuning, clients: Sequence[ClientHead]
@@ -253,7 +272,7 @@ class StrategyAPI:
         saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("federation")
         if not saved or not isinstance(datamodule, FederatedDataModule):
             return []
-        if stage == "predict" and not loading.predictions_read_clients(self):
+        if stage == "predict" and not reads_clients(self.predict):
             return []
         if stage == "fit":
             loader = datamodule.train_dataloader()
@@ -268,5 +287,5 @@ class StrategyAPI:
             current = loading.training_clients(datamodule) or {"num_clients": datamodule.num_clients}
         changes = fingerprint_changes(saved, current)
         if changes and not self.allow_new_federation:
-            loading.check_same_federation(self, changes)
+            loading.data_binding(self).check_same_federation(self.federation, changes)
         return changes

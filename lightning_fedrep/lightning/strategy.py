@@ -25,8 +25,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_fedrep.callbacks.progress import FederatedProgressBar
-from lightning_fedrep.data.loaders import EvalLoader
-from lightning_fedrep.evaluation.metrics import ClientMetrics, EvaluationPass
+from lightning_fedrep.evaluation.passes import FederatedEvaluation
+from lightning_fedrep.evaluation.prediction import Prediction
 from lightning_fedrep.federation import Federation, FederationConfig
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase, parse_phases
 from lightning_fedrep.federation.api.arguments import (
@@ -50,14 +50,13 @@ from lightning_fedrep.federation.run import CallbackBus, FederatedRun, has_loss_
 from lightning_fedrep.lightning import evaluating, internals, loading
 from lightning_fedrep.lightning.api import StrategyAPI
 from lightning_fedrep.lightning.callback import FederatedCallback
-from lightning_fedrep.lightning.capture import logged_per_round
+from lightning_fedrep.lightning.capture import batch_size_of, capture_logs, logged_per_round
 from lightning_fedrep.lightning.checks import (
     check_lr_schedulers,
     check_optimizers_cover_split,
     check_trainer_flags,
 )
 from lightning_fedrep.lightning.constraints import constraints_of
-from lightning_fedrep.runners.lockstep.evaluation import BatchedEvaluation
 from lightning_fedrep.runners.lockstep.fusion import check_steps_per_call
 from lightning_fedrep.runners.selection import RunnerSelection
 
@@ -180,11 +179,6 @@ class FederatedStrategyMixin(StrategyAPI):
         self.engine, self.engine_width, self.engine_memory = engine, engine_width, engine_memory
         self.allow_frozen, self.headline_metrics = allow_frozen, headline_metrics
         self.allow_new_federation, self.engine_steps_per_call = allow_new_federation, engine_steps_per_call
-        self.prediction_mode: str | None = None
-        """Whose model the last ``trainer.predict`` ran: ``"personalized"`` or ``"new_client"``."""
-        self.prediction_clients: list[int] = []
-        """After ``trainer.predict`` on a federated data module: the client of each predicted batch, in
-        the order of the returned predictions."""
         self.config = FederationConfig(
             phases=parse_phases(phases) if phases is not None else default_phases(self.algorithm, epochs),
             clients_per_round=check_clients_per_round(clients_per_round),
@@ -197,21 +191,17 @@ class FederatedStrategyMixin(StrategyAPI):
         )
         self.federation: Federation | None = None
         """The federated state and round state machine (created when the module's split is known)."""
-        self.client_metrics: dict[str, ClientMetrics] = {}
-        """Per stage (``"val"``, ``"test"``, ``"sanity"``), the last evaluation's per-client metrics."""
         self.collective: Collective = Collective()
         """The processes a round's clients are sharded over (one here; several on the DDP strategy)."""
         self._run: FederatedRun | None = None
         engine_settings = (engine, engine_width, engine_memory, engine_steps_per_call, engine_compile)
         self._selection = RunnerSelection(*engine_settings)
         self._callbacks: list[FederatedCallback] = []
-        self._evaluation: EvaluationPass | None = None
-        self._eval_loader: EvalLoader | None = None
-        self._predict_loader: EvalLoader | None = None
-        self._batched_evaluation: BatchedEvaluation | None = None
+        self._evaluation = FederatedEvaluation(capture_logs, batch_size_of)
+        self._prediction = Prediction()
+        self._binding = loading.data_binding(self)
         self._pending: dict[str, Any] | None = None
-        self._restored = self._module_alone = False  # _module_alone: evaluating.take_federation_state
-        self._labels_checked: set[str] = set()
+        self._restored = False
         self._checkpoint_path: Any = None
 
     # ------------------------------------------------------------------ set-up
@@ -220,7 +210,7 @@ class FederatedStrategyMixin(StrategyAPI):
         """Called first in every ``fit``/``validate``/``test``: resolve the body/head split."""
         super().connect(model)
         self._restored = False
-        self._labels_checked = set()
+        self._binding = loading.data_binding(self)
         internals.replace_default_progress_bar(model.trainer, FederatedProgressBar)
         if any(True for _ in model.parameters()):  # else the module builds its layers in configure_model
             self._resolve_layout(model)
@@ -254,9 +244,9 @@ class FederatedStrategyMixin(StrategyAPI):
             check_optimizers_cover_split(self.optimizers, module, federation.split)
             check_lr_schedulers(self.lr_scheduler_configs, module.automatic_optimization)
         federation.attach(module, self.optimizers)
-        self._module_alone = evaluating.take_federation_state(self, fit, self._module_alone)
+        self._evaluation.take_state(federation, self.root_device, fit, self._restored)
         self.algorithm.setup(module, federation.split, trainer.datamodule)
-        evaluating.setup(self, trainer)
+        self._evaluation.adaptation = evaluating.setup(self, trainer)
         federation.collective = self.collective
         self._callbacks = [c for c in trainer.callbacks if isinstance(c, FederatedCallback)]
         self._run.bus = CallbackBus(self._callbacks, trainer, module)
@@ -335,7 +325,8 @@ class FederatedStrategyMixin(StrategyAPI):
     @override
     def on_validation_end(self) -> None:
         """Called after each validation pass: keep its per-client metrics, restore training's state."""
-        evaluating.end(self, "sanity" if self.lightning_module.trainer.sanity_checking else "val")
+        stage = "sanity" if self.lightning_module.trainer.sanity_checking else "val"
+        self.headline_metrics = self._evaluation.end(stage, self.federation, self.headline_metrics)
         super().on_validation_end()
 
     @override
@@ -347,7 +338,7 @@ class FederatedStrategyMixin(StrategyAPI):
     @override
     def on_test_end(self) -> None:
         """Called after testing: keep its per-client metrics."""
-        evaluating.end(self, "test")
+        self.headline_metrics = self._evaluation.end("test", self.federation, self.headline_metrics)
         super().on_test_end()
 
     @override

@@ -94,6 +94,17 @@ def find_feature_split(module: nn.Module, head_names: tuple[str, ...], probe: Te
     return split
 
 
+def evaluation_split(module: nn.Module, head_names: tuple[str, ...], probe: Tensor) -> FeatureSplit | None:
+    """The module as ``head(features(x))`` in evaluation mode, verified on ``probe``, or ``None``: what the
+    batched evaluation runs, and what a callback computes a frozen body's output with once."""
+    training = module.training
+    module.eval()
+    try:
+        return find_feature_split(module, head_names, probe)
+    finally:
+        module.train(training)
+
+
 def _reads(
     fn: Callable[[dict[str, Tensor], Tensor], Tensor],
     tensors: dict[str, Tensor],
