@@ -22,7 +22,7 @@ extensions = [
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build", "browser-check", "design", "figures/**/*.md", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "browser-check", "figures/**/*.md", "Thumbs.db", ".DS_Store"]
 
 # MyST: `#section-slug` links to headings down to level 3; ::: fences; {testcode} etc. as directives.
 myst_heading_anchors = 3

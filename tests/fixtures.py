@@ -112,14 +112,14 @@ def quiet_trainer(**kwargs) -> L.Trainer:
 
 def documented_pages() -> dict[str, str]:
     """The text a user reads, by path relative to the repository: README.md and every page of the docs site
-    (``docs/**/*.md``; not the design notes in ``docs/design`` nor built output), for the tests that check a
+    (``docs/**/*.md``; not built output), for the tests that check a
     documented figure or table against what the code prints."""
     root = Path(__file__).resolve().parents[1]
     pages = [root / "README.md"] + sorted((root / "docs").rglob("*.md"))
     return {
         str(page.relative_to(root)): page.read_text()
         for page in pages
-        if not {"design", "_build", "node_modules"} & set(page.relative_to(root).parts)
+        if not {"_build", "node_modules"} & set(page.relative_to(root).parts)
     }
 
 
