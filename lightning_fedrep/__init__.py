@@ -78,6 +78,7 @@ from lightning_fedrep.lightning.callback import FederatedCallback, LiveStep, Vec
 from lightning_fedrep.lightning.ddp import FederatedDDPStrategy
 from lightning_fedrep.lightning.strategy import CHECKPOINT_KEY, FederatedStrategy, FedRepStrategy
 from lightning_fedrep.runners.runner_report import EngineReport, RunnerReport
+from lightning_fedrep.runners.settings import RunnerSettings
 
 __all__ = [
     "ALGORITHMS",
@@ -139,6 +140,7 @@ __all__ = [
     "RoundResult",
     "RoundSpec",
     "RunnerReport",
+    "RunnerSettings",
     "RunSummary",
     "ShardPartitioner",
     "SplitError",

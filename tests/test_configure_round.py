@@ -77,7 +77,7 @@ def plain_loop(init, dm):
     return global_state
 
 
-def fit(algorithm, engine="sequential", ckpt_path=None, callbacks=(), global_seed=0):
+def fit(algorithm, runner="sequential", ckpt_path=None, callbacks=(), global_seed=0):
     torch.manual_seed(0)
     init = LossNet()
     dm = datamodule()
@@ -86,7 +86,7 @@ def fit(algorithm, engine="sequential", ckpt_path=None, callbacks=(), global_see
         clients_per_round=NUM_CLIENTS,
         seed=SEED,
         local_epochs=LOCAL_EPOCHS,
-        engine=engine,
+        runner=runner,
     )
     torch.manual_seed(global_seed)  # the plans must not depend on the global RNG
     trainer = quiet_trainer(
@@ -138,15 +138,15 @@ def test_resumed_run_repeats_the_plans(tmp_path):
 
 
 def test_lockstep_falls_back_naming_lr_scale():
-    """engine='auto' runs the sequential runner and says why, naming ``lr_scale``; engine='vectorized' is
+    """runner='auto' runs the sequential runner and says why, naming ``lr_scale``; runner='vectorized' is
     refused. Fails if the selection drops the configure_round reason (the lockstep runner would ignore
     ``lr_scale``)."""
-    strategy, _, _ = fit(Picky(), engine="auto")
+    strategy, _, _ = fit(Picky(), runner="auto")
     assert strategy.runner_report.engine == "sequential"
     assert "Picky.configure_round" in strategy.runner_report.reason
     assert "lr_scale" in strategy.runner_report.reason
     with pytest.raises(ValueError, match="lr_scale"):
-        fit(Picky(), engine="vectorized")
+        fit(Picky(), runner="vectorized")
 
 
 class Broken(Algorithm):

@@ -39,7 +39,7 @@ def skewed_datamodule(seed=3, wrap=None):
     return FederatedDataModule.from_client_datasets(clients, clients, batch_size=8, seed=seed)
 
 
-def fit(engine, phases=None, callback=None, model_cls=DeclaredNet, rounds=3, data=None):
+def fit(runner, phases=None, callback=None, model_cls=DeclaredNet, rounds=3, data=None):
     torch.manual_seed(0)
     callback = callback or NeuralCollapse(lam=0.3, mu=0.01, nu=0.002, server_step=True, log_metrics=False)
     strategy = FederatedStrategy(
@@ -48,7 +48,7 @@ def fit(engine, phases=None, callback=None, model_cls=DeclaredNet, rounds=3, dat
         **({"head_epochs": 2} if phases is None else {}),
         phases=phases,
         seed=5,
-        engine=engine,
+        runner=runner,
         client_optimizer_state="keep",
     )
     trainer = quiet_trainer(strategy=strategy, max_epochs=rounds, limit_val_batches=0, callbacks=[callback])

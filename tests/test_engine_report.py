@@ -72,11 +72,11 @@ def _engine_lines(caplog) -> list[str]:
 
 
 def test_engine_report_of_the_sequential_setting(caplog):
-    """Catches ``build_engine`` not reporting ``engine="sequential"`` (the report stays ``None``)."""
+    """Catches ``build_engine`` not reporting ``runner="sequential"`` (the report stays ``None``)."""
     assert FederatedStrategy(head="classifier").engine_report is None  # before setup
     strategy, trainer = fit("sequential", **SMALL)
     report = strategy.engine_report
-    assert (report.engine, report.reason, report.decided_at) == ("sequential", "engine='sequential'", "setup")
+    assert (report.engine, report.reason, report.decided_at) == ("sequential", "runner='sequential'", "setup")
     assert set(report.phases) == {"head", "body", "all"}
     assert all(how.startswith("sequential") for how in report.phases.values())
     assert trainer.global_step == strategy.round_plan(0).length  # one client step per Lightning step
@@ -108,7 +108,7 @@ def test_engine_report_of_the_vectorized_engine(caplog):
 
 
 def test_engine_report_of_a_run_resumed_from_a_sequential_checkpoint(tmp_path):
-    """Catches the report left at setup's provisional "vectorized" when a resumed ``engine="auto"`` run keeps
+    """Catches the report left at setup's provisional "vectorized" when a resumed ``runner="auto"`` run keeps
     the sequential path of the run that wrote the checkpoint (``_decide_engine`` dropped from
     ``FederatedStrategyMixin.load_checkpoint``'s fallback)."""
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
@@ -121,7 +121,7 @@ def test_engine_report_of_a_run_resumed_from_a_sequential_checkpoint(tmp_path):
 
 
 def test_engine_report_is_read_only():
-    report = EngineReport.sequential("engine='sequential'", "setup")
+    report = EngineReport.sequential("runner='sequential'", "setup")
     with pytest.raises(dataclasses.FrozenInstanceError):
         report.engine = "vectorized"  # type: ignore[misc]
     with pytest.raises(TypeError):

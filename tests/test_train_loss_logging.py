@@ -51,12 +51,12 @@ class LoggingNet(TinyNet):
         return loss
 
 
-def fit(engine, tmp_path, model, **trainer_kwargs):
+def fit(runner, tmp_path, model, **trainer_kwargs):
     """``model`` (built by the caller right after ``torch.manual_seed(0)``) fitted for three rounds."""
     strategy = FederatedStrategy(
-        head="classifier", clients_per_round=3, head_epochs=2, body_epochs=1, seed=1, engine=engine
+        head="classifier", clients_per_round=3, head_epochs=2, body_epochs=1, seed=1, runner=runner
     )
-    logger = CSVLogger(tmp_path, name=engine, version=0)
+    logger = CSVLogger(tmp_path, name=runner, version=0)
     trainer = quiet_trainer(
         strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0, logger=logger, **trainer_kwargs
     )

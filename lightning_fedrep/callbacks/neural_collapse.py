@@ -291,7 +291,7 @@ class NeuralCollapse(FederatedCallback):
         input of ``features_module`` (the classifier by default), summed over the batch's real rows only
         (padding masked on the lockstep runner). The features are asked for only when ``nu > 0``: the
         lockstep runner then needs a feature split whose features are exactly that input, and otherwise
-        runs sequentially (``engine="auto"``)."""
+        runs sequentially (``runner="auto"``)."""
         name = self._classifier_name(pl_module, self.federation(trainer))
         weight_name = f"{name}.weight" if name else "weight"
         feature_term = bool(self.nu) and phase in ("body", "all")

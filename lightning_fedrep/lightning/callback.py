@@ -126,8 +126,8 @@ class FederatedCallback(Callback):
         """What the callback adds to every local step of a phase training ``phase`` (``"head"``, ``"body"``,
         ``"all"``): :class:`LossTerm` s added to the loss, gradient and parameter transforms around the
         optimizer step. Called once per fit and phase part, at ``setup`` (read state that is set later,
-        e.g. per-client tables, when the term runs). A term with ``vmappable=False`` keeps ``engine="auto"``
-        sequential (naming it) and is refused by ``engine="vectorized"``.
+        e.g. per-client tables, when the term runs). A term with ``vmappable=False`` keeps ``runner="auto"``
+        sequential (naming it) and is refused by ``runner="vectorized"``.
 
         The default adapts the deprecated :meth:`loss_term` (the sequential runner's form) and
         :meth:`vectorized_loss_term` (the lockstep runner's form; without one the term is not vmappable).
@@ -189,8 +189,8 @@ class FederatedCallback(Callback):
         set later, e.g. per-client tables, when the term runs). The engine applies the returned
         :class:`VectorizedLossTerm` inside its ``vmap``, once per client per lockstep step; it must add
         exactly what :meth:`loss_term` adds. ``None`` (the default) sends a run whose callbacks add a
-        :meth:`loss_term` to the sequential path (``engine="auto"``), or refuses it
-        (``engine="vectorized"``). A plain callable is taken as ``VectorizedLossTerm(fn)``.
+        :meth:`loss_term` to the sequential path (``runner="auto"``), or refuses it
+        (``runner="vectorized"``). A plain callable is taken as ``VectorizedLossTerm(fn)``.
 
         Args:
             trainer: the Lightning ``Trainer`` running the federation.

@@ -99,7 +99,7 @@ def bind_evaluation_loader(strategy: Any, dataloader: EvalLoader) -> EvalLoader:
     strategy._batched_evaluation = None
     module = strategy.lightning_module
     batched = federation is not None and federation.evaluation_spec.forward is None  # else per batch
-    if strategy.engine != "sequential" and strategy.headline_metrics and batched:
+    if strategy.runner.choice != "sequential" and strategy.headline_metrics and batched:
         strategy._batched_evaluation = batched_evaluation(
             module,
             federation,

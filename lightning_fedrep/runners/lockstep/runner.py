@@ -35,7 +35,7 @@ class LockstepRunner:
         if scaled:
             raise ValueError(
                 f"Round {plan.round} sets a per-client lr_scale for clients {scaled[:10]}, which the lockstep "
-                "runner does not apply. Pass engine='sequential' (or engine='auto'), or drop lr_scale from "
+                "runner does not apply. Pass runner='sequential' (or runner='auto'), or drop lr_scale from "
                 "configure_round."
             )
 
