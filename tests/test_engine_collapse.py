@@ -105,7 +105,7 @@ class Sharpness(FederatedCallback):
 def test_a_loss_term_without_a_vectorized_form_keeps_the_run_sequential(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto", callback=Sharpness(), rounds=1)
-    assert strategy.engine_report.engine == "sequential"
+    assert strategy.runner_report.engine == "sequential"
     assert "Sharpness.loss_term without a vectorized form cannot run in lockstep" in caplog.text
     with pytest.raises(
         ValueError, match="Sharpness.loss_term without a vectorized form cannot run in lockstep"
@@ -164,7 +164,7 @@ class ScaledOutput(LossNet):
 def test_penalties_need_the_heads_input(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto", model_cls=ScaledOutput, rounds=1)
-    assert strategy.engine_report.engine == "sequential"
+    assert strategy.runner_report.engine == "sequential"
     assert "vectorized loss terms need the head's input" in caplog.text
     with pytest.raises(ValueError, match="vectorized loss terms need the head's input"):
         fit("vectorized", model_cls=ScaledOutput, rounds=1)

@@ -120,7 +120,7 @@ def test_engine_equals_sequential(algorithm, optimizer, state, data):
     kwargs = dict(algorithm=algorithm, data=data, optimizer=optimizer, client_optimizer_state=state)
     sequential, seq_trainer = fit("sequential", **kwargs)
     vectorized, vec_trainer = fit("vectorized", **kwargs)
-    assert vectorized.engine_report.engine == "vectorized" and sequential.engine_report.engine == "sequential"
+    assert vectorized.runner_report.engine == "vectorized" and sequential.runner_report.engine == "sequential"
     assert vec_trainer.global_step < seq_trainer.global_step  # one Lightning step = one lockstep
     assert_same(sequential, vectorized)
     if state == "keep":

@@ -55,7 +55,7 @@ def test_auto_runs_sequentially_where_the_engine_gains_nothing(monkeypatch, capl
     monkeypatch.setattr(sizing, "faster_lane_width", lanes_measured(False))
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto", algorithm="fedavg", rounds=1)
-    assert strategy.engine_report.engine == "sequential"
+    assert strategy.runner_report.engine == "sequential"
     assert "sequential engine (no cached features and no gain in lockstep" in caplog.text
 
 

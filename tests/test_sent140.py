@@ -214,7 +214,7 @@ def test_fedrep_fast_dev_run_fits_with_the_decoder_as_head(files, layout):
     trainer.fit(model, datamodule=module)
     assert trainer.global_step >= 1
     assert strategy.federation.split.head == ("decoder.weight", "decoder.bias")
-    report = strategy.engine_report
+    report = strategy.runner_report
     assert report.engine == "sequential"
     assert ("dropout" if layout == "tokens" else "loss") in report.reason.lower()
 
