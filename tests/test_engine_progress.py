@@ -3,7 +3,7 @@
 from lightning.pytorch.callbacks import Callback
 
 from lightning_fedrep import FederatedStrategy
-from lightning_fedrep.callbacks.progress import FederatedProgressBar
+from lightning_fedrep.lightning.progress import FederatedProgressBar
 from tests.fixtures import quiet_trainer, tiny_datamodule
 from tests.test_engine_equivalence import LossNet
 

@@ -105,7 +105,6 @@ PENDING: dict[tuple[str, str], str] = {
     ("lightning.api", "runners.lockstep.heads_together"): FACE_TO_ENGINE,
     ("lightning.loading", "runners.lockstep.evaluation"): FACE_TO_ENGINE,
     ("lightning.strategy", "runners.lockstep.evaluation"): FACE_TO_ENGINE,
-    ("lightning.strategy", "callbacks.progress"): FACE_TO_CALLBACKS,
     ("lightning.evaluating", "callbacks.evaluation_finetuning"): FACE_TO_CALLBACKS,
     ("runners.lockstep.engine", "data.loaders"): ENGINE_TO_LOADERS,
     ("runners.lockstep.evaluation", "data.loaders"): ENGINE_TO_LOADERS,

@@ -24,7 +24,6 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from lightning_fedrep.data.loaders import EvalLoader
 from lightning_fedrep.evaluation.metrics import ClientMetrics, EvaluationPass
 from lightning_fedrep.federation import Federation, FederationConfig
@@ -57,6 +56,7 @@ from lightning_fedrep.lightning.checks import (
     check_trainer_flags,
 )
 from lightning_fedrep.lightning.constraints import constraints_of
+from lightning_fedrep.lightning.progress import FederatedProgressBar
 from lightning_fedrep.runners.lockstep.evaluation import BatchedEvaluation
 from lightning_fedrep.runners.selection import RunnerSelection
 from lightning_fedrep.runners.settings import (
