@@ -101,7 +101,6 @@ ENGINE_TO_LOADERS = (
 
 PENDING: dict[tuple[str, str], str] = {
     ("lightning.api", "runners.lockstep.engine"): FACE_TO_ENGINE,
-    ("lightning.api", "runners.lockstep.evaluation"): FACE_TO_ENGINE,
     ("lightning.api", "runners.lockstep.heads_together"): FACE_TO_ENGINE,
     ("lightning.loading", "runners.lockstep.evaluation"): FACE_TO_ENGINE,
     ("lightning.strategy", "runners.lockstep.evaluation"): FACE_TO_ENGINE,

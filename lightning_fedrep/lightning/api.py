@@ -17,11 +17,11 @@ from lightning_fedrep.evaluation.head_tuning import ClientHead, HeadFineTuning
 from lightning_fedrep.federation import ClientFault, Federation, federation_fingerprint, fingerprint_changes
 from lightning_fedrep.federation.api.scoring import set_forward
 from lightning_fedrep.federation.checkpoint.entry import CHECKPOINT_KEY
+from lightning_fedrep.federation.module.feature_split import evaluation_split
 from lightning_fedrep.federation.module.split import ParameterSplit
 from lightning_fedrep.federation.plan import RankShare, RoundPlan, shard_round
 from lightning_fedrep.lightning import loading
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
-from lightning_fedrep.runners.lockstep.evaluation import evaluation_split
 from lightning_fedrep.runners.lockstep.heads_together import fit_heads_together
 from lightning_fedrep.runners.runner_report import RunnerReport
 

@@ -226,6 +226,17 @@ def probe_inputs(datamodule: Any, module: nn.Module, samples: int = PROBE_SAMPLE
     return x.to(parameter.device, parameter.dtype if x.is_floating_point() else x.dtype)
 
 
+def evaluation_split(module: nn.Module, head_names: tuple[str, ...], probe: Tensor) -> FeatureSplit | None:
+    """The module as ``head(features(x))`` in evaluation mode, verified on ``probe``, or ``None`` (the module is
+    put back in the training mode it had): the split that batched evaluation and fine-tuned evaluation run on."""
+    training = module.training
+    module.eval()
+    try:
+        return find_feature_split(module, head_names, probe)
+    finally:
+        module.train(training)
+
+
 def find_feature_split_on_data(
     module: nn.Module, head_names: tuple[str, ...], datamodule: Any
 ) -> FeatureSplit | None:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lightning_fedrep.data.loaders import ClientChunk, EvalLoader
 from lightning_fedrep.evaluation.metrics import ClientMetrics, headline_sums_per_client
 from lightning_fedrep.federation import Federation
-from lightning_fedrep.federation.module.feature_split import FeatureSplit, find_feature_split
+from lightning_fedrep.federation.module.feature_split import FeatureSplit, evaluation_split
 from lightning_fedrep.federation.module.untouched import untouched_random_state
 
 EVALUATION_CHUNK_SAMPLES = 4096
@@ -37,16 +37,6 @@ strategy's headline metrics (``acc``, ``loss``) do not."""
 def declares_headline_only(module: nn.Module) -> bool:
     """Whether the module declares ``fedrep_evaluation = "headline"``."""
     return getattr(module, "fedrep_evaluation", None) == HEADLINE_ONLY
-
-
-def evaluation_split(module: nn.Module, head_names: tuple[str, ...], probe: Tensor) -> FeatureSplit | None:
-    """The module as ``head(features(x))`` in evaluation mode, verified on ``probe``, or ``None``."""
-    training = module.training
-    module.eval()
-    try:
-        return find_feature_split(module, head_names, probe)
-    finally:
-        module.train(training)
 
 
 def batched_evaluation(
