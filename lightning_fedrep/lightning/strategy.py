@@ -116,7 +116,7 @@ class FederatedStrategyMixin(StrategyAPI):
             ``"sequential"`` (one client step per Lightning step, the module's own ``training_step``); or a
             :class:`~lightning_fedrep.runners.settings.RunnerSettings` with the choice and the vectorized
             runner's sizing (``width``, ``memory``, ``steps_per_call``, ``compile``). Held as
-            :attr:`runner` (a ``RunnerSettings``); what was decided is :attr:`runner_report`.
+            ``strategy.runner`` (a ``RunnerSettings``); what was decided is ``strategy.runner_report``.
         predict: whose model ``trainer.predict`` runs: ``"personalized"``, each batch's client's own model
             (needs a federated data module's batches: each client's test samples, client after client);
             ``"new_client"``, the model a client that never trained gets (global body, initial head);
