@@ -225,13 +225,13 @@ def _batch_positions(positions, step, offsets, active, batch_size):
 
 
 def strategy_run(
-    dm: DigitsDataModule, rounds: int, engine: str = "sequential", device: str = "cpu"
+    dm: DigitsDataModule, rounds: int, runner: str = "sequential", device: str = "cpu"
 ) -> tuple[float, int]:
-    return strategy_fit(dm, rounds, engine, device)[:2]
+    return strategy_fit(dm, rounds, runner, device)[:2]
 
 
 def strategy_fit(
-    dm: DigitsDataModule, rounds: int, engine: str, device: str = "cpu"
+    dm: DigitsDataModule, rounds: int, runner: str, device: str = "cpu"
 ) -> tuple[float, int, FederatedStrategy]:
     torch.manual_seed(0)
     strategy = FederatedStrategy(
@@ -239,7 +239,7 @@ def strategy_fit(
         head_epochs=HEAD_EPOCHS,
         body_epochs=BODY_EPOCHS,
         seed=SEED,
-        engine=engine,
+        runner=runner,
     )
     trainer = L.Trainer(
         strategy=strategy,

@@ -77,7 +77,8 @@ from lightning_fedrep.federation.plan import ClientWork, RoundPlan, RoundSpec, S
 from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.ddp import FederatedDDPStrategy
 from lightning_fedrep.lightning.strategy import CHECKPOINT_KEY, FederatedStrategy, FedRepStrategy
-from lightning_fedrep.runners.runner_report import EngineReport, RunnerReport
+from lightning_fedrep.runners.runner_report import RunnerReport
+from lightning_fedrep.runners.settings import RunnerSettings
 
 __all__ = [
     "ALGORITHMS",
@@ -94,7 +95,6 @@ __all__ = [
     "DirichletPartitioner",
     "Ditto",
     "DynamicExponential",
-    "EngineReport",
     "EvaluationSpec",
     "FedAvg",
     "FedCP",
@@ -138,6 +138,7 @@ __all__ = [
     "RoundResult",
     "RoundSpec",
     "RunnerReport",
+    "RunnerSettings",
     "RunSummary",
     "ShardPartitioner",
     "SplitError",

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from lightning_fedrep import FederatedDataModule
+from lightning_fedrep import FederatedDataModule, RunnerSettings
 from lightning_fedrep.data.partition import ShardPartitioner
 
 
@@ -81,6 +81,16 @@ def tiny_datamodule(
         seed=seed,
         **kw,
     )
+
+
+RUNNER_FIELDS = ("width", "memory", "steps_per_call", "compile")
+
+
+def runner_setting(runner, settings: dict):
+    """``runner`` (a choice's name) with the :class:`RunnerSettings` fields popped from ``settings``
+    (``width=2``, ``steps_per_call=1``, ...): the strategy's ``runner=`` argument, for tests' ``fit`` helpers."""
+    fields = {name: settings.pop(name) for name in RUNNER_FIELDS if name in settings}
+    return RunnerSettings(runner, **fields) if fields else runner
 
 
 def quiet_trainer(**kwargs) -> L.Trainer:

@@ -77,8 +77,8 @@ def plain_median_fedrep(init, dm, rounds, per_round, head_epochs, body_epochs, s
     return body, heads
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_a_coordinate_wise_median_written_as_user_code_trains_like_a_plain_median_loop(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_coordinate_wise_median_written_as_user_code_trains_like_a_plain_median_loop(runner):
     """3 of 8 clients per round, 3 rounds: the body is the coordinate-wise median of the participants'
     bodies, the heads as the plain loop's. Fails when the federation ignores ``Algorithm.aggregator()``
     (always ``WeightedMean``) or when ``Stacked.add`` keeps the client's views instead of copies (on the
@@ -95,7 +95,7 @@ def test_a_coordinate_wise_median_written_as_user_code_trains_like_a_plain_media
         head_epochs=1,
         body_epochs=1,
         seed=5,
-        engine=engine,
+        runner=runner,
     )
     model = copy.deepcopy(init)
     quiet_trainer(strategy=strategy, max_epochs=3, limit_val_batches=0).fit(model, datamodule=dm)
@@ -127,7 +127,7 @@ def test_a_non_finite_client_reaches_the_aggregator_as_a_failure_not_an_update()
         head_epochs=1,
         body_epochs=1,
         seed=0,
-        engine="sequential",
+        runner="sequential",
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -216,7 +216,7 @@ def _median_fit(root, **kwargs):
         clients_per_round=1.0,
         head_epochs=1,
         body_epochs=1,
-        engine="sequential",  # clients finish one by one, so a checkpoint falls between them
+        runner="sequential",  # clients finish one by one, so a checkpoint falls between them
     )
     ckpt_path = kwargs.pop("ckpt_path", None)
     trainer = quiet_trainer(

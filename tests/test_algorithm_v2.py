@@ -255,14 +255,14 @@ def test_a_version_2_checkpoint_is_refused_by_an_algorithm_declaring_state_it_la
         counted_run(2, ckpt_path=DATA / "fedrep_v2_round_end.ckpt")
 
 
-@pytest.mark.parametrize("engine", ["vectorized"])
-def test_finish_client_and_the_server_step_run_alike_on_the_lockstep_runner(engine):
+@pytest.mark.parametrize("lockstep", ["vectorized"])
+def test_finish_client_and_the_server_step_run_alike_on_the_lockstep_runner(lockstep):
     """Catches a runner whose clients bypass ``finish_client`` (the lockstep runner's group finish not going
     through ``Federation.store_client``: its declared tensors would stay at the template)."""
     from tests.test_engine_equivalence import LossNet
 
     runs = {}
-    for runner in ("sequential", engine):
+    for runner in ("sequential", lockstep):
         torch.manual_seed(0)
         strategy = FederatedStrategy(
             algorithm=MomentumV2("counted_fedrep", shares=("body",)),
@@ -270,13 +270,13 @@ def test_finish_client_and_the_server_step_run_alike_on_the_lockstep_runner(engi
             clients_per_round=0.5,
             head_epochs=1,
             seed=0,
-            engine=runner,
+            runner=runner,
         )
         trainer = quiet_trainer(strategy=strategy, max_epochs=2, limit_val_batches=0)
         trainer.fit(LossNet(), datamodule=tiny_datamodule(num_clients=4))
         assert strategy.runner_report.engine == runner
         runs[runner] = strategy.federation
-    seq, lock = runs["sequential"], runs[engine]
+    seq, lock = runs["sequential"], runs[lockstep]
     assert float(lock.store.client_state(0)["rounds"]) + float(lock.store.client_state(1)["rounds"]) > 0
     for name, value in seq.server_tensors.items():
         torch.testing.assert_close(lock.server_tensors[name], value, rtol=1e-5, atol=1e-6)

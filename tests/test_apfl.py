@@ -72,12 +72,12 @@ def plain_apfl(init, dm, mixture):
     return w, v
 
 
-def fit(algorithm, engine="auto", batch_size=256, callbacks=(), ckpt_path=None, rounds=ROUNDS):
+def fit(algorithm, runner="auto", batch_size=256, callbacks=(), ckpt_path=None, rounds=ROUNDS):
     torch.manual_seed(0)
     init = LossNet()
     dm = datamodule(batch_size)
     strategy = FederatedStrategy(
-        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, engine=engine
+        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, runner=runner
     )
     trainer = quiet_trainer(
         strategy=strategy,
@@ -96,7 +96,7 @@ def test_apfl_equals_a_plain_loop(mixture):
     """Golden test: the global weights and every client's personal model (sampled or not). Fails if the
     personal step drops ``alpha`` (``lr * mixed[n]``), if ``"official"`` mixes with ``1 - alpha``, or if the
     client's personal model is never written (``store.put_state`` dropped from ``put_step_state``)."""
-    strategy, init, dm = fit(APFL(alpha=ALPHA, mixture=mixture), engine="sequential")
+    strategy, init, dm = fit(APFL(alpha=ALPHA, mixture=mixture), runner="sequential")
     _assert_equal(strategy, *plain_apfl(init, dm, mixture))
 
 
@@ -105,9 +105,9 @@ def test_the_lockstep_runner_equals_the_plain_loop_and_the_sequential_runner(mix
     """The rule inside the lockstep runner's ``vmap`` on padded batches of 64, its ``client_state`` written into
     the store after each step; clients of unequal sizes, so some lanes idle. Fails if the engine skips writing
     it (``_write_rule_state`` returning at once)."""
-    lockstep, init, dm = fit(APFL(alpha=ALPHA, mixture=mixture), engine="vectorized", batch_size=64)
+    lockstep, init, dm = fit(APFL(alpha=ALPHA, mixture=mixture), runner="vectorized", batch_size=64)
     assert lockstep.runner_report.engine == "vectorized"
-    sequential, *_ = fit(APFL(alpha=ALPHA, mixture=mixture), engine="sequential", batch_size=64)
+    sequential, *_ = fit(APFL(alpha=ALPHA, mixture=mixture), runner="sequential", batch_size=64)
     _assert_equal(lockstep, *plain_apfl(init, dm, mixture))
     w = sequential.global_tensors()
     v = {
@@ -138,16 +138,16 @@ def test_bad_settings_name_the_argument(kwargs, argument):
         APFL(**kwargs)
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_a_mid_round_checkpoint_resumes_like_the_uninterrupted_run(tmp_path, engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_mid_round_checkpoint_resumes_like_the_uninterrupted_run(tmp_path, runner):
     """The personal models a step rule writes during a round are in a mid-round checkpoint, and its rollback
     record (``before``) holds them as they were before the round. Fails if ``put_step_state`` keeps no rollback
     record."""
-    whole, *_ = fit(APFL(alpha=ALPHA), engine=engine, batch_size=64)
+    whole, *_ = fit(APFL(alpha=ALPHA), runner=runner, batch_size=64)
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    first, *_ = fit(APFL(alpha=ALPHA), engine=engine, batch_size=64, callbacks=[saver])
+    first, *_ = fit(APFL(alpha=ALPHA), runner=runner, batch_size=64, callbacks=[saver])
     ckpt = next(path for path in sorted(tmp_path.glob("step=*.ckpt"), key=_step) if _inside_round_1(path))
-    resumed, *_ = fit(APFL(alpha=ALPHA), engine=engine, batch_size=64, ckpt_path=ckpt)
+    resumed, *_ = fit(APFL(alpha=ALPHA), runner=runner, batch_size=64, ckpt_path=ckpt)
     for name, value in whole.global_tensors().items():
         assert torch.equal(resumed.global_tensors()[name], value), name
     for client in range(NUM_CLIENTS):
@@ -178,7 +178,7 @@ def test_a_round_stopped_by_an_error_rolls_the_personal_models_back():
     """A run stopped inside round 1 (after its first client's first step wrote that client's ``v``) rolls the
     round back: every personal model is as round 0 left it. Fails if ``put_step_state`` keeps no rollback
     record (``self._remember_before(client)`` dropped: the client keeps its half-round ``v``)."""
-    one_round, *_ = fit(APFL(alpha=ALPHA), engine="sequential", batch_size=64, rounds=1)
+    one_round, *_ = fit(APFL(alpha=ALPHA), runner="sequential", batch_size=64, rounds=1)
     expected = {c: one_round.federation.store.client_state(c) for c in range(NUM_CLIENTS)}
     torch.manual_seed(0)
     init, dm = LossNet(), datamodule(64)
@@ -187,7 +187,7 @@ def test_a_round_stopped_by_an_error_rolls_the_personal_models_back():
         clients_per_round=PER_ROUND,
         seed=SEED,
         local_epochs=LOCAL_EPOCHS,
-        engine="sequential",
+        runner="sequential",
     )
     length = one_round.round_plan(0).length
     trainer = quiet_trainer(

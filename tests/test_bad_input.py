@@ -46,9 +46,9 @@ def client_sets(bad_client: int, bad_label: int, split: str, classes: int = 4):
     return train, test
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
 @pytest.mark.parametrize("split,label", [("train", 15), ("val", 4), ("train", -1)])
-def test_a_label_the_model_cannot_score_is_refused_before_any_step_naming_the_client(engine, split, label):
+def test_a_label_the_model_cannot_score_is_refused_before_any_step_naming_the_client(runner, split, label):
     """Catches the label check missing (drop ``self.check_labels(loader, probe)`` from ``data/binding.py``'s ``DataBinding.bind_training``):
     the run then fails inside a step with ``Target 15 is out of bounds`` (or vmap's ``index 15 is out of
     bounds``), naming no client. Without a sanity check, a validation label is refused before any step too
@@ -57,7 +57,7 @@ def test_a_label_the_model_cannot_score_is_refused_before_any_step_naming_the_cl
     train, test = client_sets(bad_client=2, bad_label=label, split=split)
     model = TinyNet()
     model.fedrep_loss = "cross_entropy"  # lets the vectorized engine run it
-    strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, engine=engine)
+    strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, runner=runner)
     datamodule = FederatedDataModule.from_client_datasets(train, test, batch_size=8)
     trainer = quiet_trainer(strategy=strategy, max_epochs=1)  # no sanity check
     with pytest.raises(ValueError) as refused:
@@ -76,7 +76,7 @@ def test_a_label_the_model_cannot_score_is_refused_under_a_true_precision(precis
     fails inside a step with ``Target 15 is out of bounds``, naming no client). Expected: the data's
     client and label, TinyNet's 4 outputs."""
     train, test = client_sets(bad_client=2, bad_label=15, split="train")
-    strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, engine="sequential")
+    strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, runner="sequential")
     datamodule = FederatedDataModule.from_client_datasets(train, test, batch_size=8)
     trainer = quiet_trainer(strategy=strategy, max_epochs=1, precision=precision, limit_val_batches=0)
     with pytest.raises(
@@ -103,7 +103,7 @@ def test_the_label_check_keeps_every_submodules_mode():
     model.body.eval()
     expected = {name: m.training for name, m in model.named_modules()}
     seen = ModesSeen()
-    strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, engine="sequential")
+    strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, runner="sequential")
     datamodule = FederatedDataModule.from_client_datasets(train, test, batch_size=8)
     trainer = quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0, callbacks=[seen])
     trainer.fit(model, datamodule=datamodule)
@@ -127,7 +127,7 @@ def test_a_data_module_declaring_num_classes_is_checked_when_the_output_says_not
 
     train, test = client_sets(bad_client=1, bad_label=3, split="train", classes=3)
     datamodule = Declared.from_client_datasets(train, test, batch_size=8)
-    strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, engine="sequential")
+    strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, runner="sequential")
     with pytest.raises(
         ValueError, match=r"Client 1's train data has label 3, but the data module declares 3"
     ):

@@ -205,6 +205,54 @@ def test_a_refused_value_in_a_recipe_stops_the_command_with_its_cause(
     assert "Traceback" not in error and len(error.strip().splitlines()) <= 3
 
 
+@pytest.mark.parametrize(
+    "written, flags, expected",
+    [
+        ({"runner": "sequential"}, (), {"choice": "sequential"}),
+        (
+            {
+                "runner": {
+                    "class_path": "lightning_fedrep.RunnerSettings",
+                    "init_args": {"choice": "sequential", "width": 2},
+                }
+            },
+            (),
+            {"choice": "sequential", "width": 2},
+        ),
+        (
+            {"runner": {"choice": "sequential", "memory": 2**20}},
+            (),
+            {"choice": "sequential", "memory": 2**20},
+        ),
+        ({}, ("--trainer.strategy.init_args.runner.width=3",), {"width": 3}),
+    ],
+    ids=["choice", "class_path", "dict", "flag"],
+)
+def test_the_runner_setting_is_written_in_a_recipe_or_on_the_command_line(
+    tmp_path, monkeypatch, written, flags, expected
+):
+    """Catches a ``runner`` the command cannot build from a recipe (a name, ``class_path``/``init_args``, the
+    dataclass's fields) or from a ``--...runner.<field>`` flag."""
+    from lightning_fedrep import RunnerSettings
+
+    monkeypatch.chdir(tmp_path)
+    cli = run_cli(
+        "fit", "--config", str(write_recipe(tmp_path, **written)), "--trainer.fast_dev_run=true", *flags
+    )
+    assert cli.trainer.strategy.runner == RunnerSettings(**expected)
+
+
+@pytest.mark.parametrize("old", [{"engine": "vectorized"}, {"engine_width": 4}], ids=str)
+def test_a_recipe_with_an_old_engine_key_stops_naming_it(tmp_path, monkeypatch, capsys, old):
+    """The keys before ``runner`` (``engine``, ``engine_width``, ...) stop the command (jsonargparse names the
+    key), not silently ignored."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        run_cli("fit", "--config", str(write_recipe(tmp_path, **old)), "--trainer.fast_dev_run=true")
+    assert stop.value.code == 2
+    assert f"Option '{next(iter(old))}' is not accepted" in capsys.readouterr().err
+
+
 def test_every_strategy_argument_has_help_text_and_short_class_names_work(capsys):
     import inspect
 

@@ -77,7 +77,7 @@ def plain_loop(init, dm):
     return global_state
 
 
-def fit(algorithm, engine="sequential", ckpt_path=None, callbacks=(), global_seed=0, optimizer="sgd"):
+def fit(algorithm, runner="sequential", ckpt_path=None, callbacks=(), global_seed=0, optimizer="sgd"):
     torch.manual_seed(0)
     init = LossNet(optimizer=optimizer)
     dm = datamodule()
@@ -86,7 +86,7 @@ def fit(algorithm, engine="sequential", ckpt_path=None, callbacks=(), global_see
         clients_per_round=NUM_CLIENTS,
         seed=SEED,
         local_epochs=LOCAL_EPOCHS,
-        engine=engine,
+        runner=runner,
     )
     torch.manual_seed(global_seed)  # the plans must not depend on the global RNG
     trainer = quiet_trainer(
@@ -142,8 +142,8 @@ def test_lockstep_applies_lr_scale_as_a_plain_loop(optimizer):
     """The lockstep runner trains a round whose clients have different ``lr_scale`` (one group: each client
     steps at its own learning rate) as the plain loop does, torch's SGD or Adam at the scaled lr, and as the
     sequential runner. Fails if the lockstep runner ignores ``lr_scale`` (or scales every client by one), or
-    if ``engine="auto"`` still runs an algorithm with ``configure_round`` sequentially for it."""
-    strategy, init, dm = fit(Picky(), engine="vectorized", optimizer=optimizer)
+    if ``runner="auto"`` still runs an algorithm with ``configure_round`` sequentially for it."""
+    strategy, init, dm = fit(Picky(), runner="vectorized", optimizer=optimizer)
     assert strategy.runner_report.engine == "vectorized"
     sequential, _, _ = fit(Picky(), optimizer=optimizer)
     dm.setup()
@@ -153,7 +153,7 @@ def test_lockstep_applies_lr_scale_as_a_plain_loop(optimizer):
         torch.testing.assert_close(
             strategy.global_tensors()[name], sequential.global_tensors()[name], rtol=1e-6, atol=1e-7, msg=name
         )
-    auto, _, _ = fit(Picky(), engine="auto", optimizer=optimizer)
+    auto, _, _ = fit(Picky(), runner="auto", optimizer=optimizer)
     assert "lr_scale" not in auto.runner_report.reason
 
 

@@ -23,7 +23,7 @@ from tests.fixtures import TinyNet, quiet_trainer, reference_generator, tiny_dat
 
 def fedrep(**settings) -> FedRepStrategy:
     return FedRepStrategy(
-        head="classifier", clients_per_round=1.0, head_epochs=1, engine="sequential", **settings
+        head="classifier", clients_per_round=1.0, head_epochs=1, runner="sequential", **settings
     )
 
 

@@ -81,7 +81,7 @@ def fedrep_reference(runs) -> dict:
 @pytest.fixture(scope="module")
 def engine_two(runs) -> list[dict]:
     """FedRep, 4 rounds, on the vectorized engine on two processes (what each rank held)."""
-    return fit(runs / "fedrep_two", "--devices", "2", "--rounds", "4", "--engine", "vectorized")
+    return fit(runs / "fedrep_two", "--devices", "2", "--rounds", "4", "--runner", "vectorized")
 
 
 def test_two_processes_on_the_engine_equal_one_process(engine_two, fedrep_reference):
@@ -98,7 +98,7 @@ def test_the_engines_train_loss_is_the_rounds_mean_over_every_rank(runs, engine_
     """The last round's ``train/loss`` on 2 processes is the mean over both ranks' clients (one process's value,
     the same losses to float error) on every rank. Fails if each rank logged its own clients' mean (no
     gathering in ``FederatedRun.log_round_loss``): the ranks' shares differ."""
-    (single,) = fit(runs / "fedrep_engine_one", "--devices", "1", "--rounds", "4", "--engine", "vectorized")
+    (single,) = fit(runs / "fedrep_engine_one", "--devices", "1", "--rounds", "4", "--runner", "vectorized")
     assert single["train_loss"] is not None
     for held in engine_two:
         assert held["train_loss"] == pytest.approx(single["train_loss"], rel=1e-6)
@@ -163,7 +163,7 @@ def test_a_mid_round_checkpoint_resumes_on_as_many_processes_and_is_refused_on_o
     round-end checkpoint resumes anywhere). Sequential, step 20 of 42: each rank has finished clients
     that only it holds until the round closes."""
     out = runs / f"mid_{engine}"
-    fit(out, "--devices", "2", "--rounds", "2", "--engine", engine, "--save-every", str(step))
+    fit(out, "--devices", "2", "--rounds", "2", "--runner", engine, "--save-every", str(step))
     checkpoint = Path(f"{out}_ckpt") / f"step={step}.ckpt"  # rounds of 21 lockstep / 42 client steps
     saved = torch.load(checkpoint, weights_only=False)["lightning_fedrep"]
     assert saved["round"]["open"]
@@ -175,7 +175,7 @@ def test_a_mid_round_checkpoint_resumes_on_as_many_processes_and_is_refused_on_o
         "2",
         "--rounds",
         "4",
-        "--engine",
+        "--runner",
         engine,
         "--resume",
         str(checkpoint),
@@ -190,7 +190,7 @@ def test_a_mid_round_checkpoint_resumes_on_as_many_processes_and_is_refused_on_o
         "1",
         "--rounds",
         "4",
-        "--engine",
+        "--runner",
         "vectorized",
         "--resume",
         str(checkpoint),
@@ -252,7 +252,7 @@ def test_a_sharded_store_trains_resumes_and_checkpoints_the_whole_federation(run
     resumes exactly on 2 processes, and the round-end checkpoint rank 0 wrote holds every client and
     resumes on 1 process."""
     out = runs / "sharded"
-    sharded = ("--devices", "2", "--engine", "vectorized", "--client-store", "sharded")
+    sharded = ("--devices", "2", "--runner", "vectorized", "--client-store", "sharded")
     first = fit(out, *sharded, "--rounds", "2", "--save-every", "15", "--save", str(runs / "sharded.ckpt"))
     assert [held["held"] for held in first] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     saved = torch.load(runs / "sharded.ckpt", weights_only=False)["lightning_fedrep"]["clients"]

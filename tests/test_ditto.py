@@ -149,14 +149,14 @@ def test_ditto_by_name_has_the_official_lambda():
 
 def test_auto_runs_ditto_sequentially_naming_its_slot():
     """Fails if the lockstep runner could take a phase that trains a declared slot (its reason not listed):
-    ``engine="auto"`` must say which slot keeps the run sequential."""
+    ``runner="auto"`` must say which slot keeps the run sequential."""
     strategy, *_ = fit(
         strategy=FederatedStrategy(
             algorithm=Ditto(lam=LAM),
             clients_per_round=PER_ROUND,
             seed=SEED,
             local_epochs=LOCAL_EPOCHS,
-            engine="auto",
+            runner="auto",
         )
     )
     assert strategy.runner_report.engine == "sequential"

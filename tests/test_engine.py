@@ -1,8 +1,8 @@
 """The vectorized engine against the sequential path: more optimizers and head shapes, and where it
 does not run.
 
-Every equivalence test fits the same module twice — ``engine="sequential"`` (the user's
-``training_step``, one client step per Lightning step) and ``engine="vectorized"`` (a round's clients in
+Every equivalence test fits the same module twice — ``runner="sequential"`` (the user's
+``training_step``, one client step per Lightning step) and ``runner="vectorized"`` (a round's clients in
 lockstep) — and compares the global tensors and every client's tensors. The engine is asserted to have
 run (else the comparison would be vacuous). Here: AdamW, SGD parameter groups, multi-layer heads, epoch
 LR schedulers, explicit step phases, a round-end checkpoint moving between engines, every fallback and
@@ -23,11 +23,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from lightning_fedrep import FederatedDataModule, FederatedStrategy, Phase
+from lightning_fedrep import FederatedDataModule, FederatedStrategy, Phase, RunnerSettings
 from lightning_fedrep.federation.api.epochs import epoch_settings
 from lightning_fedrep.lightning.constraints import constraints_of
 from lightning_fedrep.runners.lockstep import module_reasons, trainer_reasons
-from tests.fixtures import quiet_trainer
+from tests.fixtures import quiet_trainer, runner_setting
 
 EQUAL = (24,) * 6
 UNEQUAL = (7, 41, 13, 22, 30, 9)  # 1 to 6 batches of 8 per epoch, a partial last batch for most
@@ -104,7 +104,7 @@ def datamodule(sizes=UNEQUAL, seed=3) -> FederatedDataModule:
     return FederatedDataModule.from_client_datasets(clients, clients, batch_size=8, seed=seed)
 
 
-def make_strategy(engine, **kwargs) -> FederatedStrategy:
+def make_strategy(runner, **kwargs) -> FederatedStrategy:
     options = dict(
         head="classifier", clients_per_round=4, head_epochs=2, body_epochs=1, local_epochs=2, seed=5
     )
@@ -112,13 +112,13 @@ def make_strategy(engine, **kwargs) -> FederatedStrategy:
     epochs = {n: settings.pop(n) for n in ("head_epochs", "body_epochs", "local_epochs")}
     if settings.get("phases") is None:  # only the shorthands the algorithm reads (the others are refused)
         settings.update(epoch_settings(settings.get("algorithm", "fedrep"), **epochs))
-    return FederatedStrategy(engine=engine, **settings)
+    return FederatedStrategy(runner=runner_setting(runner, settings), **settings)
 
 
-def fit(engine, model=Net, sizes=UNEQUAL, rounds=3, trainer=None, ckpt_path=None, **strategy_kwargs):
+def fit(runner, model=Net, sizes=UNEQUAL, rounds=3, trainer=None, ckpt_path=None, **strategy_kwargs):
     torch.manual_seed(0)
     module = model()
-    strategy = make_strategy(engine, **strategy_kwargs)
+    strategy = make_strategy(runner, **strategy_kwargs)
     lightning_trainer = quiet_trainer(
         strategy=strategy, max_epochs=rounds, **{"limit_val_batches": 0, **(trainer or {})}
     )
@@ -209,7 +209,7 @@ def test_vectorized_equals_sequential(algorithm, optimizer, state, sizes, model)
     vectorized, vec_trainer = fit("vectorized", **kwargs)
 
     engine = vectorized.lockstep_engine
-    assert sequential.engine_report.engine == "sequential" and engine is not None
+    assert sequential.runner_report.engine == "sequential" and engine is not None
     assert vec_trainer.global_step < seq_trainer.global_step  # the clients really ran in lockstep
     if algorithm == "fedrep":  # a head phase: on cached features, through the expected split
         assert engine.caching
@@ -238,7 +238,7 @@ def test_epoch_lr_scheduler_on_the_engine_equals_sequential(optimizer, state):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         vectorized, vec_trainer = fit("vectorized", **kwargs)
-    assert vectorized.engine_report.engine == "vectorized"
+    assert vectorized.runner_report.engine == "vectorized"
     assert_same(sequential, vectorized)
     if state == "keep":
         assert_kept_states_equal(sequential, vectorized)
@@ -253,7 +253,7 @@ def test_explicit_step_phases_on_the_engine_equal_sequential():
     phases = [Phase("body", epochs=1), Phase("head", steps=9), Phase("all", steps=2)]
     sequential, _ = fit("sequential", phases=phases, client_optimizer_state="keep")
     vectorized, _ = fit("vectorized", phases=phases, client_optimizer_state="keep")
-    assert vectorized.engine_report.engine == "vectorized"
+    assert vectorized.runner_report.engine == "vectorized"
     assert_same(sequential, vectorized)
     assert_kept_states_equal(sequential, vectorized)
 
@@ -263,7 +263,7 @@ def test_explicit_step_phases_on_the_engine_equal_sequential():
 RESUME = dict(
     model=lambda: Net(optimizer="adam", scheduler=True),
     clients_per_round=5,
-    engine_width=2,
+    width=2,
     client_optimizer_state="keep",
 )
 
@@ -365,7 +365,7 @@ def test_auto_falls_back_naming_the_reason_and_vectorized_refuses(
 ):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, trainer = fit("auto", model=model, trainer=trainer_kwargs, **SMALL, **strategy_kwargs)
-    assert strategy.engine_report.engine == "sequential"
+    assert strategy.runner_report.engine == "sequential"
     assert trainer.global_step == strategy.round_plan(0).length  # one client step per Lightning step
     lines = [r.getMessage() for r in caplog.records if "lightning_fedrep:" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: sequential engine (")
@@ -376,7 +376,7 @@ def test_auto_falls_back_naming_the_reason_and_vectorized_refuses(
     )
     assert any(reason in r for r in found), found
 
-    with pytest.raises(ValueError, match="engine='vectorized' would not compute") as refused:
+    with pytest.raises(ValueError, match="runner='vectorized' would not compute") as refused:
         fit("vectorized", model=model, trainer=trainer_kwargs, **SMALL, **strategy_kwargs)
     assert reason in str(refused.value)
 
@@ -384,7 +384,7 @@ def test_auto_falls_back_naming_the_reason_and_vectorized_refuses(
 def test_auto_runs_the_engine_where_exact_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, _ = fit("auto", **SMALL)
-    assert strategy.engine_report.engine == "vectorized"
+    assert strategy.runner_report.engine == "vectorized"
     lines = [r.getMessage() for r in caplog.records if "lightning_fedrep:" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: vectorized engine (")
     assert "head phases on cached features" in lines[0]
@@ -394,22 +394,53 @@ def test_auto_runs_the_engine_where_exact_and_says_so(caplog):
 
 
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "runner,match",
     [
-        ({"engine": "fast"}, "engine must be 'auto', 'vectorized' or 'sequential'"),
-        ({"engine": "Vectorized"}, "engine must be"),
-        ({"engine_width": 0}, "engine_width must be"),
-        ({"engine_width": -2}, "engine_width must be"),
-        ({"engine_width": 2.0}, "engine_width must be"),
-        ({"engine_width": True}, "engine_width must be"),
-        ({"engine_width": "2"}, "engine_width must be"),
-        ({"engine_memory": 0}, "engine_memory must be"),
+        ("fast", "runner must be 'auto', 'vectorized' or 'sequential', or a RunnerSettings"),
+        ("Vectorized", "runner must be"),
+        (None, "runner must be"),
+        (
+            lambda: RunnerSettings("fast"),
+            "RunnerSettings.choice must be 'auto', 'vectorized' or 'sequential'",
+        ),
+        (lambda: RunnerSettings(width=0), "RunnerSettings.width must be"),
+        (lambda: RunnerSettings(width=-2), "RunnerSettings.width must be"),
+        (lambda: RunnerSettings(width=2.0), "RunnerSettings.width must be"),
+        (lambda: RunnerSettings(width=True), "RunnerSettings.width must be"),
+        (lambda: RunnerSettings(width="2"), "RunnerSettings.width must be"),
+        (lambda: RunnerSettings(memory=0), "RunnerSettings.memory must be"),
     ],
     ids=str,
 )
-def test_bad_engine_arguments_are_refused_at_construction(kwargs, match):
+def test_bad_runner_settings_are_refused_at_construction(runner, match):
     with pytest.raises(ValueError, match=match):
-        FederatedStrategy(head="classifier", **kwargs)
+        FederatedStrategy(head="classifier", runner=runner() if callable(runner) else runner)
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ({"engine": "vectorized"}, "engine= -> runner=<choice>"),
+        ({"engine_width": 2}, "engine_width= -> runner=RunnerSettings(width=...)"),
+        ({"engine_memory": 2**20}, "engine_memory= -> runner=RunnerSettings(memory=...)"),
+        ({"engine_steps_per_call": 1}, "engine_steps_per_call= -> runner=RunnerSettings(steps_per_call=...)"),
+        ({"engine_compile": True}, "engine_compile= -> runner=RunnerSettings(compile=...)"),
+    ],
+    ids=str,
+)
+def test_the_old_engine_keywords_are_refused_naming_the_runner_setting(old, new):
+    """Catches the runner keywords before 0.x (``engine=``, ``engine_width=``, ...) reaching Lightning's
+    strategy as an unexplained unexpected keyword, or being accepted and ignored."""
+    with pytest.raises(TypeError, match="one argument, runner") as refused:
+        FederatedStrategy(head="classifier", **old)
+    assert new in str(refused.value)
+
+
+def test_a_choice_name_stands_for_its_default_settings():
+    assert FederatedStrategy(runner="vectorized").runner == RunnerSettings("vectorized")
+    settings = RunnerSettings("auto", width=3, memory=2**20, steps_per_call=1, compile=True)
+    assert FederatedStrategy(runner=settings).runner is settings
+    assert FederatedStrategy().runner == RunnerSettings()
 
 
 # ----------------------------------------------------------------------------- 4. chunked groups
@@ -419,7 +450,7 @@ def test_bad_engine_arguments_are_refused_at_construction(kwargs, match):
 def test_groups_of_two_over_five_clients_equal_sequential(optimizer):
     kwargs = dict(model=lambda: Net(optimizer=optimizer), clients_per_round=5, client_optimizer_state="keep")
     sequential, _ = fit("sequential", **kwargs)
-    chunked, _ = fit("vectorized", engine_width=2, **kwargs)
+    chunked, _ = fit("vectorized", width=2, **kwargs)
     engine = chunked.lockstep_engine
     assert engine.group_width == 2
     for r in range(3):
@@ -434,9 +465,9 @@ def test_groups_of_two_over_five_clients_equal_sequential(optimizer):
 
 
 def test_global_step_counts_lockstep_steps():
-    """Unfused (``engine_steps_per_call=1``); fused calls: tests/test_engine_fused.py."""
+    """Unfused (``steps_per_call=1``); fused calls: tests/test_engine_fused.py."""
     sequential, seq_trainer = fit("sequential")
-    vectorized, vec_trainer = fit("vectorized", engine_steps_per_call=1)
+    vectorized, vec_trainer = fit("vectorized", steps_per_call=1)
     engine = vectorized.lockstep_engine
     assert vec_trainer.global_step == sum(engine.schedule(vectorized.round_plan(r)).length for r in range(3))
     assert seq_trainer.global_step == sum(sequential.round_plan(r).length for r in range(3))
@@ -451,5 +482,5 @@ def test_global_step_counts_lockstep_steps():
 def test_mid_round_validation_leaves_the_engines_training_untouched():
     plain, _ = fit("vectorized")
     validated, trainer = fit("vectorized", trainer=dict(val_check_interval=0.5, limit_val_batches=None))
-    assert validated.engine_report.engine == "vectorized" and len(validated.history) == 3
+    assert validated.runner_report.engine == "vectorized" and len(validated.history) == 3
     assert_same(plain, validated, exact=True)

@@ -41,7 +41,7 @@ def skewed_datamodule(seed=3, wrap=None):
     return FederatedDataModule.from_client_datasets(clients, clients, batch_size=8, seed=seed)
 
 
-def fit(engine, phases=None, callback=None, model_cls=DeclaredNet, rounds=3, data=None):
+def fit(runner, phases=None, callback=None, model_cls=DeclaredNet, rounds=3, data=None):
     torch.manual_seed(0)
     callback = callback or NeuralCollapse(lam=0.3, mu=0.01, nu=0.002, server_step=True, log_metrics=False)
     strategy = FederatedStrategy(
@@ -50,7 +50,7 @@ def fit(engine, phases=None, callback=None, model_cls=DeclaredNet, rounds=3, dat
         **({"head_epochs": 2} if phases is None else {}),
         phases=phases,
         seed=5,
-        engine=engine,
+        runner=runner,
         client_optimizer_state="keep",
     )
     trainer = quiet_trainer(strategy=strategy, max_epochs=rounds, limit_val_batches=0, callbacks=[callback])
@@ -110,7 +110,7 @@ class Sharpness(FederatedCallback):
 def test_a_callback_term_that_cannot_be_vmapped_keeps_the_run_sequential(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto", callback=Sharpness(), rounds=1)
-    assert strategy.engine_report.engine == "sequential"
+    assert strategy.runner_report.engine == "sequential"
     assert "Sharpness term cannot run in lockstep" in caplog.text
     with pytest.raises(ValueError, match="Sharpness term cannot run in lockstep"):
         fit("vectorized", callback=Sharpness(), rounds=1)
@@ -167,7 +167,7 @@ class ScaledOutput(LossNet):
 def test_penalties_need_the_heads_input(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto", model_cls=ScaledOutput, rounds=1)
-    assert strategy.engine_report.engine == "sequential"
+    assert strategy.runner_report.engine == "sequential"
     assert "loss terms that read features need the head's input" in caplog.text
     with pytest.raises(ValueError, match="loss terms that read features need the head's input"):
         fit("vectorized", model_cls=ScaledOutput, rounds=1)

@@ -1,4 +1,4 @@
-"""Compiled cached head steps (``engine_compile=True``): the head steps on cached features computed by one
+"""Compiled cached head steps (``compile=True``): the head steps on cached features computed by one
 ``torch.compile``-d function (gradients and losses of every client), the clients' optimizers as before.
 
 The references are the eager engine on the same batches (itself checked against the sequential path in
@@ -51,7 +51,7 @@ def test_compiled_head_steps_equal_eager_and_sequential(optimizer, model_name, g
     model = lambda: MODELS[model_name](optimizer=optimizer)  # noqa: E731
     eager, _ = fit("vectorized", model=model)
     sequential, _ = fit("sequential", model=model)
-    got, trainer = fit("vectorized", model=model, engine_compile=True)
+    got, trainer = fit("vectorized", model=model, compile=True)
     assert compiled_engine_ran(got)
     assert graphs.frame_count >= 1 and graphs.op_count > 10
     assert got.runner_settings["compile"] is True
@@ -65,10 +65,8 @@ def test_compiled_head_steps_equal_eager_and_sequential(optimizer, model_name, g
 def test_unfused_compiled_steps_equal_fused_ones():
     """Unfused, Lightning backpropagates a surrogate of the compiled gradients: it must hand the optimizer
     exactly those gradients (bit for bit the fused run, whose steps write them directly)."""
-    fused, fused_trainer = fit("vectorized", model=DeclaredNet, engine_compile=True)
-    unfused, unfused_trainer = fit(
-        "vectorized", model=DeclaredNet, engine_compile=True, engine_steps_per_call=1
-    )
+    fused, fused_trainer = fit("vectorized", model=DeclaredNet, compile=True)
+    unfused, unfused_trainer = fit("vectorized", model=DeclaredNet, compile=True, steps_per_call=1)
     assert compiled_engine_ran(fused) and compiled_engine_ran(unfused)
     assert_same(fused, unfused, exact=True)
     assert torch.equal(
@@ -89,7 +87,7 @@ def test_a_head_tensor_the_loss_does_not_reach_is_not_stepped():
     """Catches the compiled step handing zeros (``grad`` of an unused input) to the optimizer, whose weight
     decay would then shrink the tensor the eager engine leaves alone."""
     eager, _ = fit("vectorized", model=UnusedHeadParameterNet)
-    got, _ = fit("vectorized", model=UnusedHeadParameterNet, engine_compile=True)
+    got, _ = fit("vectorized", model=UnusedHeadParameterNet, compile=True)
     assert compiled_engine_ran(got)
     assert got.lightning_module.classifier.spare.requires_grad
     for client in range(got.num_clients):
@@ -109,7 +107,7 @@ def test_a_failed_compile_warns_and_steps_eagerly(monkeypatch):
     monkeypatch.setattr(compiled.torch, "compile", failing_compile)
     eager, _ = fit("vectorized", model=DeclaredNet)
     with pytest.warns(RuntimeWarning, match="could not compile the cached head step .*InductorError"):
-        got, _ = fit("vectorized", model=DeclaredNet, engine_compile=True)
+        got, _ = fit("vectorized", model=DeclaredNet, compile=True)
     assert got.lockstep_engine._head_step.failure is not None
     assert_same(eager, got, exact=True)
 
@@ -127,15 +125,15 @@ def test_a_head_dynamo_cannot_trace_in_one_graph_warns_and_steps_eagerly():
     is the eager engine's bit for bit."""
     eager, _ = fit("vectorized", model=GraphBreakHeadNet)
     with pytest.warns(RuntimeWarning, match="could not compile the cached head step"):
-        got, _ = fit("vectorized", model=GraphBreakHeadNet, engine_compile=True)
+        got, _ = fit("vectorized", model=GraphBreakHeadNet, compile=True)
     assert "Unsupported" in got.lockstep_engine._head_step.failure
     assert_same(eager, got, exact=True)
 
 
 def test_groups_of_other_widths_compile_their_own_graphs(graphs):
     """Groups of 3 and of 1 (4 clients a round): a graph per width, the one-lane group without ``vmap``."""
-    eager, _ = fit("vectorized", model=DeclaredNet, engine_width=3)
-    got, _ = fit("vectorized", model=DeclaredNet, engine_width=3, engine_compile=True)
+    eager, _ = fit("vectorized", model=DeclaredNet, width=3)
+    got, _ = fit("vectorized", model=DeclaredNet, width=3, compile=True)
     assert compiled_engine_ran(got)
     assert graphs.frame_count >= 2
     assert_same(eager, got)
@@ -143,40 +141,37 @@ def test_groups_of_other_widths_compile_their_own_graphs(graphs):
 
 def test_the_engine_line_says_what_is_compiled(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        fit("vectorized", model=DeclaredNet, engine_compile=True, **SMALL)
-        fit("vectorized", model=Net, algorithm="fedavg", engine_compile=True, **SMALL)
-        fit("auto", model=DropoutNet, engine_compile=True, **SMALL)
+        fit("vectorized", model=DeclaredNet, compile=True, **SMALL)
+        fit("vectorized", model=Net, algorithm="fedavg", compile=True, **SMALL)
+        fit("auto", model=DropoutNet, compile=True, **SMALL)
     lines = [
         r.getMessage() for r in caplog.records if "lightning_fedrep: vectorized engine" in r.getMessage()
     ]
     assert len(lines) == 2
     assert "cached head steps compiled (torch.compile" in lines[0]
     assert (
-        "engine_compile=True compiles nothing here (no head phase on cached features in the first round)"
-        in lines[1]
+        "compile=True compiles nothing here (no head phase on cached features in the first round)" in lines[1]
     )
     sequential = [
         r.getMessage() for r in caplog.records if "lightning_fedrep: sequential engine" in r.getMessage()
     ]
     assert len(sequential) == 1
-    assert sequential[0].endswith(
-        "engine_compile=True compiles nothing on it (it runs the module's training_step)."
-    )
+    assert sequential[0].endswith("compile=True compiles nothing on it (it runs the module's training_step).")
 
 
 def test_a_smoke_run_compiles_nothing_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        got, _ = fit("vectorized", model=DeclaredNet, engine_compile=True, trainer=dict(fast_dev_run=True))
+        got, _ = fit("vectorized", model=DeclaredNet, compile=True, trainer=dict(fast_dev_run=True))
     assert got.lockstep_engine._head_step is None and got.runner_settings["compile"] is False
     lines = [
         r.getMessage() for r in caplog.records if "lightning_fedrep: vectorized engine" in r.getMessage()
     ]
-    assert "engine_compile=True compiles nothing here (fast_dev_run" in lines[0]
+    assert "compile=True compiles nothing here (fast_dev_run" in lines[0]
 
 
 def test_nothing_is_compiled_where_no_head_phase_is_cached():
     eager, _ = fit("vectorized", algorithm="fedavg")
-    got, _ = fit("vectorized", algorithm="fedavg", engine_compile=True)
+    got, _ = fit("vectorized", algorithm="fedavg", compile=True)
     assert got.lockstep_engine._head_step is None
     assert_same(eager, got, exact=True)
 
@@ -184,14 +179,14 @@ def test_nothing_is_compiled_where_no_head_phase_is_cached():
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        ({"engine_compile": "yes"}, TypeError, "engine_compile must be True or False"),
-        ({"engine_compile": 1}, TypeError, "engine_compile must be True or False"),
-        ({"engine": "sequential", "engine_compile": True}, ValueError, "engine_compile=True compiles"),
+        ({"compile": "yes"}, TypeError, "RunnerSettings.compile must be True or False"),
+        ({"compile": 1}, TypeError, "RunnerSettings.compile must be True or False"),
+        ({"choice": "sequential", "compile": True}, ValueError, "RunnerSettings\\(compile=True\\) compiles"),
     ],
     ids=str,
 )
-def test_bad_engine_compile_is_refused_at_construction(kwargs, error, match):
-    from lightning_fedrep import FederatedStrategy
+def test_bad_compile_setting_is_refused_at_construction(kwargs, error, match):
+    from lightning_fedrep import RunnerSettings
 
     with pytest.raises(error, match=match):
-        FederatedStrategy(head="classifier", **kwargs)
+        RunnerSettings(**kwargs)

@@ -15,7 +15,15 @@ from torch.utils.data import TensorDataset
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
 from lightning_fedrep.federation.api.epochs import epoch_settings
 from lightning_fedrep.runners.lockstep import sizing
-from tests.fixtures import HEAD, TinyNet, client_batches, quiet_trainer, reference_clients, tiny_datamodule
+from tests.fixtures import (
+    HEAD,
+    TinyNet,
+    client_batches,
+    quiet_trainer,
+    reference_clients,
+    runner_setting,
+    tiny_datamodule,
+)
 
 
 class LossNet(TinyNet):
@@ -60,7 +68,7 @@ def unequal_datamodule(seed=3):
     return FederatedDataModule.from_client_datasets(clients, clients, batch_size=8, seed=seed)
 
 
-def fit(engine, algorithm="fedrep", data="equal", model_cls=LossNet, rounds=3, per_round=4, **kwargs):
+def fit(runner, algorithm="fedrep", data="equal", model_cls=LossNet, rounds=3, per_round=4, **kwargs):
     model_kwargs = {k: kwargs.pop(k) for k in ("optimizer", "scheduler") if k in kwargs}
     torch.manual_seed(0)
     model = model_cls(**model_kwargs)
@@ -72,7 +80,7 @@ def fit(engine, algorithm="fedrep", data="equal", model_cls=LossNet, rounds=3, p
         clients_per_round=per_round,
         **epoch_settings(algorithm, head_epochs=2, body_epochs=1, local_epochs=2),
         seed=5,
-        engine=engine,
+        runner=runner_setting(runner, kwargs),
         **kwargs,
     )
     trainer = quiet_trainer(
@@ -112,7 +120,7 @@ def test_engine_equals_sequential(algorithm, optimizer, state, data):
     kwargs = dict(algorithm=algorithm, data=data, optimizer=optimizer, client_optimizer_state=state)
     sequential, seq_trainer = fit("sequential", **kwargs)
     vectorized, vec_trainer = fit("vectorized", **kwargs)
-    assert vectorized.engine_report.engine == "vectorized" and sequential.engine_report.engine == "sequential"
+    assert vectorized.runner_report.engine == "vectorized" and sequential.runner_report.engine == "sequential"
     assert vec_trainer.global_step < seq_trainer.global_step  # one Lightning step = one lockstep
     assert_same(sequential, vectorized)
     if state == "keep":
@@ -128,7 +136,7 @@ def test_engine_equals_sequential(algorithm, optimizer, state, data):
 def test_declared_feature_split_chunked_groups_and_epoch_scheduler_equal_sequential():
     kwargs = dict(model_cls=DeclaredNet, data="unequal", scheduler=True, per_round=5)
     sequential, _ = fit("sequential", **kwargs)
-    chunked, _ = fit("vectorized", engine_width=2, **kwargs)
+    chunked, _ = fit("vectorized", width=2, **kwargs)
     assert chunked.runner_settings["split"] == "forward_features/forward_head"
     assert chunked.runner_settings["group_width"] == 2
     assert_same(sequential, chunked)
@@ -159,7 +167,7 @@ def test_mid_round_resume_on_the_engine_is_bit_exact(tmp_path):
         head_epochs=2,
         body_epochs=1,
         seed=5,
-        engine="vectorized",
+        runner="vectorized",
         client_optimizer_state="keep",
     )
     trainer = quiet_trainer(strategy=resumed, max_epochs=3, limit_val_batches=0)
@@ -170,7 +178,7 @@ def test_mid_round_resume_on_the_engine_is_bit_exact(tmp_path):
         for name, value in uninterrupted.client_tensors(client).items():
             assert torch.equal(resumed.client_tensors(client)[name], value), (client, name)
 
-    sequential = FederatedStrategy(head="classifier", clients_per_round=4, seed=5, engine="sequential")
+    sequential = FederatedStrategy(head="classifier", clients_per_round=4, seed=5, runner="sequential")
     with pytest.raises(ValueError, match="saved inside round 0 by the vectorized engine"):
         quiet_trainer(strategy=sequential, max_epochs=3, limit_val_batches=0).fit(
             LossNet(optimizer="adam"), datamodule=unequal_datamodule(), ckpt_path=saved
@@ -265,9 +273,9 @@ def test_validation_and_early_stopping_run_each_round():
 def test_fine_tuning_rounds_on_the_engine_equal_sequential(mode):
     from lightning_fedrep.callbacks import HeadFineTuning
 
-    def run(engine):
+    def run(runner):
         return fit(
-            engine, data="unequal", rounds=2, trainer=dict(callbacks=[HeadFineTuning(epochs=1, mode=mode)])
+            runner, data="unequal", rounds=2, trainer=dict(callbacks=[HeadFineTuning(epochs=1, mode=mode)])
         )[0]
 
     sequential, vectorized = run("sequential"), run("vectorized")

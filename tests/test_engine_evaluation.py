@@ -90,9 +90,9 @@ def trained_checkpoint(tmp_path, model_cls, algorithm="fedrep", callbacks=(), re
     return tmp_path / "last.ckpt"
 
 
-def test_metrics(ckpt, model_cls, engine, algorithm="fedrep", regression=False):
+def test_metrics(ckpt, model_cls, runner, algorithm="fedrep", regression=False):
     counter = EvaluationSteps()
-    strategy = FederatedStrategy(head="classifier", algorithm=algorithm, engine=engine)
+    strategy = FederatedStrategy(head="classifier", algorithm=algorithm, runner=runner)
     trainer = quiet_trainer(strategy=strategy, callbacks=[counter])
     logged = trainer.test(model_cls(), datamodule=client_sets(regression), ckpt_path=ckpt, verbose=False)[0]
     return strategy, logged, counter.steps
@@ -144,10 +144,10 @@ def test_fine_tuned_bodies_are_evaluated_with_their_own_body(tmp_path):
 
 
 def test_validation_during_fit_is_batched_and_matches(tmp_path):
-    def fit(engine):
+    def fit(runner):
         torch.manual_seed(0)
         strategy = FederatedStrategy(
-            head="classifier", clients_per_round=3, head_epochs=1, body_epochs=1, seed=1, engine=engine
+            head="classifier", clients_per_round=3, head_epochs=1, body_epochs=1, seed=1, runner=runner
         )
         trainer = quiet_trainer(strategy=strategy, max_epochs=2)
         trainer.fit(HeadlineNet(), datamodule=client_sets())

@@ -1,5 +1,5 @@
 """Where the vectorized engine would not train what ``training_step`` trains, or would crash: it falls
-back (``engine="auto"``, one line naming the reason) or refuses (``engine="vectorized"``), and its log
+back (``runner="auto"``, one line naming the reason) or refuses (``runner="vectorized"``), and its log
 line says what it really does (issue 23, items 1, 2 and the engine's messages of item 8).
 
 The engine never runs ``training_step``: it trains the declared ``fedrep_loss``. On probe batches it
@@ -30,7 +30,7 @@ from lightning_fedrep.federation.module.losses import declared_loss
 from lightning_fedrep.runners.lockstep import sizing
 from lightning_fedrep.runners.lockstep.probe import loss_label, probe_problem, vectorize_problem
 from lightning_fedrep.runners.selection import start_engine
-from tests.fixtures import quiet_trainer, reference_generator
+from tests.fixtures import quiet_trainer, reference_generator, runner_setting
 
 SIZES = (24, 17, 30, 9)
 
@@ -118,13 +118,14 @@ def as_dict(samples):
     return {"x": torch.stack([s[0] for s in samples]), "y": torch.stack([s[1] for s in samples])}
 
 
-def fit(engine, model=Net, rounds=2, trainer=None, data=None, ckpt_path=None, **strategy_kwargs):
+def fit(runner, model=Net, rounds=2, trainer=None, data=None, ckpt_path=None, **strategy_kwargs):
     torch.manual_seed(0)
     module = model()
     options = dict(head="classifier", clients_per_round=3, seed=5)
     if "algorithm" not in strategy_kwargs:  # FedRep, short
         options.update(head_epochs=2, body_epochs=1)
-    strategy = FederatedStrategy(engine=engine, **{**options, **strategy_kwargs})
+    settings = {**options, **strategy_kwargs}
+    strategy = FederatedStrategy(runner=runner_setting(runner, settings), **settings)
     lightning_trainer = quiet_trainer(
         strategy=strategy, max_epochs=rounds, **{"limit_val_batches": 0, **(trainer or {})}
     )
@@ -177,7 +178,7 @@ def test_label_smoothing_in_training_step_falls_back_and_trains_what_the_step_tr
     assert f"loss {smoothed:.6g} differs" in line and f"'cross_entropy' {plain:.6g}" in line
     sequential, _ = fit("sequential", model=SmoothingNet)
     assert_same(sequential, auto, exact=True)  # the probe changed nothing (RNG, weights)
-    with pytest.raises(ValueError, match="engine='vectorized' cannot run here: training_step's loss"):
+    with pytest.raises(ValueError, match="runner='vectorized' cannot run here: training_step's loss"):
         fit("vectorized", model=SmoothingNet)
 
 
@@ -310,11 +311,11 @@ def plain_vmap_error() -> str:
 
 
 def test_an_operation_vmap_cannot_batch_falls_back_or_is_refused(caplog):
-    """Catches ``engine="auto"`` choosing lockstep for a module ``torch.func.vmap`` cannot batch (an
+    """Catches ``runner="auto"`` choosing lockstep for a module ``torch.func.vmap`` cannot batch (an
     ``nn.LSTM``: fails when ``start_engine`` skips ``_vectorize_problem``, the first round then dies with
     ``Batching rule not implemented for aten::lstm.input``). The fallback trains exactly what
-    ``engine="sequential"`` trains (the probe left nothing half-trained), the reason is torch's own error
-    naming the submodule, and ``engine="vectorized"`` is refused before any step, naming the same."""
+    ``runner="sequential"`` trains (the probe left nothing half-trained), the reason is torch's own error
+    naming the submodule, and ``runner="vectorized"`` is refused before any step, naming the same."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         auto, trainer = fit("auto", model=LSTMNet, rounds=1)
     report = auto.runner_report
@@ -329,8 +330,8 @@ def test_an_operation_vmap_cannot_batch_falls_back_or_is_refused(caplog):
     with pytest.raises(ValueError) as refused:
         fit("vectorized", model=LSTMNet, rounds=1)
     message = str(refused.value)
-    assert message.startswith(f"engine='vectorized' cannot run here: {expected}")
-    assert "pass engine='sequential' (or engine='auto'" in message
+    assert message.startswith(f"runner='vectorized' cannot run here: {expected}")
+    assert "pass runner='sequential' (or runner='auto'" in message
 
 
 @pytest.mark.parametrize("model", [LSTMNet, Net], ids=["lstm", "vmappable"])
@@ -378,12 +379,12 @@ def test_float64_precision_runs_on_the_engine_and_equals_sequential():
         torch.testing.assert_close(vec_trainer.callback_metrics[name], seq_trainer.callback_metrics[name])
 
 
-@pytest.mark.parametrize("engine", ["auto", "vectorized", "sequential"])
-def test_zero_epochs_are_refused_at_set_up_on_every_engine(engine):
+@pytest.mark.parametrize("runner", ["auto", "vectorized", "sequential"])
+def test_zero_epochs_are_refused_at_set_up_on_every_engine(runner):
     """Catches the ``IndexError`` in engine/runner.py for ``head_epochs=0, body_epochs=0`` (fails when
     the empty-plan check in ``process_dataloader`` runs after ``start_engine``)."""
     with pytest.raises(ValueError, match="The round plan is empty.*head_epochs, body_epochs"):
-        fit(engine, head_epochs=0, body_epochs=0, rounds=1)
+        fit(runner, head_epochs=0, body_epochs=0, rounds=1)
 
 
 # ----------------------------------------------------------------------------- item 8: messages
@@ -419,9 +420,9 @@ def test_resumed_engine_line_says_the_widths_come_from_the_checkpoint(tmp_path, 
     """Catches "0 MiB each" after a resume (fails when ``prepare`` prints ``client_bytes`` that a
     resumed run never measured)."""
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
-    fit("vectorized", rounds=1, trainer=dict(enable_checkpointing=True, callbacks=[saver]), engine_width=2)
+    fit("vectorized", rounds=1, trainer=dict(enable_checkpointing=True, callbacks=[saver]), width=2)
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        fit("vectorized", rounds=2, ckpt_path=tmp_path / "epoch=0.ckpt", engine_width=2)
+        fit("vectorized", rounds=2, ckpt_path=tmp_path / "epoch=0.ckpt", width=2)
     (line,) = engine_lines(caplog)
     assert "MiB each" not in line
     assert "groups of up to 2 clients (the first round has 3)" in line
@@ -486,15 +487,15 @@ def test_the_probe_draws_nothing_from_the_runs_random_generators(model):
     ``LockstepEngine._probe_batches`` leaves ``untouched_random_state``, or when that context restores
     only torch's generator; with mixup, also when ``bind_loader`` runs ``probe_problem`` outside it: the
     step's ``np.random.beta`` then moves numpy's generator). The sequential training that follows the
-    fallback would see other noise. The reference is ``engine="sequential"``, which never probes."""
+    fallback would see other noise. The reference is ``runner="sequential"``, which never probes."""
 
-    def run(engine: str) -> FederatedStrategy:
+    def run(runner: str) -> FederatedStrategy:
         np.random.seed(1)
         random.seed(2)
         data = FederatedDataModule.from_client_datasets(
             [NoisyClient(c) for c in clients()], clients(), batch_size=8, seed=3
         )
-        return fit(engine, model=model, data=data)[0]
+        return fit(runner, model=model, data=data)[0]
 
     sequential, auto = run("sequential"), run("auto")
     assert (
@@ -567,22 +568,22 @@ def test_every_rank_falls_back_when_another_rank_finds_a_problem(monkeypatch, ca
     """Catches ranks deciding the probe alone (fails when ``start_engine``/``bind_loader`` do not gather
     the verdict: rank 0, whose probe passed, keeps the engine while rank 1 runs the sequential path, and
     both wait forever for the other's steps). The rule restated: any rank's problem, first by rank, sends
-    every rank to the sequential path, which then trains what ``engine="sequential"`` trains."""
+    every rank to the sequential path, which then trains what ``runner="sequential"`` trains."""
 
     def rank1(obj):
         return {"probe_problem": RANDOM} if "probe_problem" in obj else obj
 
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        auto, _ = fit_with_rank1(monkeypatch, rank1, engine="auto", rounds=1)
+        auto, _ = fit_with_rank1(monkeypatch, rank1, runner="auto", rounds=1)
     assert auto.runner_report.runner == "sequential"
     (line,) = engine_lines(caplog)
     assert line == f"lightning_fedrep: sequential engine ({RANDOM})."
     sequential, _ = fit("sequential", rounds=1)
     assert_same(sequential, auto, exact=True)
     with pytest.raises(
-        ValueError, match="engine='vectorized' cannot run here: the module's forward is random"
+        ValueError, match="runner='vectorized' cannot run here: the module's forward is random"
     ):
-        fit_with_rank1(monkeypatch, rank1, engine="vectorized", rounds=1)
+        fit_with_rank1(monkeypatch, rank1, runner="vectorized", rounds=1)
 
 
 def test_features_are_cached_only_where_every_rank_can(monkeypatch, caplog):
@@ -595,7 +596,7 @@ def test_features_are_cached_only_where_every_rank_can(monkeypatch, caplog):
         return {**obj, "no_cache": why} if "no_cache" in obj else obj
 
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        strategy, _ = fit_with_rank1(monkeypatch, rank1, engine="vectorized", rounds=1)
+        strategy, _ = fit_with_rank1(monkeypatch, rank1, runner="vectorized", rounds=1)
     assert strategy.runner_report.runner == "lockstep" and not strategy.runner_settings["caching"]
     (line,) = engine_lines(caplog)
     assert f"no feature cache: rank 1 cannot: {why}" in line

@@ -1,6 +1,6 @@
-"""Fused lockstep (``engine_steps_per_call``): one Lightning step runs several lockstep steps of a phase.
+"""Fused lockstep (``RunnerSettings.steps_per_call``): one Lightning step runs several lockstep steps of a phase.
 
-The reference is the unfused engine (``engine_steps_per_call=1``: one lockstep step per Lightning step) on
+The reference is the unfused engine (``steps_per_call=1``: one lockstep step per Lightning step) on
 the same batches, itself checked against the sequential path and plain loops in ``test_engine.py`` and the
 algorithms' golden tests: fused calls must give the same tensors bit for bit, the same logged loss and the
 same kept optimizer state, with ``global_step`` counting calls.
@@ -23,7 +23,7 @@ from tests.test_engine import DeclaredNet, Net, assert_kept_states_equal, assert
 
 FUSED_CASES = {
     "fedrep": dict(algorithm="fedrep"),  # head epochs on cached features, then the body epoch
-    "fedrep-groups-of-2": dict(algorithm="fedrep", engine_width=2),
+    "fedrep-groups-of-2": dict(algorithm="fedrep", width=2),
     "fedrep-keep-adam": dict(algorithm="fedrep", client_optimizer_state="keep", model="adam"),
     "fedavg": dict(algorithm="fedavg"),
     "lg_fedavg": dict(algorithm="lg_fedavg"),
@@ -39,7 +39,7 @@ def fused_fit(steps_per_call, case, **kwargs):
     return fit(
         "vectorized",
         model=lambda: Net(optimizer=optimizer),
-        engine_steps_per_call=steps_per_call,
+        steps_per_call=steps_per_call,
         **settings,
         **kwargs,
     )
@@ -79,7 +79,7 @@ def test_fused_calls_of_one_client_at_a_time_equal_unfused(monkeypatch):
     """``auto``'s one-client lanes (uncached phases one client at a time, fused per lane). Catches a call
     that runs past its lane's segment into the next client's."""
     monkeypatch.setattr(sizing, "faster_lane_width", lambda *args, **kwargs: (False, 2.0, 1.0))
-    unfused, unfused_trainer = fit("auto", engine_steps_per_call=1)
+    unfused, unfused_trainer = fit("auto", steps_per_call=1)
     fused, fused_trainer = fit("auto")
     assert fused.runner_settings["lane_width"] == 1 and fused.runner_settings["steps_per_call"] is None
     assert_same_run(unfused, unfused_trainer, fused, fused_trainer)
@@ -133,8 +133,10 @@ def test_what_acts_per_step_keeps_auto_unfused_and_refuses_a_fused_count(need, c
     assert trainer.global_step == sum(
         engine.schedule(strategy.round_plan(r)).lockstep_steps for r in range(3)
     )
-    with pytest.raises(ValueError, match=f"engine_steps_per_call=4 runs 4 lockstep steps.*{reason[:20]}"):
-        fit("vectorized", engine_steps_per_call=4, **kwargs)
+    with pytest.raises(
+        ValueError, match=f"RunnerSettings\\(steps_per_call=4\\) runs 4 lockstep steps.*{reason[:20]}"
+    ):
+        fit("vectorized", steps_per_call=4, **kwargs)
 
 
 def test_display_clock_and_lr_callbacks_and_epoch_checkpoints_leave_auto_fused(tmp_path):
@@ -173,7 +175,7 @@ def test_the_commands_run_start_note_leaves_auto_fused():
 
 
 def test_a_smoke_run_is_never_fused():
-    strategy, trainer = fit("vectorized", engine_steps_per_call=4, trainer=dict(fast_dev_run=True))
+    strategy, trainer = fit("vectorized", steps_per_call=4, trainer=dict(fast_dev_run=True))
     assert strategy.runner_settings["steps_per_call"] == 1 and trainer.global_step == 1
 
 

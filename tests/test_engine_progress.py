@@ -3,7 +3,7 @@
 from lightning.pytorch.callbacks import Callback
 
 from lightning_fedrep import FederatedStrategy
-from lightning_fedrep.callbacks.progress import FederatedProgressBar
+from lightning_fedrep.lightning.progress import FederatedProgressBar
 from tests.fixtures import quiet_trainer, tiny_datamodule
 from tests.test_engine_equivalence import LossNet
 
@@ -21,7 +21,7 @@ class BarReader(Callback):
 def test_progress_bar_names_the_lockstep_clients_and_phase():
     reader = BarReader()
     strategy = FederatedStrategy(
-        head="classifier", clients_per_round=4, head_epochs=1, body_epochs=1, engine="vectorized"
+        head="classifier", clients_per_round=4, head_epochs=1, body_epochs=1, runner="vectorized"
     )
     trainer = quiet_trainer(
         strategy=strategy, max_epochs=1, limit_val_batches=0, enable_progress_bar=True, callbacks=[reader]

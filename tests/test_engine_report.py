@@ -1,4 +1,4 @@
-"""Issue 25 item 6: an algorithm registered after import is a strategy name, and ``strategy.engine_report``
+"""Issue 25 item 6: an algorithm registered after import is a strategy name, and ``strategy.runner_report``
 says which engine ran, why and when it was decided (checked against the log line, Lightning's step count
 and the known fallbacks)."""
 
@@ -16,9 +16,9 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning_fedrep import (
     ALGORITHMS,
     Algorithm,
-    EngineReport,
     FederatedDDPStrategy,
     FederatedStrategy,
+    RunnerReport,
     register_algorithm,
 )
 from tests.test_engine import SMALL, fit
@@ -71,35 +71,35 @@ def _engine_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("lightning_fedrep: ")]
 
 
-def test_engine_report_of_the_sequential_setting(caplog):
-    """Catches ``build_engine`` not reporting ``engine="sequential"`` (the report stays ``None``)."""
-    assert FederatedStrategy(head="classifier").engine_report is None  # before setup
+def test_runner_report_of_the_sequential_setting(caplog):
+    """Catches ``build_engine`` not reporting ``runner="sequential"`` (the report stays ``None``)."""
+    assert FederatedStrategy(head="classifier").runner_report is None  # before setup
     strategy, trainer = fit("sequential", **SMALL)
-    report = strategy.engine_report
-    assert (report.engine, report.reason, report.decided_at) == ("sequential", "engine='sequential'", "setup")
+    report = strategy.runner_report
+    assert (report.engine, report.reason, report.decided_at) == ("sequential", "runner='sequential'", "setup")
     assert set(report.phases) == {"head", "body", "all"}
     assert all(how.startswith("sequential") for how in report.phases.values())
     assert trainer.global_step == strategy.round_plan(0).length  # one client step per Lightning step
 
 
-def test_engine_report_of_a_fallback_names_its_reason(caplog):
+def test_runner_report_of_a_fallback_names_its_reason(caplog):
     """Catches the report not following a fallback at setup (``decide`` dropped before ``return None`` in
     ``build_engine``): ``on_client_error="skip"`` needs each client's own steps."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, trainer = fit("auto", on_client_error="skip", **SMALL)
-    report = strategy.engine_report
+    report = strategy.runner_report
     assert report.engine == "sequential" and report.decided_at == "setup"
     assert "on_client_error='skip'" in report.reason
     assert _engine_lines(caplog) == [f"lightning_fedrep: sequential engine ({report.reason})."]
     assert trainer.global_step == strategy.round_plan(0).length
 
 
-def test_engine_report_of_the_vectorized_engine(caplog):
+def test_runner_report_of_the_vectorized_engine(caplog):
     """Catches the report left at setup's provisional answer (``decide`` not passed to ``start_engine``):
     the decision is the first loader's, with the head phase on cached features."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, trainer = fit("auto", **SMALL)
-    report = strategy.engine_report
+    report = strategy.runner_report
     assert report.engine == "vectorized" and report.decided_at == "first loader"
     assert _engine_lines(caplog) == [f"lightning_fedrep: vectorized engine ({report.reason})."]
     assert trainer.global_step < strategy.round_plan(0).length  # clients really ran in lockstep
@@ -107,24 +107,24 @@ def test_engine_report_of_the_vectorized_engine(caplog):
     assert str(report).startswith("vectorized engine (head phases on cached features")
 
 
-def test_engine_report_of_a_run_resumed_from_a_sequential_checkpoint(tmp_path):
-    """Catches the report left at setup's provisional "vectorized" when a resumed ``engine="auto"`` run keeps
+def test_runner_report_of_a_run_resumed_from_a_sequential_checkpoint(tmp_path):
+    """Catches the report left at setup's provisional "vectorized" when a resumed ``runner="auto"`` run keeps
     the sequential path of the run that wrote the checkpoint (``_decide_engine`` dropped from
     ``FederatedStrategyMixin.load_checkpoint``'s fallback)."""
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
     small = {**SMALL, "rounds": 2}
     fit("sequential", trainer=dict(enable_checkpointing=True, callbacks=[saver]), **{**small, "rounds": 1})
     strategy, trainer = fit("auto", ckpt_path=tmp_path / "epoch=0.ckpt", **small)
-    report = strategy.engine_report
+    report = strategy.runner_report
     assert (report.engine, report.decided_at) == ("sequential", "checkpoint")
     assert trainer.global_step == strategy.round_plan(0).length + strategy.round_plan(1).length
 
 
-def test_engine_report_is_read_only():
-    report = EngineReport.sequential("engine='sequential'", "setup")
+def test_runner_report_is_read_only():
+    report = RunnerReport.sequential("runner='sequential'", "setup")
     with pytest.raises(dataclasses.FrozenInstanceError):
         report.engine = "vectorized"  # type: ignore[misc]
     with pytest.raises(TypeError):
         report.phases["head"] = "x"  # type: ignore[index]
     with pytest.raises(AttributeError):
-        FederatedStrategy(head="classifier").engine_report = report  # type: ignore[misc]
+        FederatedStrategy(head="classifier").runner_report = report  # type: ignore[misc]

@@ -1,4 +1,4 @@
-"""How wide the vectorized engine runs: the memory bound, the measured lane choice of ``engine="auto"``,
+"""How wide the vectorized engine runs: the memory bound, the measured lane choice of ``runner="auto"``,
 and that every width computes what the sequential path computes."""
 
 import logging
@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_fedrep import FederatedStrategy
+from lightning_fedrep import FederatedStrategy, RunnerSettings
 from lightning_fedrep.federation.module import feature_chunks
 from lightning_fedrep.runners.lockstep import sizing
 from lightning_fedrep.runners.lockstep.group import ClientGroup
@@ -16,8 +16,8 @@ from tests.test_engine_equivalence import DeclaredNet, LossNet, assert_same
 from tests.test_engine_equivalence import fit as run
 
 
-def fit(engine, rounds=3, algorithm="fedrep", **kwargs):
-    return run(engine, rounds=rounds, per_round=5, algorithm=algorithm, **kwargs)[0]
+def fit(runner, rounds=3, algorithm="fedrep", **kwargs):
+    return run(runner, rounds=rounds, per_round=5, algorithm=algorithm, **kwargs)[0]
 
 
 assert_same_federation = assert_same
@@ -55,7 +55,7 @@ def test_auto_runs_sequentially_where_the_engine_gains_nothing(monkeypatch, capl
     monkeypatch.setattr(sizing, "faster_lane_width", lanes_measured(False))
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto", algorithm="fedavg", rounds=1)
-    assert strategy.engine_report.engine == "sequential"
+    assert strategy.runner_report.engine == "sequential"
     assert "sequential engine (no cached features and no gain in lockstep" in caplog.text
 
 
@@ -63,7 +63,7 @@ def test_auto_runs_sequentially_where_the_engine_gains_nothing(monkeypatch, capl
     ("settings", "margin"),
     [
         (dict(), 0.0),  # cached head epochs keep the engine, fused: both widths pay Lightning once per phase
-        (dict(engine_steps_per_call=1), sizing.LOCKSTEP_MARGIN),  # one-lane calls pay it per client step
+        (dict(steps_per_call=1), sizing.LOCKSTEP_MARGIN),  # one-lane calls pay it per client step
         (dict(algorithm="fedavg"), sizing.LOCKSTEP_MARGIN),  # narrow would be the sequential runner
     ],
     ids=["fedrep-fused", "fedrep-unfused", "fedavg"],
@@ -103,7 +103,7 @@ def test_memory_budget_chunks_the_round_into_groups(sequential, caplog):
     assert unbounded.runner_settings["group_width"] > 5
     budget = 2 * per_client + 1
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        strategy = fit("vectorized", engine_memory=budget)
+        strategy = fit("vectorized", memory=budget)
     assert "groups of up to 2 clients" in caplog.text
     assert strategy.runner_settings["group_width"] == 2
     assert_same_federation(sequential, strategy)
@@ -184,7 +184,7 @@ def test_resumed_run_keeps_the_measured_widths(tmp_path, monkeypatch):
     monkeypatch.setattr(sizing, "faster_lane_width", lanes_measured(False))
     torch.manual_seed(0)
     dm = tiny_datamodule(num_clients=8, seed=3)
-    kwargs = dict(head="classifier", clients_per_round=5, head_epochs=2, body_epochs=1, seed=5, engine="auto")
+    kwargs = dict(head="classifier", clients_per_round=5, head_epochs=2, body_epochs=1, seed=5, runner="auto")
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=7, save_top_k=-1)
     first = FederatedStrategy(**kwargs)
     trainer = quiet_trainer(
@@ -203,9 +203,9 @@ def test_resumed_run_keeps_the_measured_widths(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("value", [0, -5, 1.5, True])
-def test_bad_engine_memory_is_refused(value):
-    with pytest.raises(ValueError, match="engine_memory"):
-        FederatedStrategy(head="classifier", engine_memory=value)
+def test_bad_memory_setting_is_refused(value):
+    with pytest.raises(ValueError, match="RunnerSettings.memory"):
+        FederatedStrategy(head="classifier", runner=RunnerSettings(memory=value))
 
 
 def test_a_feature_cache_on_a_cpu_reads_chunks_that_hold_half_a_mebibyte_of_input():

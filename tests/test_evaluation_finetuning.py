@@ -49,13 +49,13 @@ def reference_accuracy(model, body, head, dm, client, epochs, lr, momentum=0.5, 
         return (net(x).argmax(-1) == y).float().mean().item()
 
 
-def fit(callback, algorithm="fedrep", engine="auto", rounds=2):
+def fit(callback, algorithm="fedrep", runner="auto", rounds=2):
     torch.manual_seed(0)
     dm = tiny_datamodule(num_clients=6, batch_size=8)
     strategy = FedRepStrategy(
         algorithm=algorithm, head="classifier", clients_per_round=2, seed=4,
         **epoch_settings(algorithm, head_epochs=1, body_epochs=1),
-        engine=engine,
+        runner=runner,
     )  # fmt: skip
     model = LossNet()
     initial = copy.deepcopy(model)
@@ -64,10 +64,10 @@ def fit(callback, algorithm="fedrep", engine="auto", rounds=2):
     return trainer, strategy, dm, initial
 
 
-@pytest.mark.parametrize("engine", ["sequential", "auto"])
-def test_every_client_is_scored_after_fine_tuning_the_average_of_the_last_rounds_heads(engine):
+@pytest.mark.parametrize("runner", ["sequential", "auto"])
+def test_every_client_is_scored_after_fine_tuning_the_average_of_the_last_rounds_heads(runner):
     callback = FineTunedEvaluation(epochs=3, lr=0.2, batch_size=10_000, optimizer="sgd")
-    trainer, strategy, dm, initial = fit(callback, engine=engine)
+    trainer, strategy, dm, initial = fit(callback, runner=runner)
     federation = strategy.federation
     body = {n: t for n, t in federation.global_tensors().items() if n not in HEAD}
     last = list(strategy.round_plan(1).clients)
@@ -212,14 +212,14 @@ def test_batches_that_are_not_pairs_are_refused_when_fit_starts_or_split_by_unpa
     train, test = tiny_datasets()
     dm = FederatedDataModule(DictBatches(train), DictBatches(test), ShardPartitioner(4, 2), batch_size=8)
     strategy = FedRepStrategy(
-        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, engine="sequential"
+        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, runner="sequential"
     )
     trainer = quiet_trainer(strategy=strategy, max_epochs=1, callbacks=[FineTunedEvaluation(epochs=1)])
     with pytest.raises(TypeError, match="unpack"):
         trainer.fit(DictNet(), datamodule=dm)
     assert trainer.global_step == 0
     strategy = FedRepStrategy(
-        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, engine="sequential"
+        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, runner="sequential"
     )
     unpack = FineTunedEvaluation(epochs=1, unpack=lambda batch: (batch["x"], batch["y"]))
     trainer = quiet_trainer(strategy=strategy, max_epochs=1, callbacks=[unpack])
@@ -273,7 +273,7 @@ def test_an_adam_module_fine_tunes_with_adam_and_its_hyper_parameters_and_says_s
     torch.manual_seed(0)
     dm = tiny_datamodule(num_clients=6, batch_size=8)
     strategy = FedRepStrategy(
-        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, seed=4, engine="sequential"
+        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, seed=4, runner="sequential"
     )
     model = AdamNet()
     initial = copy.deepcopy(model)
@@ -391,29 +391,29 @@ def noisy_datamodule():
     return FederatedDataModule(NoisyData(train), test, ShardPartitioner(6, 2), batch_size=8, seed=0)
 
 
-def fine_tuned_metrics(cache, model=LossNet, engine="auto", datamodule=None):
+def fine_tuned_metrics(cache, model=LossNet, runner="auto", datamodule=None):
     """Per-client ``val/acc`` and ``val/loss`` after one round, fine-tuned in batches of 8 (the order matters),
     and the callback's feature-cache decision."""
     callback = FineTunedEvaluation(epochs=3, lr=0.1, cache_features=cache)
     torch.manual_seed(0)
     dm = datamodule() if datamodule else tiny_datamodule(num_clients=6, batch_size=8)
     strategy = FedRepStrategy(
-        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, seed=4, engine=engine
+        head="classifier", clients_per_round=2, head_epochs=1, body_epochs=1, seed=4, runner=runner
     )
     quiet_trainer(strategy=strategy, max_epochs=1, callbacks=[callback]).fit(model(), datamodule=dm)
     metrics = strategy.client_metrics["val"]
     return metrics.per_client("val/acc"), metrics.per_client("val/loss"), callback.cache_decision
 
 
-@pytest.mark.parametrize("engine", ["sequential", "auto"])
-def test_cached_features_score_every_client_as_the_full_forward_passes(engine):
+@pytest.mark.parametrize("runner", ["sequential", "auto"])
+def test_cached_features_score_every_client_as_the_full_forward_passes(runner):
     """Catches a cached step on the wrong samples' features: change ``features[index]`` to
     ``features[: len(index)]`` in ``_fit_head_cached`` and the per-client losses differ. Scored by the per-batch
     (``sequential``) and the batched (``auto`` with ``fedrep_evaluation = "headline"``) evaluation; equal within
     float error (a sample's features in a pass over the client's data and in a batch of 8 may differ in the
     last bits; here the accuracy is equal and the loss to 1e-6)."""
-    acc, loss, decision = fine_tuned_metrics(True, HeadlineNet, engine)
-    full_acc, full_loss, full_decision = fine_tuned_metrics(False, HeadlineNet, engine)
+    acc, loss, decision = fine_tuned_metrics(True, HeadlineNet, runner)
+    full_acc, full_loss, full_decision = fine_tuned_metrics(False, HeadlineNet, runner)
     assert "caches each client's features" in decision
     assert "cache_features=False" in full_decision
     assert acc == full_acc

@@ -109,7 +109,7 @@ def expected(strategy, client, x):
         return plain(tensors, x) * scale + shift
 
 
-def fit(net=OwnStepNet, engine="sequential", algorithm=None, callbacks=(), **kwargs):
+def fit(net=OwnStepNet, runner="sequential", algorithm=None, callbacks=(), **kwargs):
     torch.manual_seed(0)
     dm = tiny_datamodule(num_clients=NUM_CLIENTS, batch_size=16)
     strategy = FederatedStrategy(
@@ -118,7 +118,7 @@ def fit(net=OwnStepNet, engine="sequential", algorithm=None, callbacks=(), **kwa
         clients_per_round=1.0,
         seed=2,
         local_epochs=1,
-        engine=engine,
+        runner=runner,
         **kwargs,
     )
     trainer = quiet_trainer(strategy=strategy, max_epochs=ROUNDS, callbacks=list(callbacks))
@@ -232,7 +232,7 @@ def test_the_lockstep_runner_evaluates_the_forward_per_batch():
     the module's head) the logged per-client accuracy and loss are ``plain(x)·scale + shift_c``, and
     ``runner_report.evaluation`` names the per-batch evaluation. Fails if the lockstep runner ignores the forward
     (``scores_per_batch`` forced ``False`` in ``runners/batched_evaluation.py``)."""
-    strategy, trainer, model, dm = fit(net=HeadlineNet, engine="vectorized")
+    strategy, trainer, model, dm = fit(net=HeadlineNet, runner="vectorized")
     assert strategy.runner_report.engine == "vectorized"
     assert strategy.runner_report.evaluation == PER_BATCH_FORWARD
     assert_scores(strategy, trainer, model, dm, user_metric=False)

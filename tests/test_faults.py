@@ -92,7 +92,7 @@ def test_a_raising_and_a_nan_client_are_left_out_of_their_rounds_and_the_run_equ
         quiet_trainer(strategy=s, max_epochs=4, limit_val_batches=0, callbacks=[summary]).fit(
             model, datamodule=dm
         )
-    assert s.engine_report.engine == "sequential"  # a client's error needs its own steps
+    assert s.runner_report.engine == "sequential"  # a client's error needs its own steps
     ref_body, ref_heads = plain_fedrep(init, dm, 4, 1.0, 2, 1, 0, excluded={(1, 3), (2, 2)})
     assert_federation_equals(s, model, ref_body, ref_heads, init, 5)
     faults = [(f.round, f.client, f.step) for f in s.federation.faults]
@@ -124,18 +124,18 @@ def nan_client_data(nan_client: int):
     return FederatedDataModule.from_client_datasets(train, batch_size=dm.batch_size, seed=dm.seed), dm
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_a_client_with_nan_data_never_reaches_the_body(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_client_with_nan_data_never_reaches_the_body(runner):
     """NaN in one client's data: on both engines that client is left out of every round (the others'
     lanes in lockstep stay finite) and the body equals the plain loop without it."""
     torch.manual_seed(0)
     init = FaultyNet()
     data, reference_dm = nan_client_data(nan_client=1)
     model = copy.deepcopy(init)
-    s = strategy(engine=engine)
+    s = strategy(runner=runner)
     with pytest.warns(ClientFaultWarning):
         quiet_trainer(strategy=s, max_epochs=3, limit_val_batches=0).fit(model, datamodule=data)
-    assert s.engine_report.engine == engine
+    assert s.runner_report.engine == runner
     excluded = {(r, 1) for r in range(3)}
     ref_body, ref_heads = plain_fedrep(init, reference_dm, 3, 1.0, 2, 1, 0, excluded=excluded)
     assert_federation_equals(s, model, ref_body, ref_heads, init, 5)
@@ -147,7 +147,7 @@ def test_a_round_in_which_every_client_fails_leaves_the_body_unchanged_and_says_
     torch.manual_seed(0)
     model = FaultyNet({(1, c): "nan" for c in range(5)})
     dm = tiny_datamodule(num_clients=5, seed=3)
-    s = strategy(engine="sequential")  # the faults are injected in training_step
+    s = strategy(runner="sequential")  # the faults are injected in training_step
     bodies = []
 
     class Snapshot(__import__("lightning").Callback):
@@ -175,10 +175,10 @@ def test_the_raise_policies_stop_the_run_naming_the_client():
         ClientFaultError, match=r"Client 2 in round 0: non-finite values in .* \(on_nonfinite='raise'"
     ):
         quiet_trainer(
-            strategy=strategy(on_nonfinite="raise", engine="sequential"), max_epochs=1, limit_val_batches=0
+            strategy=strategy(on_nonfinite="raise", runner="sequential"), max_epochs=1, limit_val_batches=0
         ).fit(FaultyNet({(0, 2): "nan"}), datamodule=dm)
     with pytest.raises(RuntimeError, match="injected failure"):
-        quiet_trainer(strategy=strategy(engine="sequential"), max_epochs=1, limit_val_batches=0).fit(
+        quiet_trainer(strategy=strategy(runner="sequential"), max_epochs=1, limit_val_batches=0).fit(
             FaultyNet({(0, 2): "raise"}), datamodule=dm
         )
 
@@ -188,16 +188,16 @@ def test_skipping_errors_keeps_the_engine_off_and_forcing_it_is_refused():
     with pytest.raises(
         ValueError, match="on_client_error='skip' leaves out the one client whose step raised"
     ):
-        quiet_trainer(strategy=strategy(on_client_error="skip", engine="vectorized"), max_epochs=1).fit(
+        quiet_trainer(strategy=strategy(on_client_error="skip", runner="vectorized"), max_epochs=1).fit(
             FaultyNet(), datamodule=dm
         )
     with pytest.raises(ValueError, match="on_nonfinite must be 'skip' or 'raise'"):
         strategy(on_nonfinite="ignore")
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
 def test_a_run_stopped_by_an_error_rolls_the_round_back_and_its_exception_checkpoint_resumes_exactly(
-    tmp_path, engine
+    tmp_path, runner
 ):
     """The 6th step of round 1 raises (on_client_error='raise'; several clients have trained in the round
     by then): the run stops with the round rolled back in memory (every client holds what round 0
@@ -212,12 +212,12 @@ def test_a_run_stopped_by_an_error_rolls_the_round_back_and_its_exception_checkp
     def trainer(rounds, **kwargs):
         return quiet_trainer(max_epochs=rounds, limit_val_batches=None, **kwargs)
 
-    after_round_0 = strategy(engine=engine)
+    after_round_0 = strategy(runner=runner)
     trainer(1, strategy=after_round_0).fit(copy.deepcopy(init), datamodule=dm)
 
     faulty = copy.deepcopy(init)
     faulty.faults = {(-1, -1): "on_train_batch_start"}
-    s = strategy(engine=engine)
+    s = strategy(runner=runner)
     saver = OnExceptionCheckpoint(dirpath=str(tmp_path))
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer(4, strategy=s, callbacks=[saver], enable_checkpointing=True).fit(faulty, datamodule=dm)
@@ -228,17 +228,17 @@ def test_a_run_stopped_by_an_error_rolls_the_round_back_and_its_exception_checkp
     for name, value in after_round_0.global_tensors().items():
         assert torch.equal(s.global_tensors()[name], value)
 
-    resumed_model, resumed = copy.deepcopy(init), strategy(engine=engine)
+    resumed_model, resumed = copy.deepcopy(init), strategy(runner=runner)
     trainer(4, strategy=resumed).fit(
         resumed_model, datamodule=dm, ckpt_path=str(tmp_path / "on_exception.ckpt")
     )
-    clean_model, clean = copy.deepcopy(init), strategy(engine=engine)
+    clean_model, clean = copy.deepcopy(init), strategy(runner=runner)
     trainer(4, strategy=clean).fit(clean_model, datamodule=dm)
     assert_same_run(resumed_model, resumed, clean_model, clean)
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_a_run_resumed_mid_round_that_fails_in_that_round_rolls_back_to_the_rounds_start(tmp_path, engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_run_resumed_mid_round_that_fails_in_that_round_rolls_back_to_the_rounds_start(tmp_path, runner):
     """A mid-round checkpoint holds what the open round may change as it was at the round's start, so a run
     resumed from it (at round 1's 3rd step) that fails later in round 1 rolls the whole round back, and its
     exception checkpoint resumes to the parameters and the history of a run that never failed."""
@@ -249,7 +249,7 @@ def test_a_run_resumed_mid_round_that_fails_in_that_round_rolls_back_to_the_roun
     dm = tiny_datamodule(num_clients=5, seed=3)
 
     def fit(model, rounds=4, ckpt_path=None, callbacks=()):
-        s = strategy(engine=engine)
+        s = strategy(runner=runner)
         trainer = quiet_trainer(
             max_epochs=rounds,
             limit_val_batches=None,
@@ -278,8 +278,8 @@ def test_a_run_resumed_mid_round_that_fails_in_that_round_rolls_back_to_the_roun
     assert_same_run(resumed_model, resumed, clean_model, clean)
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_non_finite_outputs_in_evaluation_are_reported_as_nan_for_their_clients(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_non_finite_outputs_in_evaluation_are_reported_as_nan_for_their_clients(runner):
     """Client 1's test inputs hold a NaN: its accuracy is NaN (not argmax's class 0 counted as a guess),
     the other clients' are numbers, the summary over clients is NaN, and a warning names the client."""
     dm = tiny_datamodule(num_clients=5, seed=3)
@@ -293,7 +293,7 @@ def test_non_finite_outputs_in_evaluation_are_reported_as_nan_for_their_clients(
                 x[0, 0] = float("nan")
             out.append(TensorDataset(x, y))
     data = FederatedDataModule.from_client_datasets(train, test, batch_size=8)
-    s = strategy(engine=engine)
+    s = strategy(runner=runner)
     trainer = quiet_trainer(strategy=s, max_epochs=1)
     with pytest.warns(UserWarning, match=r"val: the model's outputs are not finite for clients \[1\]"):
         trainer.fit(FaultyNet(), datamodule=data)

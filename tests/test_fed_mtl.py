@@ -62,12 +62,12 @@ def plain_fed_mtl(init, dm, chunk=CHUNK, strength=STRENGTH):
     return w
 
 
-def fit(algorithm, ckpt_path=None, callbacks=(), engine="auto", rounds=ROUNDS):
+def fit(algorithm, ckpt_path=None, callbacks=(), runner="auto", rounds=ROUNDS):
     torch.manual_seed(0)
     init = LossNet()
     dm = full_batch_datamodule()
     strategy = FederatedStrategy(
-        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, engine=engine
+        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, runner=runner
     )
     model = copy.deepcopy(init)
     trainer = quiet_trainer(
@@ -82,14 +82,14 @@ def fit(algorithm, ckpt_path=None, callbacks=(), engine="auto", rounds=ROUNDS):
     return strategy, init, dm, trainer, model
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_fed_mtl_equals_the_official_rule_restated(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_fed_mtl_equals_the_official_rule_restated(runner):
     """Golden test: every client's weights and the tested accuracy/loss (on its own model), on both runners.
     Fails if ``Omega`` is the matrix square (``diagonal, off = 1 - 1 / m, -1 / m``: the projection), the partial
     block is kept (``_rows`` returning ``d``), the own column is left out of the gradient (``w.detach()``), or a
     lockstep lane reads another client's row (``tables["index"][0]``)."""
-    strategy, init, dm, trainer, model = fit(FedMTL(chunk=CHUNK, strength=STRENGTH), engine=engine)
-    assert strategy.runner_report.engine == engine
+    strategy, init, dm, trainer, model = fit(FedMTL(chunk=CHUNK, strength=STRENGTH), runner=runner)
+    assert strategy.runner_report.engine == runner
     assert strategy.global_tensors() == {}  # nothing is averaged
     expected = plain_fed_mtl(init, dm)
     for client in range(NUM_CLIENTS):
@@ -126,16 +126,16 @@ def test_a_mid_round_checkpoint_resumes_like_the_uninterrupted_run(tmp_path):
     """Fails if the kept weights are not saved with the federation (``state_dict`` returning ``{}``), or if the
     resumed round's tables read the client that finished before the checkpoint at its end weights instead of
     its round-start ones (``_start`` returning ``end``)."""
-    algorithm, engine = FedMTL(chunk=CHUNK, strength=STRENGTH), "sequential"
-    whole, *_ = fit(algorithm, engine=engine, rounds=3)  # round 2 reads what round 1's first client kept
+    algorithm, runner = FedMTL(chunk=CHUNK, strength=STRENGTH), "sequential"
+    whole, *_ = fit(algorithm, runner=runner, rounds=3)  # round 2 reads what round 1's first client kept
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    first, *_ = fit(algorithm, callbacks=[saver], engine=engine, rounds=3)
+    first, *_ = fit(algorithm, callbacks=[saver], runner=runner, rounds=3)
     # round 1: its first client done, the next one's first step done
     step = first.round_plan(0).length + LOCAL_EPOCHS + 1
     resumed, *_ = fit(
         FedMTL(chunk=CHUNK, strength=STRENGTH),
         ckpt_path=tmp_path / f"step={step}.ckpt",
-        engine=engine,
+        runner=runner,
         rounds=3,
     )
     for client in range(NUM_CLIENTS):
@@ -145,7 +145,7 @@ def test_a_mid_round_checkpoint_resumes_like_the_uninterrupted_run(tmp_path):
 
 def test_auto_may_run_fed_mtl_on_the_lockstep_runner(monkeypatch):
     """Fails if the regularizer is ``vmappable=False`` or FedMTL's ``configure_round`` (which only records the
-    round's clients) keeps ``engine="auto"`` sequential."""
+    round's clients) keeps ``runner="auto"`` sequential."""
     monkeypatch.setattr(
         sizing, "faster_lane_width", lambda wide, narrow, device, **kwargs: (True, 1e-3, 2e-3)
     )
@@ -164,10 +164,10 @@ class ScaledFedMTL(FedMTL):
 def test_a_round_that_scales_the_lr_trains_alike_on_both_runners():
     """The lockstep runner applies the ``lr_scale`` that FedMTL's ``configure_round`` sets beside recording the
     round's clients: every client's model as on the sequential runner. Fails if one runner ignores it."""
-    lockstep, *_ = fit(ScaledFedMTL(chunk=CHUNK, strength=STRENGTH), engine="vectorized")
+    lockstep, *_ = fit(ScaledFedMTL(chunk=CHUNK, strength=STRENGTH), runner="vectorized")
     assert lockstep.runner_report.engine == "vectorized"
-    sequential, *_ = fit(ScaledFedMTL(chunk=CHUNK, strength=STRENGTH), engine="sequential")
-    unscaled, *_ = fit(FedMTL(chunk=CHUNK, strength=STRENGTH), engine="sequential")
+    sequential, *_ = fit(ScaledFedMTL(chunk=CHUNK, strength=STRENGTH), runner="sequential")
+    unscaled, *_ = fit(FedMTL(chunk=CHUNK, strength=STRENGTH), runner="sequential")
     first = sequential.round_plan(0).clients[0]
     assert not torch.allclose(
         unscaled.client_tensors(first)["classifier.weight"],
@@ -197,8 +197,8 @@ def test_a_second_fit_of_the_same_algorithm_starts_afresh():
     """The registered instance serves every ``Trainer(strategy="fed_mtl")``: fails if a new fit keeps the last
     fit's weights (no reset when round 0 is planned), whose clients' columns would not be the initial model."""
     algorithm = FedMTL(chunk=CHUNK, strength=STRENGTH)
-    first, *_ = fit(algorithm, engine="sequential")
-    second, *_ = fit(algorithm, engine="sequential")
+    first, *_ = fit(algorithm, runner="sequential")
+    second, *_ = fit(algorithm, runner="sequential")
     for client in range(NUM_CLIENTS):
         for name, value in first.client_tensors(client).items():
             torch.testing.assert_close(second.client_tensors(client)[name], value, msg=(client, name))

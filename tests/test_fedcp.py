@@ -164,7 +164,7 @@ class Start(Callback):
         self.server = {n: t.clone() for n, t in trainer.strategy.federation.server_tensors.items()}
 
 
-def fit(algorithm, engine="auto", batch_size=256, model=None, callbacks=(), rounds=ROUNDS, **strategy_args):
+def fit(algorithm, runner="auto", batch_size=256, model=None, callbacks=(), rounds=ROUNDS, **strategy_args):
     torch.manual_seed(0)
     init = model or DeclaredNet(lr=LR)  # a large lr: the heads part and the CPN moves within three rounds
     strategy_args.setdefault("head", "classifier")
@@ -175,7 +175,7 @@ def fit(algorithm, engine="auto", batch_size=256, model=None, callbacks=(), roun
     strategy = FederatedStrategy(
         algorithm=algorithm,
         clients_per_round=PER_ROUND,
-        engine=engine,
+        runner=runner,
         **strategy_args,
     )
     start = Start()
@@ -213,7 +213,7 @@ def test_fedcp_equals_a_plain_loop(lamda):
     global one (``if view.round == 0 and view.step == 0``), if the context is not normalized
     (``c = context.detach()[None]``), if the upload is the trained CPN's start (``source = server``) or the head
     alone (``1.0 * end.end[n]``), or if the noise's units are numbered in another order."""
-    strategy, init, dm, trainer, model, start = fit(FedCP(lamda=lamda), engine="sequential")
+    strategy, init, dm, trainer, model, start = fit(FedCP(lamda=lamda), runner="sequential")
     expected = plain_fedcp(init, dm, start, lamda)
     assert min((expected[2][k] - start[f"cpn.{k}"]).abs().max() for k in CPN) > 1e-3  # the CPN trained
     _assert_equal(strategy, *expected)
@@ -223,7 +223,7 @@ def test_the_lockstep_runner_equals_the_plain_loop():
     """The rule inside the lockstep runner's ``vmap`` on zero-padded batches of 64 (unequal step counts, idle
     lanes), with the MMD term. Fails if the MMD averages over the padded rows too (``total.mean()``) or the
     stale-CPN bug above."""
-    strategy, init, dm, trainer, model, start = fit(FedCP(lamda=0.5), engine="vectorized", batch_size=64)
+    strategy, init, dm, trainer, model, start = fit(FedCP(lamda=0.5), runner="vectorized", batch_size=64)
     assert strategy.runner_report.engine == "vectorized"
     _assert_equal(strategy, *plain_fedcp(init, dm, start, 0.5))
 
@@ -239,14 +239,14 @@ def _plain_logits(init, w, head, cpn, hg, x):
         return net.classifier(rep * gate[:, 0]) + _head_g(net, hg, rep * gate[:, 1])
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_evaluation_scores_the_noise_free_two_head_prediction(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_evaluation_scores_the_noise_free_two_head_prediction(runner):
     """The logged test accuracy and ``strategy.client_model(c)(x)`` are the plain FedCP prediction
     ``classifier_c(rep * pm) + h_g(rep * gm)`` with the global body, CPN and ``h_g``, the client's head and its
     context, and the noise-free gate. Fails if evaluation draws Gumbel noise (``_gate(..., gumbel_noise(...))``
     in ``fedcp_forward``), drops the global head (``return module.forward_head(rep * pm)``), or normalizes no
     context (``gate_in = rep``)."""
-    strategy, init, dm, trainer, model, start = fit(FedCP(lamda=0.0), engine=engine)
+    strategy, init, dm, trainer, model, start = fit(FedCP(lamda=0.0), runner=runner)
     w, heads, cpn, hg = plain_fedcp(init, dm, start, 0.0)
     accuracies = []
     for client in range(NUM_CLIENTS):
@@ -286,9 +286,9 @@ def test_the_policy_network_starts_at_nn_linear_default_drawn_from_the_strategy_
     all in a narrower band), ``LayerNorm`` ones and zeros, ``h_g`` the module's head; the same on a second fit
     with the same seed, different with another seed. Fails if the init ignores the generator (every seed
     alike) or uses ``1/d`` as the bound."""
-    first = fit(FedCP(), engine="sequential", rounds=1)[-1]
-    again = fit(FedCP(), engine="sequential", rounds=1)[-1]
-    other = fit(FedCP(), engine="sequential", rounds=1, seed=SEED + 1)[-1]
+    first = fit(FedCP(), runner="sequential", rounds=1)[-1]
+    again = fit(FedCP(), runner="sequential", rounds=1)[-1]
+    other = fit(FedCP(), runner="sequential", rounds=1, seed=SEED + 1)[-1]
     bound = 1 / math.sqrt(D)
     for key in ("linear.weight", "linear.bias"):
         value = first[f"cpn.{key}"]
@@ -368,11 +368,11 @@ def test_a_module_fedcp_cannot_run_is_refused_at_setup(model, message):
     (neither declared nor a head module called last), a module without ``fedrep_loss``. Fails without
     ``FedCP.setup``'s checks."""
     with pytest.raises(ValueError, match=message):
-        fit(FedCP(), engine="sequential", model=model(), callbacks=[RefuseAtStep()])
+        fit(FedCP(), runner="sequential", model=model(), callbacks=[RefuseAtStep()])
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_a_forward_of_head_of_body_runs_as_the_declared_split(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_forward_of_head_of_body_runs_as_the_declared_split(runner):
     """``LossNet`` declares no ``forward_features``/``forward_head``; its ``forward`` is ``classifier(body(x))``,
     which FedCP finds as the vectorized engine does. It trains (with the MMD term) and scores bit for bit as the
     same module with the split declared (``DeclaredNet``). Fails on the code before: refused at setup ("FedCP
@@ -380,9 +380,9 @@ def test_a_forward_of_head_of_body_runs_as_the_declared_split(engine):
     runs = []
     for model_class in (LossNet, DeclaredNet):
         torch.manual_seed(0)
-        runs.append(fit(FedCP(lamda=0.5), engine=engine, model=model_class(lr=LR)))
+        runs.append(fit(FedCP(lamda=0.5), runner=runner, model=model_class(lr=LR)))
     (detected, _, dm, *_), (declared, *_) = runs
-    assert detected.runner_report.engine == declared.runner_report.engine == engine
+    assert detected.runner_report.engine == declared.runner_report.engine == runner
     assert detected.federation.server_tensors.keys() == declared.federation.server_tensors.keys()
     for name, value in declared.federation.server_tensors.items():
         assert torch.equal(detected.federation.server_tensors[name], value), name
@@ -414,8 +414,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
     """Fit two rounds, save, resume to three: the server tensors (CPN, ``h_g``, the int64 noise key) and the
     global body equal the three-round run's. Fails if the checkpoint's declared names cannot be rebuilt
     (``shapes=callable`` given no tensor shapes in ``declared_names``) or the noise key is redrawn on resume."""
-    full = fit(FedCP(), engine="sequential")[0]
-    first, *_, trainer, _, _ = fit(FedCP(), engine="sequential", rounds=2)
+    full = fit(FedCP(), runner="sequential")[0]
+    first, *_, trainer, _, _ = fit(FedCP(), runner="sequential", rounds=2)
     path = tmp_path / "two.ckpt"
     trainer.save_checkpoint(path)
     torch.manual_seed(0)
@@ -425,7 +425,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
         local_epochs=LOCAL_EPOCHS,
         head="classifier",
         seed=SEED,
-        engine="sequential",
+        runner="sequential",
     )
     quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0).fit(
         DeclaredNet(lr=LR), datamodule=datamodule(), ckpt_path=path
@@ -445,7 +445,7 @@ def test_phases_other_than_one_joint_phase_are_refused():
     with pytest.raises(ValueError, match=r"FedCP.*one phase per round, got phases="):
         fit(
             FedCP(),
-            engine="sequential",
+            runner="sequential",
             local_epochs=None,
             phases=[Phase("head", epochs=1), Phase("body", epochs=1)],
             callbacks=[RefuseAtStep()],
@@ -460,13 +460,13 @@ class TwoLayerHead(DeclaredNet):
         self.classifier = nn.Sequential(nn.Linear(8, 5), nn.Linear(5, 4))
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_a_head_of_two_linear_layers_equals_the_plain_loop(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_head_of_two_linear_layers_equals_the_plain_loop(runner):
     """The context of a two-layer head is the official product of its weights (last to first), and the global
     head runs as the module's head. Fails if the context reads the last layer alone (``for w in []`` in
     ``_context``)."""
     torch.manual_seed(0)
-    strategy, init, dm, trainer, model, start = fit(FedCP(lamda=0.0), engine=engine, model=TwoLayerHead())
+    strategy, init, dm, trainer, model, start = fit(FedCP(lamda=0.0), runner=runner, model=TwoLayerHead())
     _assert_equal(strategy, *plain_fedcp(init, dm, start, 0.0))
 
 

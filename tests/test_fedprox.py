@@ -1,5 +1,5 @@
 """FedProx (``lightning_fedrep.federation.algorithms.fedprox``) against a plain PyTorch loop of FedAvg plus
-the proximal term, on both runners; by name through the Trainer; the lockstep runner under ``engine="auto"``."""
+the proximal term, on both runners; by name through the Trainer; the lockstep runner under ``runner="auto"``."""
 
 import copy
 from dataclasses import replace
@@ -47,12 +47,12 @@ def plain_fedprox(init, dm, mu):
     return global_state
 
 
-def fit(engine, algorithm, **trainer_kwargs):
+def fit(runner, algorithm, **trainer_kwargs):
     torch.manual_seed(0)
     init = LossNet()
     dm = full_batch_datamodule()
     strategy = FederatedStrategy(
-        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, engine=engine
+        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, runner=runner
     )
     model = copy.deepcopy(init)
     quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0, **trainer_kwargs).fit(
@@ -61,14 +61,14 @@ def fit(engine, algorithm, **trainer_kwargs):
     return strategy, init, dm
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_fedprox_equals_a_plain_loop_on_both_runners(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_fedprox_equals_a_plain_loop_on_both_runners(runner):
     """Golden test. Fails if the term drops the 1/2 (``mu * distance``), pulls towards the live tensors
     instead of the round-start global ones (``view.trained[n].detach()``: no pull), or is not applied on
     one of the runners."""
     mu = 0.5
-    strategy, init, dm = fit(engine, FedProx(mu=mu))
-    assert strategy.runner_report.engine == engine
+    strategy, init, dm = fit(runner, FedProx(mu=mu))
+    assert strategy.runner_report.engine == runner
     dm.setup()
     expected = plain_fedprox(init, dm, mu)
     for name, value in expected.items():
@@ -96,7 +96,7 @@ def _lockstep_wins(monkeypatch):
 
 
 def test_auto_runs_fedprox_on_the_lockstep_runner(monkeypatch):
-    """Fails if the proximal term is marked ``vmappable=False`` (``engine="auto"`` would then run it
+    """Fails if the proximal term is marked ``vmappable=False`` (``runner="auto"`` would then run it
     sequentially), or if an algorithm's term again forces the sequential runner."""
     _lockstep_wins(monkeypatch)
     strategy, _, _ = fit("auto", FedProx(mu=0.5), max_steps=-1)
@@ -110,7 +110,7 @@ class SequentialFedProx(FedProx):
 
 
 def test_a_term_that_cannot_be_vmapped_falls_back_naming_it(monkeypatch):
-    """The fallback reason names the term (``engine="auto"``), and ``engine="vectorized"`` refuses it."""
+    """The fallback reason names the term (``runner="auto"``), and ``runner="vectorized"`` refuses it."""
     _lockstep_wins(monkeypatch)
     strategy, _, _ = fit("auto", SequentialFedProx(mu=0.5))
     report = strategy.runner_report

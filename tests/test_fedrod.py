@@ -85,7 +85,7 @@ def plain_fedrod(init, dm, batch_counts=False):
     return w, heads
 
 
-def fit(algorithm, engine="auto", batch_size=256, model=None, callbacks=(), **strategy_args):
+def fit(algorithm, runner="auto", batch_size=256, model=None, callbacks=(), **strategy_args):
     torch.manual_seed(0)
     init = model or LossNet()
     strategy_args.setdefault("head", "classifier")
@@ -95,7 +95,7 @@ def fit(algorithm, engine="auto", batch_size=256, model=None, callbacks=(), **st
         clients_per_round=PER_ROUND,
         seed=SEED,
         local_epochs=LOCAL_EPOCHS,
-        engine=engine,
+        runner=runner,
         **strategy_args,
     )
     trainer = quiet_trainer(
@@ -132,7 +132,7 @@ def test_fedrod_equals_a_plain_loop(counts):
     dm = datamodule()
     dm.setup()
     label_counts = client_label_counts(dm, CLASSES) if counts == "table" else counts
-    strategy, init, dm, *_ = fit(FedRoD(label_counts=label_counts), engine="sequential")
+    strategy, init, dm, *_ = fit(FedRoD(label_counts=label_counts), runner="sequential")
     _assert_equal(strategy, *plain_fedrod(init, dm))
 
 
@@ -143,7 +143,7 @@ def test_the_lockstep_runner_equals_the_plain_loop(counts):
     batch's (its real rows). Fails if the table row is not the client's (``[0]`` for ``[view.client]``), if the
     set-up reads another split (``"test"`` in ``client_label_counts``), or if the batch counts include the padded
     rows (``rows if view.mask is None else ...`` replaced by ``rows``)."""
-    lockstep, init, dm, *_ = fit(FedRoD(label_counts=counts), engine="vectorized", batch_size=64)
+    lockstep, init, dm, *_ = fit(FedRoD(label_counts=counts), runner="vectorized", batch_size=64)
     assert lockstep.runner_report.engine == "vectorized"
     _assert_equal(lockstep, *plain_fedrod(init, dm, batch_counts=counts == "batch"))
 
@@ -193,13 +193,13 @@ def test_bad_label_counts_name_the_argument(counts, error):
         FedRoD(label_counts=counts)
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
 @pytest.mark.parametrize(
     "shape, message", [((NUM_CLIENTS, 3), r"3 columns.*4 classes"), ((2, CLASSES), r"2 rows.*3 clients")]
 )
-def test_label_counts_of_another_shape_are_refused(shape, message, engine):
+def test_label_counts_of_another_shape_are_refused(shape, message, runner):
     with pytest.raises(ValueError, match=rf"label_counts.*{message}"):
-        fit(FedRoD(label_counts=torch.ones(shape)), engine=engine)
+        fit(FedRoD(label_counts=torch.ones(shape)), runner=runner)
 
 
 class TwoLayerHead(LossNet):
@@ -225,7 +225,7 @@ def test_a_head_that_is_not_one_linear_layer_with_a_bias_is_refused_at_setup(mod
     """Refused before any step (``RefuseAtStep`` would see a step). Fails without ``FedRoD.setup``'s check (or
     if the strategy does not call ``algorithm.setup``)."""
     with pytest.raises(ValueError, match="one linear layer with a bias"):
-        fit(FedRoD(), engine="sequential", model=model(), head=head, callbacks=[RefuseAtStep()])
+        fit(FedRoD(), runner="sequential", model=model(), head=head, callbacks=[RefuseAtStep()])
 
 
 class RefuseAtStep(Callback):
@@ -245,7 +245,7 @@ def test_a_module_without_a_head_split_is_refused_at_setup():
     from lightning_fedrep.federation.module.split import SplitError
 
     with pytest.raises(SplitError, match="head="):
-        fit(FedRoD(), engine="sequential", head=None)
+        fit(FedRoD(), runner="sequential", head=None)
 
 
 def test_a_padded_row_labelled_with_an_absent_class_changes_nothing():

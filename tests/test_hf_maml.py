@@ -74,11 +74,11 @@ def plain_hf_maml(init, dm, parts, hessian=True):
     return w
 
 
-def fit(algorithm, engine="auto", batch_size=256, validate=False):
+def fit(algorithm, runner="auto", batch_size=256, validate=False):
     torch.manual_seed(0)
     init, dm = net(), datamodule(batch_size)
     strategy = FederatedStrategy(
-        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, engine=engine
+        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, runner=runner
     )
     trainer = quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0)
     model = copy.deepcopy(init)
@@ -97,7 +97,7 @@ def test_hf_maml_equals_a_plain_loop(parts):
     """Golden test on the sequential runner. Fails if the Hessian term's sign flips (``d + scale * ...``), if
     the finite difference is one-sided (``minus`` taken at ``w``), if ``D'`` is ``D`` (``second`` -> ``first``
     in ``_grads``), or if ``parts`` is ignored (``_split`` always splitting, or never)."""
-    strategy, init, dm, *_ = fit(HFMAML(alpha=ALPHA, delta=DELTA, parts=parts), engine="sequential")
+    strategy, init, dm, *_ = fit(HFMAML(alpha=ALPHA, delta=DELTA, parts=parts), runner="sequential")
     _assert_equal(strategy.global_tensors(), plain_hf_maml(init, dm, parts))
 
 
@@ -107,9 +107,9 @@ def test_the_lockstep_runner_equals_the_plain_loop_and_the_sequential_runner(par
     rows not a multiple of 3). Fails if the split counts the padding (``mask.sum()`` -> ``mask.numel()`` in
     ``_split``)."""
     algorithm = HFMAML(alpha=ALPHA, delta=DELTA, parts=parts)
-    lockstep, init, dm, *_ = fit(algorithm, engine="vectorized", batch_size=64)
+    lockstep, init, dm, *_ = fit(algorithm, runner="vectorized", batch_size=64)
     assert lockstep.runner_report.engine == "vectorized"
-    sequential, *_ = fit(algorithm, engine="sequential", batch_size=64)
+    sequential, *_ = fit(algorithm, runner="sequential", batch_size=64)
     expected = plain_hf_maml(init, dm, parts)
     _assert_equal(lockstep.global_tensors(), expected)
     _assert_equal(lockstep.global_tensors(), sequential.global_tensors())
@@ -172,4 +172,4 @@ def test_bad_settings_name_the_argument(kwargs, argument):
 def test_a_batch_too_small_to_split_in_three_is_refused():
     """Sequential runner, ``parts=3``, batches of 2 rows: one of ``D, D', D''`` would be empty."""
     with pytest.raises(ValueError, match="at least 3 rows"):
-        fit(HFMAML(), engine="sequential", batch_size=2)
+        fit(HFMAML(), runner="sequential", batch_size=2)

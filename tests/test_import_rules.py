@@ -102,8 +102,6 @@ ENGINE_TO_LOADERS = (
 PENDING: dict[tuple[str, str], str] = {
     ("lightning.api", "runners.lockstep.engine"): FACE_TO_ENGINE,
     ("lightning.api", "runners.lockstep.heads_together"): FACE_TO_ENGINE,
-    ("lightning.strategy", "runners.lockstep.fusion"): FACE_TO_ENGINE,
-    ("lightning.strategy", "callbacks.progress"): FACE_TO_CALLBACKS,
     ("lightning.evaluating", "callbacks.evaluation_finetuning"): FACE_TO_CALLBACKS,
     ("runners.lockstep.engine", "data.loaders"): ENGINE_TO_LOADERS,
     ("runners.lockstep.evaluation", "data.loaders"): ENGINE_TO_LOADERS,

@@ -54,7 +54,7 @@ def kill_point(kind: str, engine: str, strategy) -> str:
 def run_until_killed(root: Path, engine: str, where: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPOSITORY), "WANDB_MODE": "disabled"}
     process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--root", str(root), "--engine", engine, "--kill-at", where],
+        [sys.executable, str(SCRIPT), "--root", str(root), "--runner", engine, "--kill-at", where],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

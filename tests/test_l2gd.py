@@ -78,7 +78,7 @@ def plain_l2gd(init, dm):
     return w_bar, w
 
 
-def fit(algorithm=None, ckpt_path=None, callbacks=(), engine="sequential", rounds=ROUNDS):
+def fit(algorithm=None, ckpt_path=None, callbacks=(), runner="sequential", rounds=ROUNDS):
     torch.manual_seed(0)
     init = LossNet(lr=LR, momentum=0.0)
     dm = datamodule()
@@ -87,7 +87,7 @@ def fit(algorithm=None, ckpt_path=None, callbacks=(), engine="sequential", round
         clients_per_round=1.0,
         seed=SEED,
         local_epochs=LOCAL_EPOCHS,
-        engine=engine,
+        runner=runner,
     )
     model = copy.deepcopy(init)
     trainer = quiet_trainer(
@@ -138,8 +138,8 @@ def test_a_mid_round_checkpoint_resumes_like_the_uninterrupted_run(tmp_path):
 
 
 def test_auto_runs_l2gd_sequentially_naming_its_slot():
-    """The lockstep runner does not train declared slots: ``engine="auto"`` says so and runs sequentially."""
-    strategy, *_ = fit(engine="auto", rounds=1)
+    """The lockstep runner does not train declared slots: ``runner="auto"`` says so and runs sequentially."""
+    strategy, *_ = fit(runner="auto", rounds=1)
     assert strategy.runner_report.engine == "sequential"
     assert "per-client slot 'personal'" in strategy.runner_report.reason
 

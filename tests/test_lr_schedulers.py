@@ -55,23 +55,23 @@ class ManualScheduledNet(ScheduledNet):
         return loss
 
 
-def fit(model, engine="sequential", rounds=2):
+def fit(model, runner="sequential", rounds=2):
     strategy = FederatedStrategy(
-        head="classifier", algorithm="fedavg", clients_per_round=3, seed=0, engine=engine
+        head="classifier", algorithm="fedavg", clients_per_round=3, seed=0, runner=runner
     )
     trainer = quiet_trainer(strategy=strategy, max_epochs=rounds, limit_val_batches=0)
     trainer.fit(model, datamodule=tiny_datamodule(num_clients=6, batch_size=32))
     return strategy
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized", "auto"])
-def test_a_step_interval_scheduler_is_refused_at_setup_naming_the_fix(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized", "auto"])
+def test_a_step_interval_scheduler_is_refused_at_setup_naming_the_fix(runner):
     """Fails on the code before: the sequential engine trained with it, silently ("auto" fell back to it): in
     round 0 the first client (3 steps) trained at 0.5, 0.25, 0.125, the second at 0.0625 .. 0.0156, the third
     at 0.0078 .. 0.0020."""
     model = ScheduledNet("step")
     with pytest.raises(ValueError, match="interval='step'") as refused:
-        fit(model, engine)
+        fit(model, runner)
     assert "'interval': 'epoch'" in str(refused.value) and "ExponentialLR" in str(refused.value)
     assert model.seen == []  # at setup, before any step
 

@@ -63,11 +63,11 @@ def plain_loop(init, dm):
     return global_state
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_grad_and_param_transforms_equal_a_plain_loop(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_grad_and_param_transforms_equal_a_plain_loop(runner):
     """Fails if a runner skips a transform, runs the gradient transform after the optimizer step (or the
     parameter transform before it), or applies it to clients that do not step."""
-    strategy, init, dm = fit(engine, Transformed())
+    strategy, init, dm = fit(runner, Transformed())
     dm.setup()
     expected = plain_loop(init, dm)
     for name, value in expected.items():

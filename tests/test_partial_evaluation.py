@@ -47,13 +47,13 @@ def messages(record):
 
 
 @pytest.mark.parametrize(
-    ("engine", "flags", "cause"),
+    ("runner", "flags", "cause"),
     [
         ("sequential", {"limit_val_batches": 1}, "limit_val_batches=1"),
         ("auto", {"fast_dev_run": True}, "fast_dev_run"),
     ],
 )
-def test_a_cut_pass_says_its_summaries_are_over_the_clients_it_evaluated(engine, flags, cause):
+def test_a_cut_pass_says_its_summaries_are_over_the_clients_it_evaluated(runner, flags, cause):
     """Catches the silent cut: drop ``_partial_pass_note`` from ``_log_evaluation``'s notes and a
     pass over one client of six logs ``val/acc`` without a word. The value logged is that client's accuracy
     (a plain forward), which the warning names (per batch, and on the batched path, where a step is a chunk)."""
@@ -62,8 +62,8 @@ def test_a_cut_pass_says_its_summaries_are_over_the_clients_it_evaluated(engine,
     )  # declares fedrep_evaluation = "headline": batched on auto
 
     torch.manual_seed(0)
-    dm = tiny_datamodule(num_clients=6, eval_batch_size=1000 if engine == "sequential" else 16)
-    fedrep = strategy(engine=engine)
+    dm = tiny_datamodule(num_clients=6, eval_batch_size=1000 if runner == "sequential" else 16)
+    fedrep = strategy(runner=runner)
     model = MLPClassifier(in_features=6, hidden=12, features=8, num_classes=4)
     trainer = quiet_trainer(strategy=fedrep, max_epochs=1, **flags)
     with pytest.warns(UserWarning) as record:
@@ -83,7 +83,7 @@ def test_a_pass_cut_inside_a_client_names_the_samples_it_scored():
     dm.setup()
     size = len(dm.client_data(0, "test"))
     assert size > 8
-    trainer = quiet_trainer(strategy=strategy(engine="sequential"), max_epochs=1, limit_val_batches=1)
+    trainer = quiet_trainer(strategy=strategy(runner="sequential"), max_epochs=1, limit_val_batches=1)
     with pytest.warns(UserWarning, match=rf"over 1 of 6 clients .*cut short: 0 \(8 of {size} samples\)"):
         trainer.fit(TinyNet(), datamodule=dm)
 
@@ -108,7 +108,7 @@ def test_clients_without_evaluation_samples_are_named_when_the_data_is_loaded():
     for empty in (1, 4):
         tests[empty] = TensorDataset(torch.zeros(0, 6), torch.zeros(0, dtype=torch.long))
     dm = FederatedDataModule.from_client_datasets(trains, tests, batch_size=8)
-    fedrep, model = strategy(engine="sequential"), TinyNet()
+    fedrep, model = strategy(runner="sequential"), TinyNet()
     trainer = quiet_trainer(strategy=fedrep)
     with pytest.warns(UserWarning, match=r"val: 2 of 6 clients have no val samples .*clients \[1, 4\]"):
         trainer.validate(model, datamodule=dm, verbose=False)
@@ -145,7 +145,7 @@ class TupleNetLoggingItsOwn(TupleNet):
 def test_a_forward_returning_a_tuple_says_the_headline_metrics_are_not_computed():
     """Catches the silent vanishing: return ``None`` from ``_turn_off_headline`` before its warning and
     ``val/acc``/``val/loss`` are simply missing from the logs of a module whose forward returns a tuple."""
-    trainer = quiet_trainer(strategy=strategy(engine="sequential"), max_epochs=1)
+    trainer = quiet_trainer(strategy=strategy(runner="sequential"), max_epochs=1)
     with pytest.warns(
         UserWarning, match=r"val/acc and val/loss are not computed: model\(x\) returned a tuple of 2"
     ):
@@ -154,7 +154,7 @@ def test_a_forward_returning_a_tuple_says_the_headline_metrics_are_not_computed(
 
 
 def test_a_module_logging_the_headline_keys_itself_is_not_warned():
-    fedrep = strategy(engine="sequential")
+    fedrep = strategy(runner="sequential")
     trainer = quiet_trainer(strategy=fedrep, max_epochs=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")

@@ -72,12 +72,12 @@ def plain_per_fedavg(init, dm, step, first_order=False, inner_scale=1e-3):
     return w
 
 
-def fit(algorithm, engine="auto", batch_size=256):
+def fit(algorithm, runner="auto", batch_size=256):
     torch.manual_seed(0)
     init = LossNet()
     dm = datamodule(batch_size)
     strategy = FederatedStrategy(
-        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, engine=engine
+        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, runner=runner
     )
     trainer = quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0)
     trainer.fit(copy.deepcopy(init), datamodule=dm)
@@ -95,7 +95,7 @@ def test_per_fedavg_equals_a_plain_loop(step, first_order, inner_scale):
     xq, yq)`` in ``outer``), if ``first_order`` is ignored (the ``inner.detach()`` line dropped), if the split
     is not the first 80% of rows (``k = x.shape[0] // 2``), or if ``"official"`` drops the support loss."""
     algorithm = PerFedAvg(step=step, first_order=first_order, inner_scale=inner_scale)
-    strategy, init, dm = fit(algorithm, engine="sequential")
+    strategy, init, dm = fit(algorithm, runner="sequential")
     expected = plain_per_fedavg(init, dm, step, first_order, inner_scale)
     for name, value in expected.items():
         torch.testing.assert_close(strategy.global_tensors()[name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -108,9 +108,9 @@ def test_the_lockstep_runner_equals_the_plain_loop_and_the_sequential_runner(ste
     ``mask.numel()`` in ``_split``) or if the engine drops the surrogate's per-lane gradients (``keep`` set to
     zeros in ``_rule_loss``)."""
     algorithm = PerFedAvg(step=step, first_order=first_order, inner_scale=1.0)
-    lockstep, init, dm = fit(algorithm, engine="vectorized", batch_size=64)
+    lockstep, init, dm = fit(algorithm, runner="vectorized", batch_size=64)
     assert lockstep.runner_report.engine == "vectorized"
-    sequential, *_ = fit(algorithm, engine="sequential", batch_size=64)
+    sequential, *_ = fit(algorithm, runner="sequential", batch_size=64)
     expected = plain_per_fedavg(init, dm, step, first_order, 1.0)
     for name, value in expected.items():
         got = lockstep.global_tensors()[name]

@@ -56,12 +56,12 @@ def plain_scaffold(init, dm, clip=CLIP, lr_g=LR_G):
     return w, c, c_i
 
 
-def fit(algorithm, engine="sequential", strategy=None, **trainer_kwargs):
+def fit(algorithm, runner="sequential", strategy=None, **trainer_kwargs):
     torch.manual_seed(0)
     init = LossNet()
     dm = full_batch_datamodule()
     strategy = strategy or FederatedStrategy(
-        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, engine=engine
+        algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, runner=runner
     )
     quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0, **trainer_kwargs).fit(
         copy.deepcopy(init), datamodule=dm
@@ -70,14 +70,14 @@ def fit(algorithm, engine="sequential", strategy=None, **trainer_kwargs):
     return strategy, init, dm
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_scaffold_equals_a_plain_loop_on_both_runners(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_scaffold_equals_a_plain_loop_on_both_runners(runner):
     """Golden test. Fails if the clip comes before the correction, the correction's sign is flipped
     (``c_i - c``), c_i+ drops ``- c``, or the server divides dc by m instead of n or ignores lr_g; in lockstep
     also if the clip is dropped or the group's gradients are clipped together (one norm over all clients'
     stacked gradients, the transform run outside the ``vmap``), or a client reads another's ``c_i``."""
-    strategy, init, dm = fit(Scaffold(lr_g=LR_G, clip=CLIP), engine)
-    assert strategy.runner_report.engine == engine
+    strategy, init, dm = fit(Scaffold(lr_g=LR_G, clip=CLIP), runner)
+    assert strategy.runner_report.engine == runner
     w, c, c_i = plain_scaffold(init, dm)
     fed = strategy.federation
     for name, value in w.items():
@@ -101,7 +101,7 @@ def test_scaffold_by_name_has_the_official_defaults():
 
 
 def test_auto_runs_scaffold_on_the_lockstep_runner(monkeypatch):
-    """Fails if the correction-and-clip transform is marked ``vmappable=False`` again (``engine="auto"``
+    """Fails if the correction-and-clip transform is marked ``vmappable=False`` again (``runner="auto"``
     then runs SCAFFOLD sequentially). The timing is made to favour lockstep (timings are not for tests)."""
     monkeypatch.setattr(
         sizing, "faster_lane_width", lambda wide, narrow, device, **kwargs: (True, 1e-3, 2e-3)

@@ -214,7 +214,7 @@ def test_fedrep_fast_dev_run_fits_with_the_decoder_as_head(files, layout):
     trainer.fit(model, datamodule=module)
     assert trainer.global_step >= 1
     assert strategy.federation.split.head == ("decoder.weight", "decoder.bias")
-    report = strategy.engine_report
+    report = strategy.runner_report
     assert report.engine == "sequential"
     assert ("dropout" if layout == "tokens" else "loss") in report.reason.lower()
 
@@ -280,15 +280,15 @@ def test_sent140_recipes_are_the_official_scripts_settings():
 
 
 def test_auto_engine_trains_an_lstm_without_dropout_as_the_sequential_path(files):
-    """Catches: ``engine="auto"`` choosing lockstep for a module it cannot vmap (an ``nn.LSTM`` body with
+    """Catches: ``runner="auto"`` choosing lockstep for a module it cannot vmap (an ``nn.LSTM`` body with
     no dropout to force the fallback): the run must end with the sequential path's weights."""
     states = {}
-    for engine in ("auto", "sequential"):
+    for runner in ("auto", "sequential"):
         torch.manual_seed(0)
         module = Sent140DataModule(str(files["train"]), str(files["test"]), glove_path=str(files["glove"]))
         model = Sent140RNN(glove_path=str(files["glove"]), dropout=0.0)
-        strategy = FedRepStrategy(head_epochs=1, body_epochs=1, clients_per_round=1.0, seed=0, engine=engine)
+        strategy = FedRepStrategy(head_epochs=1, body_epochs=1, clients_per_round=1.0, seed=0, runner=runner)
         quiet_trainer(strategy=strategy, max_epochs=1).fit(model, datamodule=module)
-        states[engine] = model.state_dict()
+        states[runner] = model.state_dict()
     for name, value in states["sequential"].items():
         torch.testing.assert_close(states["auto"][name], value, rtol=1e-5, atol=1e-6)

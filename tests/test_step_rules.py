@@ -55,10 +55,10 @@ class GradientsSeen(Callback):
         self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None})
 
 
-def fit(algorithm, model=None, engine="auto", callbacks=(), rounds=1):
+def fit(algorithm, model=None, runner="auto", callbacks=(), rounds=1):
     torch.manual_seed(0)
     strategy = FederatedStrategy(
-        algorithm=algorithm, clients_per_round=2, seed=1, local_epochs=1, engine=engine
+        algorithm=algorithm, clients_per_round=2, seed=1, local_epochs=1, runner=runner
     )
     trainer = quiet_trainer(
         strategy=strategy, max_epochs=rounds, limit_val_batches=0, callbacks=list(callbacks)
@@ -74,7 +74,7 @@ def test_the_optimizer_sees_exactly_the_rules_gradients_and_its_loss_is_logged()
     ``_surrogate``) or if the step rule's loss is not logged as ``train/loss`` (``logged_loss`` returning
     ``None``)."""
     seen, captured = [], GradientsSeen()
-    strategy, trainer = fit(OddGradients(seen), engine="sequential", callbacks=[captured])
+    strategy, trainer = fit(OddGradients(seen), runner="sequential", callbacks=[captured])
     assert strategy.runner_report.engine == "sequential"
     assert len(seen) == len(captured.grads) > 0
     for expected, got in zip(seen, captured.grads):
@@ -125,19 +125,19 @@ class SequentialPerFedAvg(PerFedAvg):
 
 
 def test_a_rule_that_cannot_be_vmapped_falls_back_naming_it():
-    """``engine="auto"`` runs sequentially and says which rule keeps it so; ``engine="vectorized"`` refuses.
+    """``runner="auto"`` runs sequentially and says which rule keeps it so; ``runner="vectorized"`` refuses.
     Fails if ``federation_reasons`` leaves the rule out (the engine would run a rule that cannot be vmapped)."""
-    strategy, _ = fit(SequentialPerFedAvg(), engine="auto")
+    strategy, _ = fit(SequentialPerFedAvg(), runner="auto")
     report = strategy.runner_report
     assert report.engine == "sequential" and "Per-FedAvg maml step" in report.reason, report
     with pytest.raises(ValueError, match="step rule 'Per-FedAvg maml step' cannot run in lockstep"):
-        fit(SequentialPerFedAvg(), engine="vectorized")
+        fit(SequentialPerFedAvg(), runner="vectorized")
 
 
 def test_a_vmappable_rule_runs_in_lockstep_without_a_feature_cache():
-    """Per-FedAvg's rule is vmappable: ``engine="vectorized"`` runs it, and says that head phases do not train on
+    """Per-FedAvg's rule is vmappable: ``runner="vectorized"`` runs it, and says that head phases do not train on
     cached features under a rule (it runs the whole module)."""
-    strategy, _ = fit(PerFedAvg(), engine="vectorized")
+    strategy, _ = fit(PerFedAvg(), runner="vectorized")
     report = strategy.runner_report
     assert report.engine == "vectorized", report
     assert "the step rule 'Per-FedAvg maml step' runs the whole module" in report.reason, report
@@ -166,19 +166,19 @@ class NanForClientZero(Algorithm):
         return Objective(step=StepRule(rule, "nan for client 0"))
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_a_client_whose_steps_wrote_non_finite_declared_tensors_is_left_out_with_them_undone(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_client_whose_steps_wrote_non_finite_declared_tensors_is_left_out_with_them_undone(runner):
     """``on_nonfinite="skip"``: client 0 is left out of the round and keeps its declared tensors as before the
     round (zeros); the others keep what their steps wrote. Fails if ``store_client`` does not check the tensors
     the steps wrote (``stepped`` left out of ``_nonfinite``) or ``_leave_out`` does not restore them."""
     torch.manual_seed(0)
     strategy = FederatedStrategy(
-        algorithm=NanForClientZero(), clients_per_round=3, seed=1, local_epochs=1, engine=engine
+        algorithm=NanForClientZero(), clients_per_round=3, seed=1, local_epochs=1, runner=runner
     )
     trainer = quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0)
     with pytest.warns(UserWarning, match="Client 0 is left out"):
         trainer.fit(LossNet(), datamodule=tiny_datamodule(num_clients=3, batch_size=64))
-    assert strategy.runner_report.engine == engine
+    assert strategy.runner_report.engine == runner
     store = strategy.federation.store
     assert torch.equal(store.client_state(0)["c"], torch.zeros(1))
     assert torch.equal(store.client_state(1)["c"], torch.ones(1))

@@ -51,12 +51,12 @@ class LoggingNet(TinyNet):
         return loss
 
 
-def fit(engine, tmp_path, model, **trainer_kwargs):
+def fit(runner, tmp_path, model, **trainer_kwargs):
     """``model`` (built by the caller right after ``torch.manual_seed(0)``) fitted for three rounds."""
     strategy = FederatedStrategy(
-        head="classifier", clients_per_round=3, head_epochs=2, body_epochs=1, seed=1, engine=engine
+        head="classifier", clients_per_round=3, head_epochs=2, body_epochs=1, seed=1, runner=runner
     )
-    logger = CSVLogger(tmp_path, name=engine, version=0)
+    logger = CSVLogger(tmp_path, name=runner, version=0)
     trainer = quiet_trainer(
         strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0, logger=logger, **trainer_kwargs
     )
@@ -98,7 +98,7 @@ def test_the_sequential_train_loss_is_logged_once_per_round_as_its_mean(sequenti
     ``train/loss`` value (step 49's), not one per round."""
     model, strategy, trainer, columns = sequential
     assert trainer.log_every_n_steps == 50 and trainer.global_step > ROUNDS * 20
-    assert strategy.engine_report.engine == "sequential"
+    assert strategy.runner_report.engine == "sequential"
     got = columns["train/loss"]
     assert [r for r, _ in got] == list(range(ROUNDS))
     expected = per_round_means(model.steps, 1)
@@ -113,7 +113,7 @@ def test_the_vectorized_engines_train_loss_is_the_same_round_mean(sequential, tm
     model, _, _, _ = sequential
     torch.manual_seed(0)
     strategy, trainer, columns = fit("vectorized", tmp_path, LoggingNet(record=False))
-    assert strategy.engine_report.engine == "vectorized" and trainer.global_step == 2 * ROUNDS
+    assert strategy.runner_report.engine == "vectorized" and trainer.global_step == 2 * ROUNDS
     got = columns["train/loss"]
     assert [r for r, _ in got] == list(range(ROUNDS))
     expected = per_round_means(model.steps, 1)

@@ -1,13 +1,13 @@
 """What ``training_step`` writes besides its loss is never lost on the default engine (issue 43, item 1).
 
 The vectorized engine runs no ``training_step``: it trains the declared loss. Before, a torchmetrics metric
-updated in the step saw only the probe batches (``train/acc_epoch`` read 0.0 under ``engine="auto"``), and
+updated in the step saw only the probe batches (``train/acc_epoch`` read 0.0 under ``runner="auto"``), and
 a counter counted two steps. Now the probe compares the module's state before and after the step
-(``runners/lockstep/side_effects.py``): any write sends ``engine="auto"`` to the sequential runner with the
-write named in the runner report and the log line, and makes ``engine="vectorized"`` refuse, naming it; and
-the probe puts the module back, so the sequential run counts exactly what ``engine="sequential"`` counts.
+(``runners/lockstep/side_effects.py``): any write sends ``runner="auto"`` to the sequential runner with the
+write named in the runner report and the log line, and makes ``runner="vectorized"`` refuse, naming it; and
+the probe puts the module back, so the sequential run counts exactly what ``runner="sequential"`` counts.
 
-The references: the sequential runner (``engine="sequential"``, which never probes), and hand counts from
+The references: the sequential runner (``runner="sequential"``, which never probes), and hand counts from
 the data (each planned client's samples, once per local epoch) and the round plans (its local steps).
 """
 
@@ -150,11 +150,11 @@ def clients() -> list[TensorDataset]:
     return out
 
 
-def fit(engine: str, model: type[Net], rounds: int = ROUNDS):
+def fit(runner: str, model: type[Net], rounds: int = ROUNDS):
     torch.manual_seed(0)
     module = model()
     strategy = FederatedStrategy(
-        engine=engine, head="classifier", clients_per_round=3, seed=5, head_epochs=2, body_epochs=1
+        runner=runner, head="classifier", clients_per_round=3, seed=5, head_epochs=2, body_epochs=1
     )
     trainer = quiet_trainer(strategy=strategy, max_epochs=rounds, limit_val_batches=0)
     trainer.fit(
@@ -178,7 +178,7 @@ def samples_by_hand(strategy: FederatedStrategy, round_index: int) -> int:
 def test_an_accuracy_updated_in_training_step_is_the_sequential_runners_under_auto(caplog):
     """Catches the issue's case (fails when ``side_effects`` returns ``[]``: the engine keeps the fit, the
     metric sees no batch of it and ``train/acc_epoch`` is computed on nothing). The reference: the same fit
-    on ``engine="sequential"``, and the samples each round trains, counted from the data."""
+    on ``runner="sequential"``, and the samples each round trains, counted from the data."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         auto, trainer, module = fit("auto", AccuracyNet)
     report = auto.runner_report
@@ -218,7 +218,7 @@ def test_a_counter_in_training_step_counts_every_local_step_under_auto(caplog):
 def test_a_buffer_written_in_training_step_falls_back_and_ends_as_on_the_sequential_runner(model, caplog):
     """Catches a buffer written by the step (fails when ``side_effects`` returns ``[]``: the engine never
     writes it; and, rebinding, when ``restored`` puts nothing back: the module keeps the probe's tensor).
-    The reference: the same fit on ``engine="sequential"`` (the buffer is shared with the body, by the
+    The reference: the same fit on ``runner="sequential"`` (the buffer is shared with the body, by the
     strategy's buffer policy, on both)."""
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         auto, _, module = fit("auto", model)
@@ -238,13 +238,13 @@ def test_a_buffer_written_in_training_step_falls_back_and_ends_as_on_the_sequent
     ids=["counter", "metric"],
 )
 def test_vectorized_refuses_naming_what_training_step_writes_and_the_fix(model, named):
-    """Catches ``engine="vectorized"`` running a step with side effects silently (fails when
+    """Catches ``runner="vectorized"`` running a step with side effects silently (fails when
     ``side_effects`` returns ``[]``: the fit runs)."""
     with pytest.raises(ValueError) as refused:
         fit("vectorized", model, rounds=1)
     message = str(refused.value)
-    assert message.startswith("engine='vectorized' cannot run here: training_step has side effects")
-    assert named in message and "engine='sequential'" in message and "on_client_end" in message
+    assert message.startswith("runner='vectorized' cannot run here: training_step has side effects")
+    assert named in message and "runner='sequential'" in message and "on_client_end" in message
 
 
 @pytest.mark.parametrize("model", [Net, CachingNet], ids=["plain", "cache, Lightning reads, val metric"])

@@ -48,7 +48,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--head-epochs", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--engine",
+        "--runner",
         default="vectorized",
         choices=["auto", "vectorized", "sequential"],
         help="vectorized (default): the same lockstep schedule on every process count; auto times its choice per run",
@@ -109,7 +109,7 @@ def worker(args: argparse.Namespace, devices: int) -> None:
             )
         )
     data = FederatedDataModule.from_client_datasets(train, batch_size=10)
-    settings = dict(clients_per_round=1.0, head_epochs=args.head_epochs, body_epochs=1, engine=args.engine)
+    settings = dict(clients_per_round=1.0, head_epochs=args.head_epochs, body_epochs=1, runner=args.runner)
     strategy = FederatedDDPStrategy(**settings) if devices > 1 else FederatedStrategy(**settings)
     clock = RoundClock()
     L.seed_everything(0, verbose=False)
@@ -176,7 +176,7 @@ def main() -> None:
     sizes = client_sizes(args)
     print(
         f"CIFAR10CNN, {len(sizes)} clients of {min(sizes)}..{max(sizes)} samples, FedRep {args.head_epochs} head + 1 body "
-        f"epochs, batch 10, {args.rounds} rounds, accelerator={args.accelerator}, engine={args.engine}"
+        f"epochs, batch 10, {args.rounds} rounds, accelerator={args.accelerator}, runner={args.runner}"
     )
     with tempfile.TemporaryDirectory() as folder:
         reports = {n: run_process_count(args, n, Path(folder)) for n in args.devices}

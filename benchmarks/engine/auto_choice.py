@@ -1,9 +1,9 @@
-"""Does ``engine="auto"`` pick the faster path? The cross-device workload, ``auto`` run 5 times.
+"""Does ``runner="auto"`` pick the faster path? The cross-device workload, ``auto`` run 5 times.
 
 1,000 clients of 50 samples each (random tensors of CIFAR-10's or digits' shape, 10 classes), 100 clients per
 round, batch 10, SGD lr 0.01 momentum 0.5; the CIFAR-10 CNN (``CIFAR10CNN``) and the digits MLP
 (``MLPClassifier``); FedAvg (1 local epoch) and FedRep (10 head + 1 body epochs, the official epochs). Each
-setting fits ``engine="sequential"`` once, then ``--runs`` pairs of ``engine="vectorized"`` and ``engine="auto"``
+setting fits ``runner="sequential"`` once, then ``--runs`` pairs of ``runner="vectorized"`` and ``runner="auto"``
 fits, one right after the other, in turn the vectorized one first and the ``auto`` one first (a load that
 comes and goes on this shared machine then slows both of a pair alike), and takes the median of the rounds
 after the first (the first pays the fit's start-up and ``auto``'s one-time timing, reported apart): 2 rounds of
@@ -53,7 +53,7 @@ def fit(
     model: str,
     data: FederatedDataModule,
     algorithm: str,
-    engine: str,
+    runner: str,
     per_round: int,
     rounds: int,
     device: str = "cpu",
@@ -64,7 +64,7 @@ def fit(
         algorithm=algorithm,
         clients_per_round=per_round,
         **epoch_settings(algorithm, head_epochs=HEAD_EPOCHS, body_epochs=BODY_EPOCHS, local_epochs=1),
-        engine=engine,
+        runner=runner,
         seed=0,
     )
     clock = RoundClock()

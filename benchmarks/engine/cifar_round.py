@@ -10,14 +10,14 @@ decay 1e-4 on weights, the official recipe), every client from the same global m
   (b) plain, fast    : a hand-written loop with the engine's optimizations: features cached once,
                        all clients' heads trained together (batched matmul), the body epoch client
                        after client; the same batches and updates as the strategy
-  (c) sequential     : ``FederatedStrategy(engine="sequential")``, whole ``Trainer.fit`` of one round
-  (d) vectorized     : ``FederatedStrategy(engine="vectorized")``; (d') ``engine="auto"``
+  (c) sequential     : ``FederatedStrategy(runner="sequential")``, whole ``Trainer.fit`` of one round
+  (d) vectorized     : ``FederatedStrategy(runner="vectorized")``; (d') ``runner="auto"``
   (e) floor          : one feature pass over every client's data plus one body epoch per client
                        (forward, backward, SGD step), nothing else
   (f) a round in a fit: (d) and (d') again, timed from the second round's start to its end in a fit of two
                        rounds (what every round after the first costs: no ``Trainer`` start-up, probe or
                        ``auto``'s one-time lane timing, which (d) and (d') include)
-  (g) compiled, in a fit: (f) with ``engine_compile=True`` (the head steps on cached features compiled); the
+  (g) compiled, in a fit: (f) with ``RunnerSettings(compile=True)`` (the head steps on cached features compiled); the
                        compiling happens in the first round, printed beside it
 
 Each repeat runs every variant once, in this order (a passing load slows all alike); a variant's time is its
@@ -59,7 +59,7 @@ from _common import (  # noqa: E402
     trainer_device,
 )
 
-from lightning_fedrep import FederatedDataModule, FederatedStrategy, ShardPartitioner  # noqa: E402
+from lightning_fedrep import FederatedDataModule, FederatedStrategy, RunnerSettings, ShardPartitioner  # noqa: E402
 from lightning_fedrep.federation.module.feature_chunks import feature_chunk_of  # noqa: E402
 from lightning_fedrep.models import CIFAR10CNN  # noqa: E402
 from lightning_fedrep.models.optim import fedrep_sgd  # noqa: E402
@@ -205,28 +205,27 @@ def plain_fast(w: Workload, dm: FederatedDataModule) -> tuple[dict[str, torch.Te
 # ----------------------------------------------------------------------------- (c, d) the strategy
 
 
-def workload_strategy(w: Workload, engine: str, compile: bool = False) -> FederatedStrategy:
-    """The strategy of the workload: every client every round, its epochs and seed, on ``engine``."""
+def workload_strategy(w: Workload, runner: str, compile: bool = False) -> FederatedStrategy:
+    """The strategy of the workload: every client every round, its epochs and seed, on ``runner``."""
     return FederatedStrategy(
         clients_per_round=w.clients,
         head_epochs=w.head_epochs,
         body_epochs=w.body_epochs,
         seed=w.seed,
-        engine=engine,
-        engine_compile=compile,
+        runner=RunnerSettings(runner, compile=compile),
     )
 
 
 def strategy_round(
     w: Workload,
     dm: FederatedDataModule,
-    engine: str,
+    runner: str,
     rounds: int = 1,
     clock: RoundClock | None = None,
     compile: bool = False,
 ) -> FederatedStrategy:
     """``rounds`` rounds through ``Trainer.fit`` (no validation, logger or checkpoint), timed by ``clock``."""
-    strategy = workload_strategy(w, engine, compile)
+    strategy = workload_strategy(w, runner, compile)
     callbacks = [clock] if clock is not None else []
     trainer = make_trainer(rounds, callbacks=callbacks, strategy=strategy, **trainer_device(w.device))
     trainer.fit(initial_model(w), datamodule=dm)
@@ -237,11 +236,11 @@ FIRST_ROUNDS: dict[str, list[float]] = {}
 """The first round of each :func:`round_in_fit` variant, per repeat (a compiled fit compiles there)."""
 
 
-def round_in_fit(w: Workload, dm: FederatedDataModule, engine: str, compile: bool = False) -> float:
+def round_in_fit(w: Workload, dm: FederatedDataModule, runner: str, compile: bool = False) -> float:
     """Seconds of the second round of a two-round fit (every round after the first costs this)."""
     clock = RoundClock()
-    strategy_round(w, dm, engine, rounds=2, clock=clock, compile=compile)
-    FIRST_ROUNDS.setdefault(f"{engine}{', compiled' if compile else ''}", []).append(clock.seconds[0])
+    strategy_round(w, dm, runner, rounds=2, clock=clock, compile=compile)
+    FIRST_ROUNDS.setdefault(f"{runner}{', compiled' if compile else ''}", []).append(clock.seconds[0])
     return clock.seconds[1]
 
 

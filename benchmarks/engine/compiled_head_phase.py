@@ -1,4 +1,4 @@
-"""The engine's head steps on cached features, eager against ``engine_compile=True``, inside real fits.
+"""The engine's head steps on cached features, eager against ``RunnerSettings(compile=True)``, inside real fits.
 
 The workload of ``cifar_round.py`` (the official CIFAR CNN, 10 clients x 500 samples, 10 head epochs on cached
 features then 1 body epoch, batch 10). Each fit runs ``--rounds`` rounds on the vectorized engine; a clock

@@ -1,6 +1,6 @@
 """Would ``torch.compile`` speed up the engine's cached head steps? A stand-in step, eager against compiled.
 
-The engine's own compiled steps (``engine_compile=True``) are timed in a real fit by ``cifar_round.py`` (g);
+The engine's own compiled steps (``RunnerSettings(compile=True)``) are timed in a real fit by ``cifar_round.py`` (g);
 this script times the bare step (the whole update compiled, the optimizer included), the ceiling of that gain.
 
 FedRep's head epochs on cached features are 500 lockstep steps per CIFAR round (10 clients, batch 10, a

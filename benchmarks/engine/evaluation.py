@@ -2,8 +2,8 @@
 
 Each client holds 20 test samples (random features, 10 classes) and, after one short training round
 of 10 clients, either its trained head or the initial one. ``trainer.test`` runs each client's own
-model on its own split and logs the per-client summaries; timed for ``engine="sequential"`` (the
-user's ``test_step`` per batch, head swapped per client) and ``engine="auto"`` (the global body over
+model on its own split and logs the per-client summaries; timed for ``runner="sequential"`` (the
+user's ``test_step`` per batch, head swapped per client) and ``runner="auto"`` (the global body over
 many clients' samples at once, every client's head in one ``vmap``), in one run, with the same
 per-client metrics.
 
@@ -49,11 +49,11 @@ def make_data(clients: int) -> FederatedDataModule:
     return dm
 
 
-def evaluated(clients: int, engine: str) -> tuple[float, FederatedStrategy]:
+def evaluated(clients: int, runner: str) -> tuple[float, FederatedStrategy]:
     """Train one round of 10 clients, then time ``trainer.test`` of every client."""
     dm = make_data(clients)
     torch.manual_seed(0)
-    strategy = FederatedStrategy(clients_per_round=10, head_epochs=1, body_epochs=1, engine=engine)
+    strategy = FederatedStrategy(clients_per_round=10, head_epochs=1, body_epochs=1, runner=runner)
     model = MLPClassifier()
     trainer = make_trainer(1, strategy=strategy)
     trainer.fit(model, datamodule=dm)

@@ -8,7 +8,7 @@ repository's own code, imported from a checkout you pass (``--official``; this s
 tensors (``cifar_round.make_data``); CIFAR-10 itself is not needed (the cost does not depend on the pixels).
 The checkout's ``models/test.py`` (evaluation only) does not compile on Python 3.11 (tabs mixed with spaces): an
 empty module stands in for it.
-The strategy side is ``cifar_round.strategy_round`` with ``engine="vectorized"`` and ``"auto"``. Each is timed
+The strategy side is ``cifar_round.strategy_round`` with ``runner="vectorized"`` and ``"auto"``. Each is timed
 ``--repeats`` times, alternating, best of each.
 
 Usage (alone on the machine)::

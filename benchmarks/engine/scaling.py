@@ -3,8 +3,8 @@
 A 64-64-32-10 MLP (``MLPClassifier``), clients of 50 samples each (random features, 10 classes, iid),
 batch 10, SGD lr 0.05 momentum 0.5. One round, timed three ways in one run:
 
-  vectorized : ``FederatedStrategy(engine="vectorized")``, whole ``Trainer.fit``
-  sequential : ``FederatedStrategy(engine="sequential")``, whole ``Trainer.fit``
+  vectorized : ``FederatedStrategy(runner="vectorized")``, whole ``Trainer.fit``
+  sequential : ``FederatedStrategy(runner="sequential")``, whole ``Trainer.fit``
   plain      : a plain PyTorch loop, one client after another (one model, tensors swapped with
                ``copy_``, a fresh SGD per client, tensor-indexed batches, no Lightning)
 
@@ -60,13 +60,13 @@ def make_data(clients: int, seed: int = 0, shape: tuple[int, ...] = (64,)) -> Fe
     return dm
 
 
-def strategy_round(dm: FederatedDataModule, algorithm: str, engine: str) -> FederatedStrategy:
+def strategy_round(dm: FederatedDataModule, algorithm: str, runner: str) -> FederatedStrategy:
     torch.manual_seed(0)
     strategy = FederatedStrategy(
         algorithm=algorithm,
         clients_per_round=dm.num_clients,
         **epoch_settings(algorithm, head_epochs=HEAD_EPOCHS, body_epochs=BODY_EPOCHS, local_epochs=1),
-        engine=engine,
+        runner=runner,
     )
     make_trainer(1, strategy=strategy).fit(MLPClassifier(), datamodule=dm)
     return strategy

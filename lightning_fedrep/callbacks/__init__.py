@@ -5,9 +5,9 @@ from lightning_fedrep.callbacks.finetuning import HeadFineTuning
 from lightning_fedrep.callbacks.neural_collapse import NeuralCollapse
 from lightning_fedrep.callbacks.orthonormal import OrthonormalBody
 from lightning_fedrep.callbacks.participation import AdaptiveParticipation
-from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from lightning_fedrep.callbacks.summary import RunSummary
 from lightning_fedrep.callbacks.validation_rounds import ValidateAtRounds
+from lightning_fedrep.lightning.progress import FederatedProgressBar
 
 __all__ = [
     "AdaptiveParticipation",

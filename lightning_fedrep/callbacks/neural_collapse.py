@@ -299,7 +299,7 @@ class NeuralCollapse(FederatedCallback):
         input of ``features_module`` (the classifier by default), summed over the batch's real rows only
         (padding masked on the lockstep runner). The features are asked for only when ``nu > 0``: the
         lockstep runner then needs a feature split whose features are exactly that input, and otherwise
-        runs sequentially (``engine="auto"``)."""
+        runs sequentially (``runner="auto"``)."""
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError(

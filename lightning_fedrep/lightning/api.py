@@ -61,16 +61,11 @@ class StrategyAPI:
         return self._selection.report
 
     @property
-    def engine_report(self) -> RunnerReport | None:
-        """The :attr:`runner_report` (its name before the runners)."""
-        return self.runner_report
-
-    @property
     def runner_settings(self) -> dict[str, Any]:
         """The lockstep runner's decided settings: ``group_width`` and ``lane_width`` (``None``: a round's
         clients, the group's), ``client_bytes`` (one client's estimated bytes), ``caching`` and ``split`` (how
         head phases run on cached features), ``steps_per_call`` (lockstep steps per Lightning step, ``None``: a
-        whole phase of a group), ``compile`` (``engine_compile``); ``{}`` on the sequential runner."""
+        whole phase of a group), ``compile`` (``RunnerSettings.compile``); ``{}`` on the sequential runner."""
         engine = self._selection.engine
         if engine is None:
             return {}

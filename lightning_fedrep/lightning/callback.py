@@ -115,8 +115,8 @@ class FederatedCallback(Callback):
         algorithm's do. Called once per fit and phase part, at the strategy's ``setup``, after every callback's
         ``setup(trainer, pl_module, stage)``: keep there what the objective needs of the trainer or module, and
         read state that is set later (e.g. per-client tables) when the term runs. A term with
-        ``vmappable=False`` keeps ``engine="auto"`` sequential (naming it) and is refused by
-        ``engine="vectorized"``. The default adds nothing.
+        ``vmappable=False`` keeps ``runner="auto"`` sequential (naming it) and is refused by
+        ``runner="vectorized"``. The default adds nothing.
 
         Args:
             phase: the phase's part, ``"head"``, ``"body"`` or ``"all"``.

@@ -32,7 +32,7 @@ PER_BATCH_HOOKS = (
     "on_before_zero_grad",
 )
 """Callback and module hooks Lightning calls once per training step: one that acts there needs a Lightning
-step per local step, so the engine does not fuse lockstep steps (``engine_steps_per_call``)."""
+step per local step, so the engine does not fuse lockstep steps (``RunnerSettings.steps_per_call``)."""
 
 NOT_PER_LOCAL_STEP = (ProgressBar, Timer, LearningRateMonitor)
 """Lightning callbacks whose per-batch hooks only display, check the clock or log the (per-round) learning

@@ -35,7 +35,7 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
 
     Takes every federated setting of :class:`~lightning_fedrep.FederatedStrategy`
     (``head``, ``algorithm``, ``clients_per_round``, ``head_epochs``, ``body_epochs``, ``phases``,
-    ``engine``, ...) and Lightning's DDP process settings:
+    ``runner``, ...) and Lightning's DDP process settings:
 
     Args:
         client_store: ``"replicated"``: every rank holds every client's state (memory: the whole store per

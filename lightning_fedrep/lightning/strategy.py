@@ -24,7 +24,6 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_fedrep.callbacks.progress import FederatedProgressBar
 from lightning_fedrep.evaluation.passes import FederatedEvaluation
 from lightning_fedrep.evaluation.prediction import Prediction
 from lightning_fedrep.federation import Federation, FederationConfig
@@ -57,8 +56,14 @@ from lightning_fedrep.lightning.checks import (
     check_trainer_flags,
 )
 from lightning_fedrep.lightning.constraints import constraints_of
-from lightning_fedrep.runners.lockstep.fusion import check_steps_per_call
+from lightning_fedrep.lightning.progress import FederatedProgressBar
 from lightning_fedrep.runners.selection import RunnerSelection
+from lightning_fedrep.runners.settings import (
+    RunnerChoice,
+    RunnerSettings,
+    refuse_old_keywords,
+    runner_settings,
+)
 
 
 class FederatedStrategyMixin(StrategyAPI):
@@ -104,31 +109,19 @@ class FederatedStrategyMixin(StrategyAPI):
         on_client_error: a client whose step raises: ``"raise"`` stops the run (the open round is rolled
             back, so a checkpoint written on the exception restarts the round); ``"skip"`` leaves the
             client out of the round like a non-finite one (sequential path only: one client's steps).
-        engine: how a round's local work runs. ``"vectorized"``: a round's clients train together in
-            lockstep (one Lightning step = one local step of every client; ``torch.func``), head phases
-            on cached body features; exact, but only for a module that declares its loss
-            (``fedrep_loss``), has no random layers or batch norm, and an element-wise optimizer without
-            gradient clipping (an error lists what is missing). ``"sequential"``: one client step per
-            Lightning step, the user's ``training_step`` as is. ``"auto"``: vectorized where exact,
-            else sequential with a one-line message saying why.
-            ``"auto"`` also times once per fit whether an uncached phase (FedRep's body epoch) is faster in
-            lockstep or one client at a time (logged, checkpointed); sequential where nothing is gained.
-        engine_width: at most this many clients train together; ``None``: a round's clients, as many as
-            ``engine_memory`` allows.
+        runner: which runner runs a round's local work: ``"auto"`` (the vectorized runner where it computes
+            exactly what the sequential one does and gains, else the sequential runner, saying why in one
+            line), ``"vectorized"`` (clients in lockstep; refused, naming why, where not exact) or
+            ``"sequential"`` (one client step per Lightning step, the module's own ``training_step``); or a
+            :class:`~lightning_fedrep.runners.settings.RunnerSettings` with the choice and the vectorized
+            runner's sizing (``width``, ``memory``, ``steps_per_call``, ``compile``). Held as
+            ``strategy.runner`` (a ``RunnerSettings``); what was decided is ``strategy.runner_report``.
         predict: whose model ``trainer.predict`` runs: ``"personalized"``, each batch's client's own model
             (needs a federated data module's batches: each client's test samples, client after client);
             ``"new_client"``, the model a client that never trained gets (global body, initial head);
             ``"auto"``, personalized where the batches carry their clients (a federated data module), else
             new_client (a warning if its local part is the untrained initial one). A log line says which
             ran; ``prediction_mode`` holds it and ``prediction_clients`` the client of each batch.
-        engine_memory: bytes a lockstep group may take (tensors, gradients, optimizer state, one step's
-            activations, cached features, per client); ``None``: half a GPU's free memory, a quarter of
-            the host's RAM.
-        engine_steps_per_call: lockstep steps per Lightning step (``global_step`` counts calls). ``"auto"``: a
-            group's whole phase, or one where something needs a step per local step (docs: Fused lockstep);
-            an int: at most that many (``1``: unfused; more is refused where something needs one).
-        engine_compile: compile the engine's head steps on cached features (``torch.compile``; docs: Compiled
-            head steps): seconds of compiling per fit, faster steps after; close to eager, not bit-exact.
     """
 
     def __init__(
@@ -151,22 +144,18 @@ class FederatedStrategyMixin(StrategyAPI):
         on_nonfinite: Literal["skip", "raise"] = "skip",
         on_client_error: Literal["raise", "skip"] = "raise",
         allow_new_federation: bool = False,
-        engine: Literal["auto", "vectorized", "sequential"] = "auto",
-        engine_width: int | None = None,
-        engine_memory: int | None = None,
+        runner: RunnerChoice | RunnerSettings = "auto",
         predict: Literal["auto", "new_client", "personalized"] = "auto",
-        engine_steps_per_call: int | Literal["auto"] = "auto",
-        engine_compile: bool = False,
         **kwargs: Any,
     ):
+        refuse_old_keywords(kwargs)
         super().__init__(**kwargs)
         _check_settings(
             head, head_epochs, body_epochs, local_epochs, allow_frozen, headline_metrics, seed, predict
         )
-        _check_evaluation_and_engine_settings(
-            allow_new_federation, first_state, evaluate_clients, buffers, engine, engine_width, engine_memory,
-            engine_steps_per_call, engine_compile,
-        )  # fmt: skip
+        _check_evaluation_settings(allow_new_federation, first_state, evaluate_clients, buffers)
+        self.runner: RunnerSettings = runner_settings(runner)
+        """The runner setting (a choice's name becomes its :class:`RunnerSettings`)."""
         resolved = get_algorithm(algorithm)
         # a registered algorithm is shared by name: each strategy gets its own copy of its server state
         self.algorithm: Algorithm = copy.deepcopy(resolved) if isinstance(algorithm, str) else resolved
@@ -175,10 +164,9 @@ class FederatedStrategyMixin(StrategyAPI):
             self.algorithm, phases is not None, epochs, EPOCH_DEFAULTS, owner=type(self).__name__
         )
         self.evaluate_clients, self.predict = evaluate_clients, predict
-        self.head, self.buffers, self.engine_compile = head, buffers, engine_compile
-        self.engine, self.engine_width, self.engine_memory = engine, engine_width, engine_memory
+        self.head, self.buffers = head, buffers
         self.allow_frozen, self.headline_metrics = allow_frozen, headline_metrics
-        self.allow_new_federation, self.engine_steps_per_call = allow_new_federation, engine_steps_per_call
+        self.allow_new_federation = allow_new_federation
         self.config = FederationConfig(
             phases=parse_phases(phases) if phases is not None else default_phases(self.algorithm, epochs),
             clients_per_round=check_clients_per_round(clients_per_round),
@@ -194,8 +182,7 @@ class FederatedStrategyMixin(StrategyAPI):
         self.collective: Collective = Collective()
         """The processes a round's clients are sharded over (one here; several on the DDP strategy)."""
         self._run: FederatedRun | None = None
-        engine_settings = (engine, engine_width, engine_memory, engine_steps_per_call, engine_compile)
-        self._selection = RunnerSelection(*engine_settings)
+        self._selection = RunnerSelection(self.runner)
         self._callbacks: list[FederatedCallback] = []
         self._evaluation = FederatedEvaluation(capture_logs, batch_size_of)
         self._prediction = Prediction()
@@ -549,16 +536,8 @@ def _check_settings(
     check_choice("predict", predict, ("auto", "new_client", "personalized"))
 
 
-def _check_evaluation_and_engine_settings(
-    allow_new_federation: Any,
-    first_state: Any,
-    evaluate_clients: Any,
-    buffers: Any,
-    engine: Any,
-    engine_width: Any,
-    engine_memory: Any,
-    engine_steps_per_call: Any,
-    engine_compile: Any,
+def _check_evaluation_settings(
+    allow_new_federation: Any, first_state: Any, evaluate_clients: Any, buffers: Any
 ) -> None:
     """Refuse bad strategy arguments at construction (the rest of :func:`_check_settings`)."""
     check_bool("allow_new_federation", allow_new_federation)
@@ -567,20 +546,6 @@ def _check_evaluation_and_engine_settings(
         check_int("evaluate_clients", evaluate_clients, minimum=1)
     if buffers not in ("shared", "local"):
         raise ValueError(f"buffers must be 'shared' or 'local', got {buffers!r}.")
-    if engine not in ("auto", "vectorized", "sequential"):
-        raise ValueError(f"engine must be 'auto', 'vectorized' or 'sequential', got {engine!r}.")
-    _check_positive_or_none("engine_width", engine_width, "a client count", "a round's clients")
-    _check_positive_or_none(
-        "engine_memory", engine_memory, "a number of bytes", "half a GPU's free memory, a quarter of the RAM"
-    )
-    check_steps_per_call(engine_steps_per_call, engine)
-    check_bool("engine_compile", engine_compile)
-    if engine_compile and engine == "sequential":
-        raise ValueError(
-            "engine_compile=True compiles the vectorized engine's head steps on cached features, but "
-            "engine='sequential' runs the user's training_step. Pass engine='auto' or engine='vectorized', or "
-            "leave engine_compile at False."
-        )
 
 
 def _check_head(head: Any) -> None:
@@ -594,19 +559,14 @@ def _check_head(head: Any) -> None:
         )
 
 
-def _check_positive_or_none(name: str, value: Any, what: str, default: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be {what} >= 1 or None ({default}), got {value!r}.")
-
-
 class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
     """Personalized federated learning (FedRep and its family) on one device: a whole federated training
     inside one ``Trainer.fit``, one Lightning epoch per communication round.
 
     Takes every federated setting of :class:`~lightning_fedrep.lightning.strategy.FederatedStrategyMixin` (``head``, ``algorithm``,
     ``clients_per_round``, ``head_epochs``, ``body_epochs``, ``local_epochs``, ``phases``, ``weighting``,
-    ``client_optimizer_state``, ``first_state``, ``evaluate_clients``, ``buffers``, ``allow_frozen``, ``seed``, ``headline_metrics``, ``engine``,
-    ``engine_width``, ``engine_memory``, ``engine_steps_per_call``, ``engine_compile``), and:
+    ``client_optimizer_state``, ``first_state``, ``evaluate_clients``, ``buffers``, ``allow_frozen``, ``seed``, ``headline_metrics``,
+    ``on_nonfinite``, ``on_client_error``, ``allow_new_federation``, ``runner``, ``predict``), and:
 
     Args:
         device: the device to train on; by default the one the Trainer's accelerator picks.

@@ -1,5 +1,4 @@
-"""Which runner ran a fit's training steps, and why: the public ``strategy.runner_report`` (alias
-``strategy.engine_report``)."""
+"""Which runner ran a fit's training steps, and why: the public ``strategy.runner_report``."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ PER_BATCH_FORWARD = (
 
 @dataclass(frozen=True)
 class RunnerReport:
-    """The runner decision of a fit (read-only; ``FederatedStrategy.runner_report``, alias ``engine_report``).
+    """The runner decision of a fit (read-only; ``FederatedStrategy.runner_report``).
 
     Attributes:
         engine: ``"vectorized"`` or ``"sequential"``: what runs the training steps.
@@ -70,7 +69,3 @@ class RunnerReport:
 
     def __str__(self) -> str:
         return f"{self.engine} engine ({self.reason}), decided at {self.decided_at}"
-
-
-EngineReport = RunnerReport
-"""The name of :class:`RunnerReport` before the runners (kept for existing code)."""

@@ -1,8 +1,8 @@
-"""Which runner runs a fit: the strategy's ``engine=`` setting against what is exact and what is faster.
+"""Which runner runs a fit: the strategy's ``runner=`` setting against what is exact and what is faster.
 
 :meth:`RunnerSelection.setup` runs at ``setup`` (before any step): the reasons the lockstep runner would not
-compute what the sequential runner computes send ``engine="auto"`` to the sequential runner with one line,
-and make ``engine="vectorized"`` an error naming them. :meth:`RunnerSelection.first_loader` runs when the
+compute what the sequential runner computes send ``runner="auto"`` to the sequential runner with one line,
+and make ``runner="vectorized"`` an error naming them. :meth:`RunnerSelection.first_loader` runs when the
 first training loader is bound: it decides the feature cache and the widths, and under ``"auto"`` keeps
 the sequential runner where the engine would gain nothing. Lightning-free: the face hands in the Trainer's
 facts as :class:`~lightning_fedrep.runners.constraints.Constraints` and prints the returned line.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,15 +27,14 @@ from lightning_fedrep.federation.plan import RoundPlan
 from lightning_fedrep.federation.run import PHASE_PARTS, FederatedRun, local_objective
 from lightning_fedrep.runners.constraints import Constraints
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
-from lightning_fedrep.runners.lockstep.fusion import StepsPerCall, resolve_steps_per_call
+from lightning_fedrep.runners.lockstep.fusion import resolve_steps_per_call
 from lightning_fedrep.runners.lockstep.probe import SIDE_EFFECTS, vectorize_problem
 from lightning_fedrep.runners.lockstep.runner import LockstepRunner
 from lightning_fedrep.runners.lockstep.validity import federation_reasons, module_reasons, trainer_reasons
 from lightning_fedrep.runners.runner_report import PER_BATCH_FORWARD, RunnerReport
 from lightning_fedrep.runners.sequential import SequentialRunner
+from lightning_fedrep.runners.settings import RunnerChoice, RunnerSettings, StepsPerCall
 from lightning_fedrep.runners.sharded import Sharded
-
-EngineMode = Literal["auto", "vectorized", "sequential"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class Decision:
 
 
 def build_engine(
-    mode: EngineMode,
+    mode: RunnerChoice,
     constraints: Constraints,
     module: nn.Module,
     federation: Federation,
@@ -66,7 +65,7 @@ def build_engine(
     refused here where something needs a Lightning step per local step), its cached head steps compiled
     where ``compile`` (:mod:`~lightning_fedrep.runners.lockstep.compiled`; not in a smoke run)."""
     if mode == "sequential":
-        return Decision(None, RunnerReport.sequential("engine='sequential'", "setup"))
+        return Decision(None, RunnerReport.sequential("runner='sequential'", "setup"))
     objectives = objectives or {}
     reasons = (
         module_reasons(module, federation.layout, constraints)
@@ -91,9 +90,9 @@ def build_engine(
     if reasons:
         if mode == "vectorized":
             raise ValueError(
-                "engine='vectorized' would not compute what the sequential path computes: "
-                f"{'; '.join(reasons)}. Remove what is listed, or pass engine='auto' (falls back to the "
-                "sequential path) or engine='sequential'."
+                "runner='vectorized' would not compute what the sequential runner computes: "
+                f"{'; '.join(reasons)}. Remove what is listed, or pass runner='auto' (falls back to the "
+                "sequential runner) or runner='sequential'."
             )
         report = RunnerReport.sequential("; ".join(reasons), "setup")
         return Decision(None, report, f"lightning_fedrep: sequential engine ({'; '.join(reasons)}).")
@@ -130,7 +129,7 @@ def _start_client_buffers(algorithm: Algorithm, module: nn.Module, federation: F
 
 def start_engine(
     engine: LockstepEngine,
-    mode: EngineMode,
+    mode: RunnerChoice,
     loader: Any,
     plan: RoundPlan,
     device: torch.device,
@@ -153,8 +152,8 @@ def start_engine(
         reason = engine.probe_problem or engine.loss_terms_problem
         if mode == "vectorized":
             raise ValueError(
-                f"engine='vectorized' cannot run here: {reason}. {_probe_fix(reason, engine.probe_problem)}, or "
-                "pass engine='auto' (falls back to the sequential path) or engine='sequential'."
+                f"runner='vectorized' cannot run here: {reason}. {_probe_fix(reason, engine.probe_problem)}, or "
+                "pass runner='auto' (falls back to the sequential runner) or runner='sequential'."
             )
         report = RunnerReport.sequential(reason, "first loader")
         return Decision(None, report, f"lightning_fedrep: sequential engine ({reason}).")
@@ -163,8 +162,8 @@ def start_engine(
     if unbatched is not None:
         if mode == "vectorized":
             raise ValueError(
-                f"engine='vectorized' cannot run here: {unbatched}. torch.func.vmap cannot batch an operation "
-                "of this module's loss or gradient; pass engine='sequential' (or engine='auto', which falls "
+                f"runner='vectorized' cannot run here: {unbatched}. torch.func.vmap cannot batch an operation "
+                "of this module's loss or gradient; pass runner='sequential' (or runner='auto', which falls "
                 "back to it)."
             )
         report = RunnerReport.sequential(unbatched, "first loader")
@@ -189,7 +188,7 @@ def start_engine(
 
 
 def _probe_fix(reason: str, probe_problem: str | None) -> str:
-    """How to make the module run on the engine, for a refusal of ``engine="vectorized"`` on the probe batches."""
+    """How to make the module run on the engine, for a refusal of ``runner="vectorized"`` on the probe batches."""
     if probe_problem is None:
         return "Declare forward_features/forward_head on the module (its features being what the loss terms take)"
     fixes = []
@@ -270,26 +269,16 @@ class RunnerSelection:
     every decision installs the runner (always wrapped in :class:`Sharded`) on the :class:`FederatedRun`.
 
     Args:
-        mode: the strategy's ``engine=`` setting.
-        width: ``engine_width`` (clients per lockstep group at most).
-        memory: ``engine_memory`` (bytes a lockstep group may take).
-        steps_per_call: ``engine_steps_per_call`` (lockstep steps per Lightning step).
-        compile: ``engine_compile`` (the cached head steps compiled).
+        settings: the strategy's ``runner=`` setting (the choice, and the vectorized runner's ``width``,
+            ``memory``, ``steps_per_call`` and ``compile``).
     """
 
-    def __init__(
-        self,
-        mode: EngineMode,
-        width: int | None,
-        memory: int | None,
-        steps_per_call: StepsPerCall = "auto",
-        compile: bool = False,
-    ):
-        self.mode = mode
-        self.width = width
-        self.memory = memory
-        self.steps_per_call = steps_per_call
-        self.compile = compile
+    def __init__(self, settings: RunnerSettings):
+        self.settings = settings
+        self.mode: RunnerChoice = settings.choice
+        self.width, self.memory = settings.width, settings.memory
+        self.steps_per_call: StepsPerCall = settings.steps_per_call
+        self.compile = settings.compile
         self.report: RunnerReport | None = None
         """Which runner runs this fit's training steps and why (``None`` before the first fit's ``setup``)."""
         self.engine: LockstepEngine | None = None
@@ -328,7 +317,7 @@ class RunnerSelection:
         self.engine = decision.engine
         line = decision.line
         if self.compile and line is not None and decision.engine is None:
-            line = f"{line} engine_compile=True compiles nothing on it (it runs the module's training_step)."
+            line = f"{line} compile=True compiles nothing on it (it runs the module's training_step)."
         if decision.report is not None:
             self.report = decision.report
             if self.report.engine == "vectorized" and self.evaluation is not None:
@@ -395,7 +384,7 @@ class RunnerSelection:
     def checkpoint(
         self, run: FederatedRun, state: dict[str, Any], algorithm: Algorithm, collective: Collective
     ) -> None:
-        """A resumed ``engine="auto"`` run keeps the runner of the run that saved the checkpoint."""
+        """A resumed ``runner="auto"`` run keeps the runner of the run that saved the checkpoint."""
         if self.engine is not None and self.mode == "auto" and "engine" not in state:
             self._take(
                 Decision(

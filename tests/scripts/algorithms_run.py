@@ -82,7 +82,7 @@ def fit(devices: int, algorithm: str) -> dict[str, Any]:
         algorithm=chosen,
         clients_per_round=1.0,
         **epoch_settings(chosen, head_epochs=2, body_epochs=1, local_epochs=2),
-        engine="sequential",
+        runner="sequential",
         seed=3,
     )
     if devices > 1:

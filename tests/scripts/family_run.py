@@ -81,7 +81,7 @@ def make_strategy(devices: int, **overrides: Any) -> FederatedStrategy:
         head_epochs=2,
         body_epochs=1,
         local_epochs=2,
-        engine="sequential",
+        runner="sequential",
         seed=3,
     )
     settings.update(overrides)

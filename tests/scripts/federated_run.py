@@ -171,7 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--algorithm", default="fedrep")
-    parser.add_argument("--engine", default="sequential")
+    parser.add_argument("--runner", default="sequential")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients-per-round", type=float, default=1.0)
     parser.add_argument("--out", required=True)
@@ -199,7 +199,7 @@ def main() -> None:
         algorithm=args.algorithm,
         clients_per_round=args.clients_per_round if args.clients_per_round < 1 else 1.0,
         **epoch_settings(args.algorithm, head_epochs=2, body_epochs=1, local_epochs=2),
-        engine=args.engine,
+        runner=args.runner,
         seed=3,
     )
     if args.devices > 1:

@@ -6,7 +6,7 @@ exception, no hook, no exception checkpoint: what a pre-empted machine does. The
 starts it as a subprocess, resumes from the newest checkpoint in its own process (``build`` below, the
 same run) and compares with the run that was never killed.
 
-    python tests/scripts/killed_run.py --root /tmp/k --engine sequential --kill-at validation:2:1
+    python tests/scripts/killed_run.py --root /tmp/k --runner sequential --kill-at validation:2:1
 
 Kill points: ``step:N`` after training step N (its checkpoint not yet written), ``round-end:R`` just
 after round R closed (its last step trained and aggregated), ``validation:R:B`` after validation batch B
@@ -82,13 +82,13 @@ def newest_checkpoint(root: Path) -> Path:
 
 
 def build(
-    engine: str, root: Path, kill_at: str | None = None
+    runner: str, root: Path, kill_at: str | None = None
 ) -> tuple[L.LightningModule, FedRepStrategy, L.Trainer]:
     """The run: dropout on the sequential engine (the resume must restore the RNG), 6 clients, 3 a round."""
     torch.manual_seed(0)
-    model = TinyNet(dropout=0.2) if engine == "sequential" else DeclaredLossNet()
+    model = TinyNet(dropout=0.2) if runner == "sequential" else DeclaredLossNet()
     strategy = FedRepStrategy(
-        head="classifier", clients_per_round=3, head_epochs=1, body_epochs=1, seed=5, engine=engine
+        head="classifier", clients_per_round=3, head_epochs=1, body_epochs=1, seed=5, runner=runner
     )
     callbacks = checkpoints(root) + ([KillAt(kill_at)] if kill_at else [])
     trainer = quiet_trainer(
@@ -108,10 +108,10 @@ def datamodule() -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--root", type=Path, required=True)
-    parser.add_argument("--engine", choices=("sequential", "vectorized"), required=True)
+    parser.add_argument("--runner", choices=("sequential", "vectorized"), required=True)
     parser.add_argument("--kill-at", required=True)
     args = parser.parse_args()
-    model, _, trainer = build(args.engine, args.root, args.kill_at)
+    model, _, trainer = build(args.runner, args.root, args.kill_at)
     trainer.fit(model, datamodule=datamodule())
     sys.exit("the run was not killed: the kill point was never reached")
 

@@ -43,8 +43,8 @@ class Ditto(Algorithm):
     ``Phase("all", epochs=local_epochs, slot="personal")``, makes it live in the module's own parameters;
     its optimizer state starts fresh, as the official code builds a new optimizer for it.
 
-    Runner: sequential. The pull is a parameter transform of the sequential runner (``engine="auto"`` says
-    so and runs sequentially; ``engine="vectorized"`` is refused): the lockstep runner does not train
+    Runner: sequential. The pull is a parameter transform of the sequential runner (``runner="auto"`` says
+    so and runs sequentially; ``runner="vectorized"`` is refused): the lockstep runner does not train
     declared slots.
 
     ``Trainer(strategy="ditto")`` (and ``"ditto_ddp"``) uses ``Ditto()``; pass another λ as

@@ -5,7 +5,7 @@ Every client trains everything (one ``"all"`` phase of ``local_epochs``) on::
     loss(w) + mu/2 * ||w - w_global||^2       over the shared parameters, w_global = the round-start model
 
 and the server takes the sample-weighted mean, as FedAvg. The proximal term is one vmappable
-:class:`~lightning_fedrep.federation.api.objective.LossTerm`, so both runners train it (``engine="auto"`` may
+:class:`~lightning_fedrep.federation.api.objective.LossTerm`, so both runners train it (``runner="auto"`` may
 pick the lockstep runner).
 """
 

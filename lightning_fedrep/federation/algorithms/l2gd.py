@@ -59,7 +59,7 @@ class L2GD(Algorithm):
     local iterations and the optimizer has momentum); the official script's last iteration is always local
     and its ``mask``/``w_glob_keys`` are undefined names (it does not run as released).
 
-    Runner: sequential (the lockstep runner does not train declared slots; ``engine="auto"`` says so).
+    Runner: sequential (the lockstep runner does not train declared slots; ``runner="auto"`` says so).
     """
 
     client_tensors = (ClientTensors(SLOT, like="model", init="module"),)

@@ -14,7 +14,7 @@ client inside its ``vmap`` (``view.mask`` marks the real rows there), unless it 
 A term or transform is a function of a :class:`StepView`. On the sequential runner its tensors are the live
 module's; inside the lockstep runner's ``torch.func.vmap`` they are one client's slices, so one function
 written with tensor ops runs on both. ``vmappable=False`` says it cannot run inside the ``vmap``:
-``engine="auto"`` then runs sequentially (saying why, naming it) and ``engine="vectorized"`` is refused.
+``runner="auto"`` then runs sequentially (saying why, naming it) and ``runner="vectorized"`` is refused.
 No Lightning here (the core).
 """
 
@@ -103,7 +103,7 @@ class LossTerm:
         fn: ``fn(view) -> Tensor | None`` (``None`` adds nothing). If vmappable: tensor ops only, no
             ``.item()`` or Python ``if`` on tensor values, no in-place updates of the view's tensors.
         name: names the term in the runner report and in errors.
-        vmappable: ``False`` makes ``engine="auto"`` run sequentially (and ``"vectorized"`` refuse).
+        vmappable: ``False`` makes ``runner="auto"`` run sequentially (and ``"vectorized"`` refuse).
         needs_features: the term reads ``view.features`` (the lockstep runner then runs the module as
             ``head(features(x))``, and needs such a split; the sequential runner captures the input of
             ``features_of``).
@@ -132,7 +132,7 @@ class GradTransform:
     name: str
     """The transform's name in reports and errors."""
     vmappable: bool = True
-    """Whether ``fn`` runs inside the lockstep runner's ``vmap`` (``False`` keeps ``engine="auto"`` sequential)."""
+    """Whether ``fn`` runs inside the lockstep runner's ``vmap`` (``False`` keeps ``runner="auto"`` sequential)."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class ParamTransform:
     name: str
     """The transform's name in reports and errors."""
     vmappable: bool = True
-    """Whether ``fn`` runs inside the lockstep runner's ``vmap`` (``False`` keeps ``engine="auto"`` sequential)."""
+    """Whether ``fn`` runs inside the lockstep runner's ``vmap`` (``False`` keeps ``runner="auto"`` sequential)."""
 
 
 PureLoss = Callable[[Mapping[str, Tensor], Tensor, Tensor, "Tensor | None"], Tensor]
@@ -193,7 +193,7 @@ class StepRule:
         vmappable: ``True``: ``fn`` uses tensor ops only (as a vmappable :class:`LossTerm`) and reads the real
             rows from ``view.mask`` (``None`` on the sequential runner: every row is real; in lockstep the
             batch is zero-padded), so the lockstep runner runs it per client inside its ``vmap``. ``False``:
-            ``engine="auto"`` runs sequentially (saying why, naming the rule), ``"vectorized"`` refuses.
+            ``runner="auto"`` runs sequentially (saying why, naming the rule), ``"vectorized"`` refuses.
 
     The runner sets the trained tensors' gradients to ``grads``, runs the gradient transforms, the client's
     optimizer step (momentum, weight decay apply), the parameter transforms, then writes ``client_state``.

@@ -1,4 +1,4 @@
-"""Compiled cached head steps (``FederatedStrategy(engine_compile=True)``).
+"""Compiled cached head steps (``FederatedStrategy(runner=RunnerSettings(compile=True))``).
 
 A head step on cached features is small (a FedRep CIFAR round has 500 of them: 10 clients, batch 10, a
 64 -> 10 head): its cost is the per-operation overhead of ``vmap``, ``functional_call`` and autograd, not
@@ -112,7 +112,7 @@ class CompiledHeadStep:
                 raise
             self.failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             warnings.warn(
-                f"lightning_fedrep: engine_compile=True could not compile the cached head step "
+                f"lightning_fedrep: compile=True could not compile the cached head step "
                 f"({self.failure}); the engine steps eagerly from here on (the same computation, not faster).",
                 RuntimeWarning,
                 stacklevel=2,

@@ -151,10 +151,10 @@ class LockstepEngine:
         self.client_bytes = 0
         """Estimated bytes one client of a lockstep group takes."""
         self.compile = False
-        """Whether cached head steps without loss terms run compiled (``engine_compile``:
+        """Whether cached head steps without loss terms run compiled (``RunnerSettings.compile``:
         :class:`~lightning_fedrep.runners.lockstep.compiled.CompiledHeadStep`, built at the first such step)."""
         self.compile_skipped: str | None = None
-        """Why ``engine_compile=True`` compiles nothing in this fit although asked (a smoke run), or ``None``."""
+        """Why ``compile=True`` compiles nothing in this fit although asked (a smoke run), or ``None``."""
         self._head_step: CompiledHeadStep | None = None
         self.feature_chunk = FEATURE_CHUNK
         """Samples per forward pass of the feature cache (:func:`~lightning_fedrep.federation.module.feature_chunks.feature_chunk`
@@ -305,16 +305,18 @@ class LockstepEngine:
         return f"{groups}; {lanes}{self._timing}; {self.calls_line}{self._compile_words(plan)}"
 
     def _compile_words(self, plan: RoundPlan) -> str:
-        """What ``engine_compile=True`` compiles in rounds like ``plan``, for the engine's line (nothing where
+        """What ``compile=True`` compiles in rounds like ``plan``, for the engine's line (nothing where
         it is off)."""
         if self.compile_skipped is not None:
-            return f"; engine_compile=True compiles nothing here ({self.compile_skipped})"
+            return f"; compile=True compiles nothing here ({self.compile_skipped})"
         if not self.compile:
             return ""
         if not self.caches_head(plan):
-            return "; engine_compile=True compiles nothing here (no head phase on cached features in the first round)"
+            return (
+                "; compile=True compiles nothing here (no head phase on cached features in the first round)"
+            )
         if self.objectives.get("head", NO_OBJECTIVE).terms:
-            return "; engine_compile=True compiles nothing here (the head phase has loss terms: eager)"
+            return "; compile=True compiles nothing here (the head phase has loss terms: eager)"
         return "; cached head steps compiled (torch.compile, once per group width and batch size)"
 
     def caches_head(self, plan: RoundPlan) -> bool:

@@ -11,32 +11,15 @@ with the meaning "one local step": the face lists what does (``Constraints.per_s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
 
-StepsPerCall = int | Literal["auto"]
-
-
-def check_steps_per_call(value: Any, engine: str) -> None:
-    """Refuse a bad ``engine_steps_per_call`` at construction: ``"auto"`` or an int >= 1, and more than one
-    only where the engine may run (not with ``engine="sequential"``)."""
-    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(
-            f"engine_steps_per_call must be 'auto' or a number of lockstep steps >= 1 (1: one per Lightning "
-            f"step), got {value!r}."
-        )
-    if engine == "sequential" and value != "auto" and value > 1:
-        raise ValueError(
-            f"engine_steps_per_call={value} fuses lockstep steps of the vectorized engine, but engine='sequential' "
-            "runs one client step per Lightning step (the user's training_step). Pass engine='auto' or "
-            "engine='vectorized', or leave engine_steps_per_call at 'auto'."
-        )
+from lightning_fedrep.runners.settings import StepsPerCall
 
 
 def resolve_steps_per_call(
     setting: StepsPerCall, per_step_needs: Sequence[str], smoke: bool
 ) -> tuple[int | None, str]:
     """The engine's lockstep steps per Lightning step (``None``: a whole phase of a group) and the words for
-    the engine's log line. ``setting`` is the strategy's ``engine_steps_per_call``; ``per_step_needs`` what
+    the engine's log line. ``setting`` is ``RunnerSettings.steps_per_call``; ``per_step_needs`` what
     needs a Lightning step per local step (refused with an int above one); a smoke run (``fast_dev_run``,
     one Lightning step a pass) is never fused."""
     if smoke:
@@ -47,10 +30,10 @@ def resolve_steps_per_call(
         return None, "a whole phase of a group per Lightning step"
     if setting > 1 and per_step_needs:
         raise ValueError(
-            f"engine_steps_per_call={setting} runs {setting} lockstep steps per Lightning step, but "
-            f"{'; '.join(per_step_needs)}. Remove what is listed, or pass engine_steps_per_call='auto' (one "
+            f"RunnerSettings(steps_per_call={setting}) runs {setting} lockstep steps per Lightning step, but "
+            f"{'; '.join(per_step_needs)}. Remove what is listed, or pass steps_per_call='auto' (one "
             "lockstep step per Lightning step where something needs it) or 1."
         )
     if setting == 1:
-        return 1, "one lockstep step per Lightning step (engine_steps_per_call=1)"
+        return 1, "one lockstep step per Lightning step (steps_per_call=1)"
     return setting, f"up to {setting} lockstep steps per Lightning step"

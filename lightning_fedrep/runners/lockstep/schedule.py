@@ -265,7 +265,7 @@ def _stack_pairs(pairs: list[Any], batch_size: int, mask: Tensor) -> dict[str, T
     ):
         raise TypeError(
             "The vectorized engine needs training batches of (inputs, targets) tensors; "
-            f"got {type(template).__name__}. Pass engine='sequential' to the strategy."
+            f"got {type(template).__name__}. Pass runner='sequential' to the strategy."
         )
     x = template[0].new_zeros((len(pairs), batch_size, *template[0].shape[1:]))
     y = template[1].new_zeros((len(pairs), batch_size, *template[1].shape[1:]))

@@ -5,7 +5,7 @@ module would happen on the two probe batches only: a torchmetrics metric it upda
 a fit, a counter would count two steps. :func:`state_prints` takes a cheap fingerprint of what a step can
 write and the user (or Lightning) reads later; :func:`side_effects` says in words what differs between two
 of them; :func:`restored` puts the module back as it was, so that probing leaves no trace (a fallback's
-sequential run starts from the state ``engine="sequential"`` starts from).
+sequential run starts from the state ``runner="sequential"`` starts from).
 
 Compared, in the module and in every submodule:
 

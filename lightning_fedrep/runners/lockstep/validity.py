@@ -1,8 +1,8 @@
 """When the vectorized engine computes exactly what the sequential path computes, and when not.
 
 :func:`sequential_reasons` lists every reason found (checked at ``setup``, before any step). With
-``engine="auto"`` any reason sends the run to the sequential path with a one-line message; with
-``engine="vectorized"`` it is an error naming them.
+``runner="auto"`` any reason sends the run to the sequential path with a one-line message; with
+``runner="vectorized"`` it is an error naming them.
 """
 
 from __future__ import annotations

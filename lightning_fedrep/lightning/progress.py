@@ -1,4 +1,5 @@
-"""A progress bar that speaks in rounds, clients and phases."""
+"""The strategy's own progress bar, which speaks in rounds, clients and phases (part of the face: the strategy
+installs it in place of Lightning's default bar; ``lightning_fedrep.callbacks`` exports it beside the callbacks)."""
 
 from __future__ import annotations
 
