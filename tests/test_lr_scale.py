@@ -68,11 +68,9 @@ def test_lockstep_scales_each_clients_lr_as_the_sequential_runner(optimizer, sch
     """Fails if the lockstep optimizers ignore ``lr_scale``, apply one client's to the whole group, or leave
     the scaled rate in the param groups (the scheduler's next rate would be off)."""
     model = lambda: Net(optimizer=optimizer, scheduler=scheduler)  # noqa: E731
-    sequential, vectorized = both(
-        model=model, algorithm=ScaledFedRep(), engine_width=width, clients_per_round=6
-    )
+    sequential, vectorized = both(model=model, algorithm=ScaledFedRep(), width=width, clients_per_round=6)
     assert_same(sequential, vectorized)
-    plain, _ = fit("vectorized", model=model, algorithm="fedrep", engine_width=width, clients_per_round=6)
+    plain, _ = fit("vectorized", model=model, algorithm="fedrep", width=width, clients_per_round=6)
     with pytest.raises(AssertionError):  # the scales changed something
         assert_same(plain, vectorized)
 
@@ -100,7 +98,7 @@ def test_compiled_head_steps_apply_lr_scale():
     rates after it. Fails if the compiled path bypasses the scaling."""
     sequential, _ = fit("sequential", model=DeclaredNet, algorithm=ScaledFedRep(), clients_per_round=6)
     compiled, _ = fit(
-        "vectorized", model=DeclaredNet, algorithm=ScaledFedRep(), clients_per_round=6, engine_compile=True
+        "vectorized", model=DeclaredNet, algorithm=ScaledFedRep(), clients_per_round=6, compile=True
     )
     step = compiled.lockstep_engine._head_step
     assert step is not None and step.failure is None

@@ -101,7 +101,7 @@ def plain_blend(init, dm, rounds=ROUNDS, poisoned=None):
     return w, kept, moved, visits
 
 
-def fit(algorithm, engine="sequential", rounds=ROUNDS, ckpt_path=None, callbacks=(), root=None, **kwargs):
+def fit(algorithm, runner="sequential", rounds=ROUNDS, ckpt_path=None, callbacks=(), root=None, **kwargs):
     torch.manual_seed(0)
     init = LossNet()
     dm = datamodule()
@@ -110,7 +110,7 @@ def fit(algorithm, engine="sequential", rounds=ROUNDS, ckpt_path=None, callbacks
         clients_per_round=PER_ROUND,
         seed=SEED,
         local_epochs=LOCAL_EPOCHS,
-        engine=engine,
+        runner=runner,
         **kwargs,
     )
     trainer = quiet_trainer(
@@ -139,21 +139,21 @@ def assert_like_plain(strategy, reference, atol=1e-5):
             torch.testing.assert_close(state[f"moved.{name}"], moved[client][name], rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_start_client_equals_a_plain_loop_on_both_runners(engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_start_client_equals_a_plain_loop_on_both_runners(runner):
     """Golden test. Fails if the hook is not called (no blend, visits stay 0), is called after the first step
     or twice (visits), its start values are not written into what the client trains from (the sequential
     runner's live module, the lockstep group's stacked rows), or ``ClientEnd.start`` is the unblended start
     (``moved``)."""
-    strategy, init, dm = fit(BlendStart(), engine)
-    assert strategy.runner_report.engine == engine
+    strategy, init, dm = fit(BlendStart(), runner)
+    assert strategy.runner_report.engine == runner
     reference = plain_blend(init, dm)
     assert max(reference[3]) > 1  # some client returned, so the blend ran
     assert_like_plain(strategy, reference)
 
 
 def test_sequential_and_vectorized_runs_agree():
-    runs = [fit(BlendStart(), engine)[0] for engine in ("sequential", "vectorized")]
+    runs = [fit(BlendStart(), runner)[0] for runner in ("sequential", "vectorized")]
     seq, lock = (s.federation for s in runs)
     for name, value in runs[0].global_tensors().items():
         torch.testing.assert_close(runs[1].global_tensors()[name], value, rtol=1e-5, atol=1e-6)
@@ -179,11 +179,11 @@ def test_the_default_start_client_is_never_called(monkeypatch):
         return changed
 
     monkeypatch.setattr(RoundTransaction, "begin_client", spy)
-    for engine in ("sequential", "vectorized"):
+    for runner in ("sequential", "vectorized"):
         seen.clear()
-        strategy, _, _ = fit(Algorithm("plain", {"body", "head"}, "FedAvg"), engine, rounds=2)
-        assert strategy.runner_report.engine == engine
-        assert seen and all(changed == {} and starts == {} for _, changed, starts in seen), engine
+        strategy, _, _ = fit(Algorithm("plain", {"body", "head"}, "FedAvg"), runner, rounds=2)
+        assert strategy.runner_report.engine == runner
+        assert seen and all(changed == {} and starts == {} for _, changed, starts in seen), runner
 
 
 class BadStart(Algorithm):
@@ -224,27 +224,27 @@ class BadStart(Algorithm):
     ],
     ids=["unknown-tensor", "wrong-shape", "unknown-client-tensor", "wrong-client-shape", "not-an-outcome"],
 )
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_a_bad_start_outcome_is_refused_naming_the_hook_and_the_name(outcome, error, match, engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_bad_start_outcome_is_refused_naming_the_hook_and_the_name(outcome, error, match, runner):
     with pytest.raises(error, match=rf"BadStart\.start_client\(\).*{match}"):
-        fit(BadStart(outcome), engine, rounds=1)
+        fit(BadStart(outcome), runner, rounds=1)
 
 
-@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
-def test_a_resumed_mid_round_checkpoint_gives_the_uninterrupted_result(tmp_path, engine):
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_resumed_mid_round_checkpoint_gives_the_uninterrupted_result(tmp_path, runner):
     """Saved while clients had started (the hook ran) but not finished: the resumed run does not call the hook
     again for them (visits would count twice) and keeps what it returned (``moved`` reads ``ClientEnd.start``;
     saved in the last round, so no later visit overwrites it)."""
-    full, init, dm = fit(BlendStart(), engine)
+    full, init, dm = fit(BlendStart(), runner)
     saver = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    fit(BlendStart(), engine, callbacks=[saver], root=tmp_path / "a")
+    fit(BlendStart(), runner, callbacks=[saver], root=tmp_path / "a")
     chosen = None
     for path in sorted((tmp_path / "ck").glob("step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1])):
         state = torch.load(path, weights_only=True)["lightning_fedrep"]["round"]
         if state["open"] and state["index"] >= 1 and any(state.get("starts", {}).values()):
             chosen = path  # the last with a started client whose start the hook changed, not yet finished
     assert chosen is not None, "no mid-round checkpoint with a started client"
-    resumed, _, _ = fit(BlendStart(), engine, ckpt_path=chosen, root=tmp_path / "b")
+    resumed, _, _ = fit(BlendStart(), runner, ckpt_path=chosen, root=tmp_path / "b")
     assert_like_plain(resumed, plain_blend(init, dm))
     for name, value in full.global_tensors().items():
         torch.testing.assert_close(resumed.global_tensors()[name], value, rtol=0, atol=0)
@@ -254,7 +254,7 @@ def test_a_resumed_mid_round_checkpoint_gives_the_uninterrupted_result(tmp_path,
     starts[client]["classifier.bias"] = torch.zeros(3)
     torch.save(damaged, tmp_path / "damaged.ckpt")
     with pytest.raises(CheckpointError, match=r"\['starts'\].*'classifier\.bias'"):
-        fit(BlendStart(), engine, ckpt_path=tmp_path / "damaged.ckpt", root=tmp_path / "c")
+        fit(BlendStart(), runner, ckpt_path=tmp_path / "damaged.ckpt", root=tmp_path / "c")
 
 
 def test_a_client_left_out_gets_back_what_start_client_changed():
@@ -324,9 +324,9 @@ class BufferNet(LossNet):
 
 def test_lockstep_refuses_start_client_with_buffers_it_holds_once():
     """An algorithm overriding ``start_client`` may give each client its own buffers, which the lockstep runner
-    cannot: ``engine="vectorized"`` is refused naming the hook and the buffer, ``"auto"`` runs sequentially."""
+    cannot: ``runner="vectorized"`` is refused naming the hook and the buffer, ``"auto"`` runs sequentially."""
     strategy = FederatedStrategy(
-        algorithm=BlendStart(), clients_per_round=PER_ROUND, seed=SEED, engine="vectorized"
+        algorithm=BlendStart(), clients_per_round=PER_ROUND, seed=SEED, runner="vectorized"
     )
     with pytest.raises(
         ValueError, match=r"BlendStart\.start_client may give a client its own starting buffers \(offset\)"
@@ -335,7 +335,7 @@ def test_lockstep_refuses_start_client_with_buffers_it_holds_once():
             BufferNet(), datamodule=datamodule()
         )
     strategy = FederatedStrategy(
-        algorithm=BlendStart(), clients_per_round=PER_ROUND, seed=SEED, engine="auto"
+        algorithm=BlendStart(), clients_per_round=PER_ROUND, seed=SEED, runner="auto"
     )
     quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0).fit(
         BufferNet(), datamodule=datamodule()
