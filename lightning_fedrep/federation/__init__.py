@@ -81,15 +81,25 @@ __all__ = [
 ]
 
 
+_PARTS: dict[str, type] = {
+    "state": FederationState,
+    "live": LiveModule,
+    "ranks": RankTransfer,
+    "rounds": RoundTransaction,
+}
+
+
 class _Part:
     """A federation attribute answered by one of its parts: ``name = _Part("rounds")`` reads
-    ``federation.rounds.name`` (``attribute``: under another name there); ``writable``: set there too."""
+    ``federation.rounds.name`` (``attribute``: under another name there); ``writable``: set there too.
+    It carries the docstring of the part's method or property (none for a plain attribute)."""
 
     def __init__(self, part: str, attribute: str | None = None, writable: bool = False):
         self.part, self.attribute, self.writable = part, attribute, writable
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.attribute = self.attribute or name
+        self.__doc__ = getattr(getattr(_PARTS[self.part], self.attribute, None), "__doc__", None)
 
     def __get__(self, federation: Any, owner: type | None = None) -> Any:
         if federation is None:

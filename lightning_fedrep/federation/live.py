@@ -32,8 +32,7 @@ class LiveModule:
 
     def __init__(self, state: FederationState):
         self.state = state
-        self.module: nn.Module | None = None
-        """The module the federation drives (its tensors are written into it), once attached."""
+        self._module: nn.Module | None = None
         self.named: dict[str, Tensor] = {}
         """The attached module's buffers and parameters by name (the tensors written into)."""
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -43,9 +42,14 @@ class LiveModule:
         self._eval_client: int | None = None
         self._eval_tensors: dict[int, dict[str, Tensor]] = {}
 
+    @property
+    def module(self) -> nn.Module | None:
+        """The module the federation drives (its tensors are written into it), once attached."""
+        return self._module
+
     def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         """Drive ``module`` (and its optimizers): called when the module, its device or optimizers change."""
-        self.module = module
+        self._module = module
         self.named = {**dict(module.named_buffers()), **dict(module.named_parameters())}
         self.optimizers = list(optimizers)
 
@@ -74,7 +78,7 @@ class LiveModule:
     def set_phase(self, part: Part) -> None:
         """Make only the parameters ``part`` trains trainable (the others get no gradient)."""
         trains = PART_GROUPS[part]
-        for name, param in self.module.named_parameters():
+        for name, param in self._module.named_parameters():
             group = self.state.split.group(name)
             if group != "frozen":
                 param.requires_grad_(group in trains)
@@ -84,7 +88,7 @@ class LiveModule:
 
     def release_phases(self) -> None:
         """Make every non-frozen parameter trainable again (when training ends)."""
-        for name, param in self.module.named_parameters():
+        for name, param in self._module.named_parameters():
             if self.state.split.group(name) != "frozen":
                 param.requires_grad_(True)
         self.phase = None
