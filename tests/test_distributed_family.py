@@ -73,7 +73,7 @@ def assert_both_ranks_trained(result: dict) -> None:
 def test_every_algorithm_on_two_processes_equals_one_process(ranks, reference, algorithm):
     """FedPer, LG-FedAvg and Local Only, each client's work on one of 2 ranks: every rank ends with the
     one-process federation. Fails if other ranks' clients are not received (``store.owner(client) in
-    (None, me)`` -> ``== me`` in ``Federation._gather_round``: all three); if ``_gather_round`` returns at
+    (None, me)`` -> ``== me`` in ``RankTransfer.gather_round``: all three); if ``gather_round`` returns at
     once when nothing is shared (``if not self.shared_names: return``: Local); if the sums are all-reduced
     only when the body is shared (``if self._average is not None and "body" in self.algorithm.shares``:
     LG-FedAvg)."""
@@ -92,7 +92,7 @@ def test_a_faulty_client_on_rank_1_is_left_out_on_every_rank(ranks, reference):
     trained by rank 1: rank 0 records the same faults, the same history and the same federation as one
     process (where ``test_faults.py`` checks the run against a plain loop). Fails if the round's results
     are gathered without the faulty clients (``for r in self._finished`` -> ``for r in self._finished if
-    not r.fault`` in ``Federation._gather_round``)."""
+    not r.fault`` in ``RankTransfer.gather_round``)."""
     expected = reference["fault"]
     assert [(f["round"], f["client"]) for f in expected["faults"]] == sorted(FAULTS)
     assert "RuntimeError at local step 1: injected failure" in expected["faults"][0]["reason"]

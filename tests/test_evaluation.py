@@ -113,7 +113,7 @@ def test_max_steps_mid_round_averages_the_clients_that_trained():
     the sample-weighted mean of the first client's body (2 head + 1 body epochs) and the second's (2 head
     epochs + 3 body steps), as a plain loop computes them; the two others keep the initial head. Catches
     the client cut short averaged with its round-start body instead of the body it trained (the line
-    ``self.federation._write(self.federation.shared_names, self.federation.global_state)`` planted before
+    ``self.federation.live.write_global()`` planted before
     ``self.close_round()`` in ``FederatedRun.end_training``; a stop in a head phase cannot see it)."""
     torch.manual_seed(0)
     model = TinyNet()

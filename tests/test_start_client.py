@@ -285,9 +285,9 @@ def test_a_rolled_back_round_undoes_what_start_client_changed():
     fed.open_round(plan)
     for client in plan.clients:
         fed.begin_client(client)
-    assert fed._starts and any(float(fed.store.client_state(c)["visits"]) > 0 for c in plan.clients)
+    assert fed.rounds._starts and any(float(fed.store.client_state(c)["visits"]) > 0 for c in plan.clients)
     assert fed.rollback_round()
-    assert fed._starts == {}
+    assert fed.rounds._starts == {}
     for client, state in before.items():
         for name, value in state.items():
             assert torch.equal(fed.store.client_state(client)[name], value), (client, name)

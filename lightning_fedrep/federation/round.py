@@ -8,10 +8,11 @@ out), and closes it through the algorithm's aggregator, or undoes it.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -29,6 +30,11 @@ from lightning_fedrep.federation.api.exchange import (
 )
 from lightning_fedrep.federation.plan import RoundPlan, StepLocation, plan_round, sample_clients
 from lightning_fedrep.federation.store import OptimizerState
+
+if TYPE_CHECKING:
+    from lightning_fedrep.federation.live import LiveModule
+    from lightning_fedrep.federation.ranks import RankTransfer
+    from lightning_fedrep.federation.state import FederationState
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ class RoundResult:
 
 @dataclass
 class _RoundStart:
-    """What the open round may change, as it was when the round opened (for :meth:`Federation.rollback_round`)."""
+    """What the open round may change, as it was when the round opened (for :meth:`RoundTransaction.rollback_round`)."""
 
     round_index: int
     rng: Tensor
@@ -108,18 +114,81 @@ class _LiveClient:
 
 
 class RoundTransaction:
-    """The round state machine of a :class:`~lightning_fedrep.federation.Federation` (one of its parts)."""
+    """The round state machine of a :class:`~lightning_fedrep.federation.Federation`: the open round (its
+    plan, live client, aggregator, finished clients and what rolls it back) over the federation's ``state``,
+    written into ``live`` and moved between processes by ``ranks``.
+
+    Args:
+        state: the stored state the round reads and changes (global, server and client tensors, history).
+        live: the live module the live client's tensors are written into.
+        ranks: the processes the round's clients are sharded over.
+    """
+
+    def __init__(self, state: FederationState, live: LiveModule, ranks: RankTransfer):
+        self.state = state
+        self.live = live
+        self.ranks = ranks
+        self.round_index = -1
+        self.round_open = False
+        self.timing = False
+        """Measure each client's step times (``ClientResult.seconds``); set when a callback needs it."""
+        self.clock: Callable[[], float] = time.perf_counter
+        """What times the steps: wall-clock seconds; tests set a fake clock that their steps advance."""
+        self._plans: dict[int, RoundPlan] = {}
+        self._average: Aggregator | None = None
+        """The open round's aggregator (the algorithm's choice; ``WeightedMean`` by default)."""
+        self._local_average: WeightedAverage | None = None
+        """``first_state="average"``: the round's weighted sum of the participants' local tensors."""
+        self._finished: list[ClientResult] = []
+        self._starts: dict[int, dict[str, Tensor]] = {}
+        """The open round's started clients not yet finished: the starting values ``start_client`` changed."""
+        self._client: _LiveClient | None = None
+        self._before_round: _RoundStart | None = None
+
+    @property
+    def live_client(self) -> int | None:
+        """The client whose state the live module holds during training (``None`` between clients)."""
+        return None if self._client is None else self._client.client
+
+    @property
+    def finished(self) -> tuple[ClientResult, ...]:
+        """The clients that finished in the open round (in this process)."""
+        return tuple(self._finished)
+
+    def forget_plans(self) -> None:
+        """Plan every round anew (the clients' data changed)."""
+        self._plans = {}
+
+    def load_client(self, client: int) -> None:
+        """Make ``client`` live: the round's global shared part, its local part (as ``Algorithm.start_client``
+        changes them) and, if kept, its optimizer state (the shared part's optimizer state restarts)."""
+        self.live.write_personal(client)
+        self._client = _LiveClient(client)
+        self.live.phase = None
+        changed = self.begin_client(client)  # Algorithm.start_client, where overridden
+        self.live.write(list(changed), list(changed.values()))
+        self.live.load_optimizer_state(self.state.store.optimizer_states.get(client, {}))
+
+    def pause_client(self) -> bool:
+        """An evaluation interrupts the round: whether a client is live mid-round (its next step is then
+        not timed, as after a swap)."""
+        if self.round_open and self._client is not None:
+            self._client.fresh = True
+            return True
+        return False
 
     def plan(self, round_index: int, configure: Callable[[RoundPlan], RoundPlan] | None = None) -> RoundPlan:
         """The frozen plan of a round: its sampled clients and their phases' step counts, passed once
         through the algorithm's ``configure_round`` and then ``configure`` (the federated callbacks) when
         the round is first planned."""
-        sizes = self._require_data()
+        sizes = self.state.require_data()
         plan = self._plans.get(round_index)
         if plan is None:
-            seed = self.config.seed
-            clients = sample_clients(len(sizes), self.config.clients_per_round, seed, round_index)
-            plan = plan_round(round_index, clients, self.config.phases, sizes, self.batch_size, seed=seed)
+            seed = self.state.config.seed
+            clients = sample_clients(len(sizes), self.state.config.clients_per_round, seed, round_index)
+            plan = plan_round(
+                round_index, clients, self.state.config.phases, sizes, self.state.batch_size, seed=seed
+            )
             plan = self._algorithm_plan(plan)
             if configure is not None:
                 plan = configure(plan)
@@ -130,37 +199,37 @@ class RoundTransaction:
     def _algorithm_plan(self, plan: RoundPlan) -> RoundPlan:
         """``plan`` after ``Algorithm.configure_round``, with a read-only view of the server state the round
         starts from (global shared tensors, declared server tensors)."""
-        if type(self.algorithm).configure_round is Algorithm.configure_round:
+        if type(self.state.algorithm).configure_round is Algorithm.configure_round:
             return plan  # the default returns the plan unchanged: no server view to copy
         server = ServerState(
-            {k: v.detach().clone() for k, v in self.global_view().items()},
-            {k: v.detach().clone() for k, v in self.server_tensors.items()},
-            len(self._require_data()),
+            {k: v.detach().clone() for k, v in self.state.global_view().items()},
+            {k: v.detach().clone() for k, v in self.state.server_tensors.items()},
+            len(self.state.require_data()),
         )
-        changed = self.algorithm.configure_round(plan, server)
+        changed = self.state.algorithm.configure_round(plan, server)
         if not isinstance(changed, RoundPlan) or changed.round != plan.round:
             raise TypeError(
-                f"{type(self.algorithm).__name__}.configure_round must return a RoundPlan for round {plan.round} "
+                f"{type(self.state.algorithm).__name__}.configure_round must return a RoundPlan for round {plan.round} "
                 f"(the plan it was given, or plan.replace(clients=..., settings=...)), got {changed!r}."
             )
         return changed
 
     def open_round(self, plan: RoundPlan) -> None:
         """Start training round ``plan.round``."""
-        self._require_state()
+        self.state.require_state()
         aggregator = self._new_aggregator(plan) if plan.aggregate else None
         self._before_round = _RoundStart(
             self.round_index,
             torch.get_rng_state(),
-            dict(self.store.finetuned),
+            dict(self.state.store.finetuned),
             cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
         )
         self.round_index = plan.round
         self.round_open = True
         if plan.aggregate:
-            self.store.finetuned.clear()  # a new federated round makes earlier fine-tuning stale
-        if self.store.sharded:
-            self._lend_clients(plan)
+            self.state.store.finetuned.clear()  # a new federated round makes earlier fine-tuning stale
+        if self.state.store.sharded:
+            self.ranks.lend_clients(plan)
         self._average = aggregator
         self._local_average = self._new_local_average(plan.aggregate)
         self._finished = []
@@ -169,10 +238,10 @@ class RoundTransaction:
     def _new_aggregator(self, plan: RoundPlan) -> Aggregator | None:
         """The algorithm's aggregator for the round (``WeightedMean`` unless it chooses another), or ``None``
         when it receives nothing (no shared tensors and no names of the algorithm's own: Local)."""
-        aggregator = self.algorithm.aggregator(self.global_view())
+        aggregator = self.state.algorithm.aggregator(self.state.global_view())
         if not isinstance(aggregator, Aggregator):
             raise TypeError(
-                f"{type(self.algorithm).__name__}.aggregator() must return an Aggregator (e.g. WeightedMean or "
+                f"{type(self.state.algorithm).__name__}.aggregator() must return an Aggregator (e.g. WeightedMean or "
                 f"Stacked from lightning_fedrep.federation.api.aggregation), got {type(aggregator).__name__}."
             )
         if not aggregator.names:
@@ -182,18 +251,18 @@ class RoundTransaction:
 
     def _new_local_average(self, aggregate: bool) -> WeightedAverage | None:
         """A running average of the local part when untrained clients start from it (``first_state``)."""
-        if self.config.first_state != "average" or not aggregate or not self.local_names:
+        if self.state.config.first_state != "average" or not aggregate or not self.state.local_names:
             return None
-        return WeightedAverage(self.store.template)
+        return WeightedAverage(self.state.store.template)
 
     def begin_step(self, location: StepLocation) -> None:
         """Before the live client's step at ``location``: set the phase, start its timer if timed."""
-        live = self._live
+        live = self._client
         slot = self.plan(self.round_index).phases[location.phase_index].slot
         if slot != live.slot:
             self._make_live(slot)
-        if location.part != self.live_phase:
-            self.set_phase(location.part)
+        if location.part != self.live.phase:
+            self.live.set_phase(location.part)
         live.steps += 1
         timed = self.timing and not live.fresh and not location.last_of_round
         live.fresh = False
@@ -202,30 +271,29 @@ class RoundTransaction:
     @property
     def live_slot(self) -> str:
         """The slot the live client trains (``"model"`` between clients)."""
-        return "model" if self._live is None else self._live.slot
+        return "model" if self._client is None else self._client.slot
 
     @torch.no_grad()
     def _make_live(self, slot: str) -> None:
         """Make the live client's ``slot`` live in the module's own parameters (the model slot is kept
         aside meanwhile, a declared slot's values kept for the store); its optimizer state restarts."""
-        live, names = self._live, self.shared_names + self.local_names
+        live, names = self._client, self.state.shared_names + self.state.local_names
         if live.slot != "model":
             live.slot_values.update(
-                {f"{live.slot}.{n}": t.detach().clone() for n, t in zip(names, self._tensors(names))}
+                {f"{live.slot}.{n}": t.detach().clone() for n, t in zip(names, self.live.tensors(names))}
             )
-            self._write(names, live.model)
+            self.live.write(names, live.model)
             live.model = None
         if slot != "model":
-            live.model = [t.detach().clone() for t in self._tensors(names)]
-            values = {**self.store.client_state(live.client), **live.slot_values}
-            self._write(names, [values[f"{slot}.{n}"] for n in names])
+            live.model = [t.detach().clone() for t in self.live.tensors(names)]
+            values = {**self.state.store.client_state(live.client), **live.slot_values}
+            self.live.write(names, [values[f"{slot}.{n}"] for n in names])
         live.slot = slot
-        for optimizer in getattr(self, "_optimizers", ()):
-            optimizer.state.clear()
+        self.live.clear_optimizer_state()
 
     def end_step(self) -> None:
         """After the live client's step (its optimizer step): stop its timer."""
-        live = self._live
+        live = self._client
         if live is not None and live.step_started is not None:
             live.seconds += self._clock() - live.step_started
             live.timed_steps += 1
@@ -234,8 +302,8 @@ class RoundTransaction:
     def put_live_state(self, tensors: Mapping[str, Tensor]) -> None:
         """New values of some of the live client's declared tensors, from a step (a ``StepRule``'s
         ``client_state``): stored now (a rolled-back round restores what it held before the round)."""
-        if self._live is not None:
-            self.put_step_state(self._live.client, tensors)
+        if self._client is not None:
+            self.put_step_state(self._client.client, tensors)
 
     def put_step_state(self, client: int, tensors: Mapping[str, Tensor]) -> None:
         """New values of some of a training client's declared tensors, from its step (the lockstep runner's
@@ -243,13 +311,13 @@ class RoundTransaction:
         if not tensors:
             return
         self._remember_before(client)
-        self.store.put_state(client, tensors)
+        self.state.store.put_state(client, tensors)
 
     def _remember_before(self, client: int) -> None:
         """Keep what ``client`` held before the round, the first time the round changes it (for rollback)."""
         if self._before_round is None or client in self._before_round.clients:
             return
-        record = self.store.record(client)
+        record = self.state.store.record(client)
         self._before_round.clients[client] = {
             "local": None if record["local"] is None else [t.detach().clone() for t in record["local"]],
             "optimizer": record["optimizer"],  # replaced, never modified in place
@@ -259,11 +327,11 @@ class RoundTransaction:
 
     def finish_client(self) -> ClientResult | None:
         """Store the live client's state and add its shared part to the round's average."""
-        live = self._live
+        live = self._client
         if live is None:
             return None
-        names = self.shared_names + self.local_names
-        keep = self.config.client_optimizer_state == "keep"
+        names = self.state.shared_names + self.state.local_names
+        keep = self.state.config.client_optimizer_state == "keep"
         if live.slot != "model":
             self._make_live("model")
         if live.fault:
@@ -271,23 +339,23 @@ class RoundTransaction:
         else:
             result = self.store_client(
                 live.client,
-                dict(zip(names, self._tensors(names))),
-                self._optimizer_snapshot() if keep else None,
+                dict(zip(names, self.live.tensors(names))),
+                self.live.optimizer_snapshot() if keep else None,
                 live.steps,
                 live.timed_steps,
                 live.seconds,
                 live.slot_values,
             )
-        self._live = None
-        self.live_phase = None
+        self._client = None
+        self.live.phase = None
         return result
 
     def start_tensors(self, client: int) -> dict[str, Tensor]:
         """A client's tensors at the start of its round by name (not copies): the global shared part,
         its local part, what it fine-tuned, and what ``Algorithm.start_client`` changed (:meth:`begin_client`)."""
         return {
-            **self.global_view(),
-            **self.store.personal(client, self.local_names),
+            **self.state.global_view(),
+            **self.state.store.personal(client, self.state.local_names),
             **self._starts.get(client, {}),
         }
 
@@ -299,7 +367,7 @@ class RoundTransaction:
         the runner writes into the client's live tensors); ``{}`` when nothing changed."""
         if client in self._starts:  # started already (a round resumed from a mid-round checkpoint)
             return self._starts[client]
-        if type(self.algorithm).start_client is Algorithm.start_client or not self.round_open:
+        if type(self.state.algorithm).start_client is Algorithm.start_client or not self.round_open:
             return {}
         if not self.plan(self.round_index).aggregate:
             return {}
@@ -313,14 +381,14 @@ class RoundTransaction:
         start = ClientStart(
             client=client,
             round=self.round_index,
-            num_samples=int(self._require_data()[client]),
+            num_samples=int(self.state.require_data()[client]),
             start=self.start_tensors(client),
-            client_state=self.store.client_state(client),
-            server=self.server_tensors,
-            shared_names=self.shared_names,
+            client_state=self.state.store.client_state(client),
+            server=self.state.server_tensors,
+            shared_names=self.state.shared_names,
         )
-        outcome = self.algorithm.start_client(start)
-        hook = f"{type(self.algorithm).__name__}.start_client()"
+        outcome = self.state.algorithm.start_client(start)
+        hook = f"{type(self.state.algorithm).__name__}.start_client()"
         if not isinstance(outcome, StartOutcome):
             raise TypeError(
                 f"{hook} must return a StartOutcome (lightning_fedrep.federation.api.exchange), "
@@ -363,7 +431,9 @@ class RoundTransaction:
         plan = self.plan(self.round_index)
         slots = dict(slots or {})
         before = self._before_round
-        stepped = self.store.client_state(client) if before is not None and client in before.clients else {}
+        stepped = (
+            self.state.store.client_state(client) if before is not None and client in before.clients else {}
+        )
         checked = {id(tensors[n]) for n in finite}
         # stepped: the declared tensors its steps wrote
         bad = _nonfinite({**tensors, **slots, **stepped}, checked)
@@ -374,7 +444,7 @@ class RoundTransaction:
             bad = _nonfinite({**outcome.upload, **outcome.client_state}, checked)
         if bad:
             reason = f"non-finite values in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}"
-            if self.config.on_nonfinite == "raise":
+            if self.state.config.on_nonfinite == "raise":
                 raise ClientFaultError(
                     f"Client {client} in round {self.round_index}: {reason} after {steps} local steps "
                     "(on_nonfinite='raise'; 'skip' leaves such a client out of the round)."
@@ -384,17 +454,17 @@ class RoundTransaction:
         if self._average is not None:
             self._average.add(self._update(client, outcome.upload, steps, metrics))
         if self._local_average is not None:
-            self._local_average.add([tensors[n] for n in self.local_names], self.weight_of(client))
+            self._local_average.add([tensors[n] for n in self.state.local_names], self.weight_of(client))
         self._remember_before(client)
         if (outcome is not None and outcome.client_state) or slots:
-            self.store.put_state(client, {**(outcome.client_state if outcome else {}), **slots})
+            self.state.store.put_state(client, {**(outcome.client_state if outcome else {}), **slots})
         if not plan.aggregate:
             trained = {g for phase in plan.phases for g in PART_GROUPS[phase.train]}
-            names = [n for n in self.shared_names if self.split.group(n) in trained]
-            self.store.finetuned[client] = {n: tensors[n].detach().clone() for n in names}
-        self.store.put(client, [tensors[n] for n in self.local_names])
-        if optimizer_state is not None and self.config.client_optimizer_state == "keep":
-            self.store.optimizer_states[client] = optimizer_state
+            names = [n for n in self.state.shared_names if self.state.split.group(n) in trained]
+            self.state.store.finetuned[client] = {n: tensors[n].detach().clone() for n in names}
+        self.state.store.put(client, [tensors[n] for n in self.state.local_names])
+        if optimizer_state is not None and self.state.config.client_optimizer_state == "keep":
+            self.state.store.optimizer_states[client] = optimizer_state
         result = ClientResult(self.round_index, client, steps, timed_steps, seconds, metrics=metrics)
         self._finished.append(result)
         self._starts.pop(client, None)
@@ -409,56 +479,51 @@ class RoundTransaction:
         end = ClientEnd(
             client=client,
             round=self.round_index,
-            num_samples=int(self._require_data()[client]),
+            num_samples=int(self.state.require_data()[client]),
             steps=steps,
-            lr=self._client_lr(),
+            lr=self.live.client_lr(),
             start=self.start_tensors(client),
             end=tensors,
-            client_state=self.store.client_state(client),
-            server=self.server_tensors,
-            shared_names=self.shared_names,
+            client_state=self.state.store.client_state(client),
+            server=self.state.server_tensors,
+            shared_names=self.state.shared_names,
             slots=slots,
         )
-        outcome = self.algorithm.finish_client(end)
+        outcome = self.state.algorithm.finish_client(end)
         if not isinstance(outcome, ClientOutcome):
             raise TypeError(
-                f"{type(self.algorithm).__name__}.finish_client() must return a ClientOutcome "
+                f"{type(self.state.algorithm).__name__}.finish_client() must return a ClientOutcome "
                 f"(lightning_fedrep.federation.api.exchange), got {type(outcome).__name__}."
             )
         return outcome
-
-    def _client_lr(self) -> float | None:
-        """The clients' learning rate: the first optimizer's first param group's (``None`` without one)."""
-        optimizers = getattr(self, "_optimizers", None)
-        return float(optimizers[0].param_groups[0]["lr"]) if optimizers else None
 
     def _update(
         self, client: int, upload: Mapping[str, Tensor], steps: int, metrics: Mapping[str, float]
     ) -> ClientUpdate:
         """What ``client`` hands the server: its upload (views), weight, samples, steps and metrics."""
-        samples = int(self._require_data()[client])
+        samples = int(self.state.require_data()[client])
         return ClientUpdate(client, self.round_index, self.weight_of(client), samples, steps, upload, metrics)
 
     def weight_of(self, client: int) -> float:
         """A client's aggregation weight: its training samples, or 1 under uniform weighting."""
-        return float(self._require_data()[client]) if self.config.weighting == "samples" else 1.0
+        return float(self.state.require_data()[client]) if self.state.config.weighting == "samples" else 1.0
 
     def fail_live_client(self, step: int, error: BaseException) -> None:
         """The live client's step raised (``on_client_error="skip"``): it trains no further this round
         and is left out of it when it finishes."""
-        if self._live is not None and not self._live.fault:
-            self._live.fault = f"{type(error).__name__} at local step {step}: {error}"
-            self._live.steps = step
+        if self._client is not None and not self._client.fault:
+            self._client.fault = f"{type(error).__name__} at local step {step}: {error}"
+            self._client.steps = step
 
     @property
     def live_failed(self) -> bool:
         """Whether the live client failed this round (its remaining steps train nothing)."""
-        return self._live is not None and bool(self._live.fault)
+        return self._client is not None and bool(self._client.fault)
 
     def _leave_out(self, client: int, steps: int, reason: str) -> ClientResult:
         before = self._before_round
         if before is not None and client in before.clients:  # its steps wrote declared tensors: undo them
-            self.store.load_record(client, before.clients.pop(client), self._device)
+            self.state.store.load_record(client, before.clients.pop(client), self.state.device)
         warnings.warn(
             f"Client {client} is left out of round {self.round_index}: {reason} (after {steps} local steps); its "
             "state stays as it was before the round.",
@@ -477,8 +542,11 @@ class RoundTransaction:
         if not self.round_open:
             return None
         self.finish_client()
-        if self.collective.distributed:
-            self._gather_round()
+        if self.ranks.distributed:
+            results = [asdict(r) for r in self._finished]
+            gathered = self.ranks.gather_round(self._average, self._local_average, results)
+            clients = self.plan(self.round_index).clients
+            self._finished = [ClientResult(**gathered[c]) for c in clients if c in gathered]
         aggregated, weight = False, 0.0
         faults = tuple(ClientFault(r.round, r.client, r.steps, r.fault) for r in self._finished if r.fault)
         if self._average is not None and not self._average.empty:
@@ -494,15 +562,15 @@ class RoundTransaction:
             )
         if self._local_average is not None and not self._local_average.empty:
             # untrained clients read the template: it becomes the round's average of every local tensor
-            self.store.template = self._local_average.mean(self.store.template)
+            self.state.store.template = self._local_average.mean(self.state.store.template)
         if faults:
-            self.faults.extend(faults)
-            self.history.record(self.round_index, {"faults": float(len(faults))})
+            self.state.faults.extend(faults)
+            self.state.history.record(self.round_index, {"faults": float(len(faults))})
         self._record_client_metrics()
         plan = self.plan(self.round_index)
         if plan.aggregate:  # a federated round (fine-tuning rounds train every client apart)
-            self.history.count_participants(plan.clients)
-        self._write(self.shared_names, self.global_state)
+            self.state.history.count_participants(plan.clients)
+        self.live.write_global()
         self.round_open = False
         self._average = None
         self._local_average = None
@@ -518,20 +586,22 @@ class RoundTransaction:
         """``Algorithm.aggregate(server, results, failures)``: new global shared and server tensors, and
         metrics for the round's history row."""
         average = self._average
-        server = ServerState(self.global_view(), dict(self.server_tensors), len(self._require_data()))
+        server = ServerState(
+            self.state.global_view(), dict(self.state.server_tensors), len(self.state.require_data())
+        )
         clients = tuple(r.client for r in self._finished if not r.fault)
         plan = self.plan(self.round_index)
         results = RoundResults(average.result(), average, clients, average.weight, plan)
-        answer = self.algorithm.aggregate(server, results, faults)
-        name = type(self.algorithm).__name__
+        answer = self.state.algorithm.aggregate(server, results, faults)
+        name = type(self.state.algorithm).__name__
         if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], ServerState)):
             raise TypeError(
                 f"{name}.aggregate(server, results, failures) must return (ServerState, metrics dict)."
             )
         new, metrics = answer
         for label, names, given in (
-            ("shared", list(self.shared_names), list(new.shared)),
-            ("server", list(self.server_tensors), list(new.tensors)),
+            ("shared", list(self.state.shared_names), list(new.shared)),
+            ("server", list(self.state.server_tensors), list(new.tensors)),
         ):
             if sorted(given) != sorted(names):
                 raise KeyError(
@@ -539,23 +609,16 @@ class RoundTransaction:
                 )
         if new.client_map is not None:
             self._map_clients(new.client_map)
-        self.global_state = [
-            new.shared[n].detach().to(ref.device, ref.dtype).clone()
-            for n, ref in zip(self.shared_names, self.global_state)
-        ]
-        self.server_tensors = {
-            n: new.tensors[n].detach().to(ref.device, ref.dtype).clone()
-            for n, ref in self.server_tensors.items()
-        }
+        self.state.set_server_state(new.shared, new.tensors)
         if metrics:
-            self.history.record(self.round_index, {k: float(v) for k, v in metrics.items()})
+            self.state.history.record(self.round_index, {k: float(v) for k, v in metrics.items()})
 
     def _map_clients(self, client_map: ClientMap) -> None:
         """Apply the server step's ``client_map`` to the declared tensors of every client this process holds
         and to the template of the clients that never trained."""
-        store = self.store
+        store = self.state.store
         template = dict(zip(store.tensor_names, store.tensor_template))
-        changed = _checked_map(client_map, template, type(self.algorithm).__name__)
+        changed = _checked_map(client_map, template, type(self.state.algorithm).__name__)
         for client in list(store.tensors):
             store.put_state(client, _checked_map(client_map, store.client_state(client), None))
         store.tensor_template = [
@@ -570,7 +633,46 @@ class RoundTransaction:
             for key, value in result.metrics.items():
                 values.setdefault(key, []).append(value)
         if values:
-            self.history.record(self.round_index, {k: sum(v) / len(v) for k, v in values.items()})
+            self.state.history.record(self.round_index, {k: sum(v) / len(v) for k, v in values.items()})
+
+    def state_dict(self) -> dict[str, Any]:
+        """The round's part of the federation's ``state_dict`` (its ``"round"``): the index and, in an open
+        round, the live client, its tensors and phase, the partial averages, the clients finished and started,
+        and what rolls the round back."""
+        state: dict[str, Any] = {"open": self.round_open, "index": self.round_index}
+        if not self.round_open:
+            return state
+        live = self._client
+        state.update(
+            live_client=-1 if live is None else live.client,
+            live_part=self.live.phase or "",
+            live_tensors=self.live.training_tensors(),
+            average=self._average.state_dict() if self._average is not None else None,
+            local_average=self._local_average.state_dict() if self._local_average is not None else None,
+            finished=[asdict(r) for r in self._finished],
+            live_counts=[live.steps, live.timed_steps, live.seconds] if live is not None else [],
+            live_fault=live.fault if live is not None else "",
+        )
+        if self._starts:  # the clients start_client ran for (a resumed round does not run it again)
+            state["starts"] = {
+                c: {n: t.detach().clone() for n, t in values.items()} for c, values in self._starts.items()
+            }
+        if live is not None and live.slot != "model":  # a declared slot is live: keep the model aside
+            state.update(
+                live_slot=live.slot,
+                live_model=[t.detach().clone() for t in live.model],
+                live_slot_values={n: t.detach().clone() for n, t in live.slot_values.items()},
+            )
+        before = self._before_round
+        if before is not None:  # a run resumed from here can still roll the whole round back
+            state["before"] = {
+                "round_index": before.round_index,
+                "rng": before.rng,
+                "finetuned": before.finetuned,
+                "clients": before.clients,
+                "cuda_rng": before.cuda_rng,
+            }
+        return state
 
     def rollback_round(self) -> bool:
         """Undo the open round (the run stopped inside it): every client stored in it gets back what it
@@ -580,21 +682,21 @@ class RoundTransaction:
         if not self.round_open or before is None:
             return False
         for client, record in before.clients.items():
-            self.store.load_record(client, record, self._device)
-        self.store.finetuned.clear()
-        self.store.finetuned.update(before.finetuned)
-        for client in list(self.store.borrowed):
-            self.store.drop(client)
+            self.state.store.load_record(client, record, self.state.device)
+        self.state.store.finetuned.clear()
+        self.state.store.finetuned.update(before.finetuned)
+        for client in list(self.state.store.borrowed):
+            self.state.store.drop(client)
         torch.set_rng_state(before.rng)
         if before.cuda_rng is not None:
             torch.cuda.set_rng_state_all(before.cuda_rng)
         self.round_index, self.round_open = before.round_index, False
-        self._average, self._finished, self._live, self.live_phase = None, [], None, None
+        self._average, self._finished, self._client, self.live.phase = None, [], None, None
         self._local_average = None
         self._before_round = None
         self._starts = {}
-        self._write(self.shared_names, self.global_state)
-        self._write(self.local_names, self.store.template)
+        self.live.write_global()
+        self.live.write(self.state.local_names, self.state.store.template)
         return True
 
     def restore_round(self, state: dict[str, Any]) -> None:
@@ -610,38 +712,38 @@ class RoundTransaction:
             return
         self._average = None
         if round_state["average"] is not None:
-            self._average = self.algorithm.aggregator(self.global_view())
+            self._average = self.state.algorithm.aggregator(self.state.global_view())
             self._average.load_state_dict(round_state["average"])
         self._local_average = None
         if round_state.get("local_average") is not None:
-            self._local_average = WeightedAverage(self.store.template)
+            self._local_average = WeightedAverage(self.state.store.template)
             self._local_average.load_state_dict(round_state["local_average"])
         self._finished = [ClientResult(**r) for r in round_state.get("finished", [])]
         self._starts = {
-            int(c): {n: t.to(self._device) for n, t in values.items()}
+            int(c): {n: t.to(self.state.device) for n, t in values.items()}
             for c, values in round_state.get("starts", {}).items()
         }
-        self._write(self.shared_names + self.local_names, round_state["live_tensors"])
+        self.live.write(self.state.shared_names + self.state.local_names, round_state["live_tensors"])
         client = round_state["live_client"]
-        self._live = None if client < 0 else _LiveClient(client)
-        if self._live is not None and round_state.get("live_slot", "model") != "model":
-            device = self._device
-            self._live.slot = round_state["live_slot"]
-            self._live.model = [t.to(device) for t in round_state["live_model"]]
-            self._live.slot_values = {n: t.to(device) for n, t in round_state["live_slot_values"].items()}
+        self._client = None if client < 0 else _LiveClient(client)
+        if self._client is not None and round_state.get("live_slot", "model") != "model":
+            device = self.state.device
+            self._client.slot = round_state["live_slot"]
+            self._client.model = [t.to(device) for t in round_state["live_model"]]
+            self._client.slot_values = {n: t.to(device) for n, t in round_state["live_slot_values"].items()}
         counts = round_state.get("live_counts") or []
-        if self._live is not None and counts:
-            self._live.steps, self._live.timed_steps, self._live.seconds = (
+        if self._client is not None and counts:
+            self._client.steps, self._client.timed_steps, self._client.seconds = (
                 int(counts[0]),
                 int(counts[1]),
                 float(counts[2]),
             )
-        if self._live is not None:
-            self._live.fault = round_state.get("live_fault", "")
+        if self._client is not None:
+            self._client.fault = round_state.get("live_fault", "")
         before = round_state.get("before")
         self._before_round = None
         if before is not None:
-            device = self._device
+            device = self.state.device
             self._before_round = _RoundStart(
                 int(before["round_index"]),
                 before["rng"],
@@ -652,13 +754,14 @@ class RoundTransaction:
                 dict(before["clients"]),
                 cuda_rng=before.get("cuda_rng") if torch.cuda.is_available() else None,
             )
-        self.live_phase = None
-        if self._live is not None and round_state["live_part"]:
-            self.set_phase(round_state["live_part"])
+        self.live.phase = None
+        if self._client is not None and round_state["live_part"]:
+            self.live.set_phase(round_state["live_part"])
 
     def _clock(self) -> float:
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
+        """The step clock, after the device's queued work (so a GPU step is timed whole)."""
+        if self.state.device.type == "cuda":
+            torch.cuda.synchronize(self.state.device)
         return self.clock()
 
 

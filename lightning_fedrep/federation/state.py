@@ -1,8 +1,8 @@
 """The federation's stored state: settings, the global and client tensors, fingerprint, ``state_dict``.
 
-:class:`FederationState` is the part of :class:`~lightning_fedrep.federation.Federation` that reads and
-writes what a checkpoint holds; the round (:mod:`.round`), the live module (:mod:`.live`) and the
-processes (:mod:`.ranks`) are its other parts.
+:class:`FederationState` is the part of :class:`~lightning_fedrep.federation.Federation` that holds and
+reads what a checkpoint holds; the round (:mod:`.round`), the live module (:mod:`.live`) and the
+processes (:mod:`.ranks`) are its other parts, each given this one to work on.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import torch
 from torch import Tensor
 
 from lightning_fedrep.federation.api.aggregation import ClientFault
-from lightning_fedrep.federation.api.algorithm import Phase
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
 from lightning_fedrep.federation.api.declared import declared_names as declared_templates_names
 from lightning_fedrep.federation.api.declared import declared_templates
+from lightning_fedrep.federation.api.scoring import EvaluationSpec, evaluation_spec, scored_tensors
 from lightning_fedrep.federation.history import History
-from lightning_fedrep.federation.module.split import ParameterSplit
+from lightning_fedrep.federation.module.split import ParameterSplit, TensorLayout
 from lightning_fedrep.federation.store import ClientStore, check_client_id
 
 STATE_VERSION = 3
@@ -105,7 +106,35 @@ def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, A
 
 
 class FederationState:
-    """The stored state of a :class:`~lightning_fedrep.federation.Federation` (one of its parts)."""
+    """The stored state of a :class:`~lightning_fedrep.federation.Federation`: its settings, the global
+    shared and server tensors, every client's tensors (a :class:`ClientStore`), the history and the
+    clients' sizes; what its ``state_dict`` saves (the open round aside, :mod:`.round`).
+
+    Args:
+        algorithm: what the server shares and how it aggregates.
+        layout: which named tensors of the module are shared and which are local.
+        config: sampling, phases, weighting and optimizer-state settings.
+    """
+
+    def __init__(self, algorithm: Algorithm, layout: TensorLayout, config: FederationConfig):
+        self.algorithm = algorithm
+        self.layout = layout
+        self.config = config
+        self.global_state: list[Tensor] | None = None
+        self.server_tensors: dict[str, Tensor] = {}
+        """The algorithm's declared server tensors by name (``Algorithm.server_tensors``)."""
+        self.store: ClientStore | None = None
+        self.history = History()
+        self.faults: list[ClientFault] = []
+        """Every client left out of a round so far (checkpointed)."""
+        self.saved_federation: dict[str, Any] | None = None
+        """The fingerprint of the federation the loaded checkpoint was saved with."""
+        self.partition = 0
+        self.client_sizes: tuple[int, ...] | None = None
+        self.batch_size = 1
+        self.device = torch.device("cpu")
+        """Where the state is held (the training device, set by :meth:`initialize`)."""
+        self._evaluation_spec: EvaluationSpec | None = None
 
     @property
     def split(self) -> ParameterSplit:
@@ -125,7 +154,7 @@ class FederationState:
     @property
     def num_clients(self) -> int:
         """Number of clients (known once the training data is bound)."""
-        return len(self._require_data())
+        return len(self.require_data())
 
     @property
     def has_state(self) -> bool:
@@ -134,18 +163,18 @@ class FederationState:
 
     def global_tensors(self) -> dict[str, Tensor]:
         """The global shared tensors by name (copies)."""
-        self._require_state()
+        self.require_state()
         return {n: t.detach().clone() for n, t in zip(self.shared_names, self.global_state)}
 
     def global_view(self) -> dict[str, Tensor]:
         """The global shared tensors by name, not copied: read them, never modify them."""
-        self._require_state()
+        self.require_state()
         return dict(zip(self.shared_names, self.global_state))
 
     def client_tensors(self, client: int) -> dict[str, Tensor]:
         """What makes ``client``'s model its own, by name (copies): its local part (the initial one if it
         never trained) and any shared tensors it fine-tuned in a round that did not aggregate."""
-        self._require_state()
+        self.require_state()
         self.check_client(client)
         return {n: t.detach().clone() for n, t in self.store.personal(client, self.local_names).items()}
 
@@ -166,20 +195,20 @@ class FederationState:
         return {**{k: v.detach().clone() for k, v in base_state.items()}, **own}
 
     def update_global(self, tensors: Mapping[str, Tensor]) -> None:
-        """Overwrite some of the global shared tensors (e.g. a server step after aggregation)."""
-        self._require_state()
+        """Overwrite some of the global shared tensors (e.g. a server step after aggregation); the live
+        module is the federation's to update."""
+        self.require_state()
         index = {n: i for i, n in enumerate(self.shared_names)}
         unknown = set(tensors) - set(index)
         if unknown:
             raise KeyError(f"{sorted(unknown)} are not shared; shared tensors are {list(self.shared_names)}.")
         for name, value in tensors.items():
             self.global_state[index[name]].copy_(value.detach())
-        if not self.round_open:
-            self._write(self.shared_names, self.global_state)
 
-    def update_client(self, client: int, tensors: Mapping[str, Tensor]) -> None:
-        """Overwrite some of ``client``'s local tensors (e.g. a server step on the heads)."""
-        self._require_state()
+    def update_client(self, client: int, tensors: Mapping[str, Tensor]) -> list[Tensor]:
+        """Overwrite some of ``client``'s local tensors (e.g. a server step on the heads); returns its new
+        local part (``local_names``' order)."""
+        self.require_state()
         unknown = set(tensors) - set(self.local_names)
         if unknown:
             raise KeyError(
@@ -190,27 +219,33 @@ class FederationState:
             if name in tensors:
                 current[i] = tensors[name].detach().to(current[i].device, current[i].dtype)
         self.store.put(client, current)
-        if client == self.live_client:
-            self._write(self.local_names, current)
+        return current
 
-    def record(self, **values: float) -> None:
-        """Add columns to the history row of the current (or just closed) round."""
-        self.history.record(self.round_index, {k: float(v) for k, v in values.items()})
+    def set_server_state(self, shared: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
+        """Replace the global shared and the server tensors with copies of the server step's (``shared``:
+        every shared name, ``tensors``: every declared server tensor), on their devices and dtypes."""
+        self.global_state = [
+            shared[n].detach().to(ref.device, ref.dtype).clone()
+            for n, ref in zip(self.shared_names, self.global_state)
+        ]
+        self.server_tensors = {
+            n: tensors[n].detach().to(ref.device, ref.dtype).clone() for n, ref in self.server_tensors.items()
+        }
 
-    def initialize(self, device: torch.device) -> None:
-        """Snapshot the global shared part and the initial local part from the module (first time),
-        or move the existing state to ``device``."""
-        self._device = torch.device(device)
+    def initialize(self, device: torch.device, named: Mapping[str, Tensor]) -> None:
+        """Snapshot the global shared part and the initial local part from the module's tensors ``named``
+        (first time), or move the existing state to ``device``."""
+        self.device = torch.device(device)
         if self.store is None:
-            self.global_state = [t.detach().clone() for t in self._tensors(self.shared_names)]
-            self.store = ClientStore(self._tensors(self.local_names))
-            groups = self._declared_groups({n: t for n, t in self._named.items()})
+            self.global_state = [named[n].detach().clone() for n in self.shared_names]
+            self.store = ClientStore([named[n] for n in self.local_names])
+            groups = self._declared_groups(dict(named))
             seed = self.config.seed
             # shapes= declarations and callable inits are made on the CPU: held on the training device
             declared = declared_templates(self.algorithm.client_tensors, groups, seed)
-            self.store.declare({n: t.to(self._device) for n, t in declared.items()})
+            self.store.declare({n: t.to(self.device) for n, t in declared.items()})
             server = declared_templates(self.algorithm.server_tensors, groups, seed)
-            self.server_tensors = {n: t.to(self._device) for n, t in server.items()}
+            self.server_tensors = {n: t.to(self.device) for n, t in server.items()}
             self._check_slots()
         else:
             self.global_state = [t.to(device) for t in self.global_state]
@@ -262,24 +297,23 @@ class FederationState:
                 groups[group][name] = named[name]
         return groups
 
-    def declared_names(self, named: Mapping[str, Any] | None = None) -> tuple[list[str], list[str]]:
+    def declared_names(self, named: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         """The names of the algorithm's declared client and server tensors in this layout (``named``: the
-        model's tensors by name, whose shapes size a ``shapes=callable``; default: the attached module's)."""
-        named = self._named if named is None else named
+        model's tensors by name, whose shapes size a ``shapes=callable``)."""
         groups = self._declared_groups({n: named.get(n) for n in self.shared_names + self.local_names})
         return (
             list(declared_templates_names(self.algorithm.client_tensors, groups)),
             list(declared_templates_names(self.algorithm.server_tensors, groups)),
         )
 
-    def check_declared(self, state: Mapping[str, Any], path: Any) -> None:
+    def check_declared(self, state: Mapping[str, Any], path: Any, named: Mapping[str, Any]) -> None:
         """Refuse a checkpoint that lacks declared tensors this run's algorithm needs (e.g. a version-2 file,
-        which holds none), naming them and what to do."""
+        which holds none), naming them and what to do (``named``: the attached module's tensors by name)."""
         saved = zip(
             [*state.get("shared_names", []), *state.get("local_names", [])],
             [*state.get("global", []), *state.get("clients", {}).get("template", [])],
         )
-        client, server = self.declared_names({**dict(saved), **self._named})
+        client, server = self.declared_names({**dict(saved), **named})
         saved_client = list(state.get("clients", {}).get("tensor_names", []))
         saved_server = list(state.get("server", {}))
         missing = {
@@ -307,7 +341,6 @@ class FederationState:
         self.client_sizes = tuple(int(n) for n in client_sizes)
         self.batch_size = int(batch_size)
         self.partition = int(partition)
-        self._plans = {}
 
     def adopt_new_federation(self) -> None:
         """Keep the loaded global state and forget the loaded clients (another federation's)."""
@@ -321,7 +354,7 @@ class FederationState:
         """What makes a checkpoint this federation's: its clients (count, sizes, which samples), the
         batch size, the algorithm, how rounds are planned (seed, clients per round, phases), ``first_state``."""
         return federation_fingerprint(
-            self._require_data(), self.partition, self.batch_size, self.algorithm.name, self.config
+            self.require_data(), self.partition, self.batch_size, self.algorithm.name, self.config
         )
 
     def federation_changes(self, current: Mapping[str, Any] | None = None) -> list[str]:
@@ -330,9 +363,10 @@ class FederationState:
         :func:`clients_fingerprint`)."""
         return fingerprint_changes(self.saved_federation, self.fingerprint() if current is None else current)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume the federation exactly (tensors, ints, strings, lists, dicts)."""
-        self._require_state()
+    def state_dict(self, round_state: dict[str, Any]) -> dict[str, Any]:
+        """Everything needed to resume the federation exactly (tensors, ints, strings, lists, dicts), with
+        ``round_state`` (the round's part, :meth:`RoundTransaction.state_dict`) as its ``"round"``."""
+        self.require_state()
         state: dict[str, Any] = {
             "version": STATE_VERSION,
             "algorithm": self.algorithm.name,
@@ -345,54 +379,25 @@ class FederationState:
             "history": self.history.state_dict(),
             "faults": [asdict(f) for f in self.faults],
             "federation": self.fingerprint() if self.client_sizes is not None else self.saved_federation,
-            "round": {"open": self.round_open, "index": self.round_index},
+            "round": round_state,
             "torch_rng": torch.get_rng_state(),
         }
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
-        if self.round_open:
-            live = self._live
-            state["round"].update(
-                live_client=-1 if live is None else live.client,
-                live_part=self.live_phase or "",
-                live_tensors=self._eval_stash
-                if self._eval_stash is not None
-                else [t.detach().clone() for t in self._tensors(self.shared_names + self.local_names)],
-                average=self._average.state_dict() if self._average is not None else None,
-                local_average=self._local_average.state_dict() if self._local_average is not None else None,
-                finished=[asdict(r) for r in self._finished],
-                live_counts=[live.steps, live.timed_steps, live.seconds] if live is not None else [],
-                live_fault=live.fault if live is not None else "",
-            )
-            if self._starts:  # the clients start_client ran for (a resumed round does not run it again)
-                state["round"]["starts"] = {
-                    c: {n: t.detach().clone() for n, t in values.items()}
-                    for c, values in self._starts.items()
-                }
-            if live is not None and live.slot != "model":  # a declared slot is live: keep the model aside
-                state["round"].update(
-                    live_slot=live.slot,
-                    live_model=[t.detach().clone() for t in live.model],
-                    live_slot_values={n: t.detach().clone() for n, t in live.slot_values.items()},
-                )
-            before = self._before_round
-            if before is not None:  # a run resumed from here can still roll the whole round back
-                state["round"]["before"] = {
-                    "round_index": before.round_index,
-                    "rng": before.rng,
-                    "finetuned": before.finetuned,
-                    "clients": before.clients,
-                    "cuda_rng": before.cuda_rng,
-                }
         return state
 
     def load_state_dict(
-        self, state: dict[str, Any], device: torch.device | None = None, path: Any = "The checkpoint"
+        self,
+        state: dict[str, Any],
+        named: Mapping[str, Any],
+        device: torch.device | None = None,
+        path: Any = "The checkpoint",
     ) -> None:
-        """Restore the global state, every client and the history (any stage). The open round is
-        restored separately by :meth:`restore_round`, once the optimizers exist. A state that lacks
+        """Restore the global state, every client and the history (any stage); ``named``: the attached
+        module's tensors by name. The open round is restored separately
+        (:meth:`RoundTransaction.restore_round`), once the optimizers exist. A state that lacks
         tensors the algorithm declares (a version-2 file) is refused (:meth:`check_declared`)."""
-        self.check_declared(state, path)
+        self.check_declared(state, path, named)
         if list(state["shared_names"]) != list(self.shared_names) or list(state["local_names"]) != list(
             self.local_names
         ):
@@ -414,13 +419,33 @@ class FederationState:
         self.saved_federation = state.get("federation")
         self.algorithm.load_state_dict(state.get("algorithm_state", {}))
 
-    def _require_data(self) -> tuple[int, ...]:
+    @property
+    def evaluation_spec(self) -> EvaluationSpec:
+        """What evaluation scores: ``algorithm.evaluation()`` (asked once)."""
+        if self._evaluation_spec is None:
+            self._evaluation_spec = evaluation_spec(self.algorithm)
+        return self._evaluation_spec
+
+    def scored_tensors(self, client: int) -> dict[str, Tensor]:
+        """What evaluation scores for ``client`` on top of the global shared part, before any adaptation
+        (the algorithm's :class:`EvaluationSpec`: its local part, nothing, a slot, a mixture). Not copies."""
+        return scored_tensors(
+            self.evaluation_spec,
+            client,
+            self.global_view(),
+            self.store.personal(client, self.local_names),
+            lambda: self.store.client_state(client),
+        )
+
+    def require_data(self) -> tuple[int, ...]:
+        """The clients' training-set sizes; refused before the training data is bound."""
         if self.client_sizes is None:
             raise RuntimeError(
                 "The federation has not seen the training data yet (it does at the start of fit)."
             )
         return self.client_sizes
 
-    def _require_state(self) -> None:
+    def require_state(self) -> None:
+        """Refuse to go on before the global and client state exist."""
         if self.store is None:
             raise RuntimeError("No federated state yet: call trainer.fit(...) or load a checkpoint first.")
