@@ -372,10 +372,11 @@ class LockstepEngine:
         run (the first group: every client of the first round, up to the memory bound): one lockstep step of
         them against their steps one by one (:func:`~lightning_fedrep.runners.lockstep.sizing.faster_lane_width`).
         A few clients' timing does not tell: on a CPU lockstep can win at 8 clients and lose by 1.7x at 100. It
-        tells one way: where lockstep is slower at a quarter of the width (:func:`~lightning_fedrep.runners.
-        lockstep.sizing.probe_width`), the device has no parallelism to spare and a wider step does not gain it,
-        so the clients run one at a time without the full width's timing (a CPU's convolution: one wide step of
-        100 CIFAR clients costs about a quarter of the round it would decide). Lockstep is kept within
+        tells one way: where lockstep is slower at a quarter of the width
+        (:func:`~lightning_fedrep.runners.lockstep.sizing.probe_width`), the device has no parallelism to spare
+        and a wider step does not find it, so the clients run one at a time without the full width's timing (a
+        CPU's convolution: one wide step of 100 CIFAR CNN clients costs a third to a half of the FedAvg round it
+        would decide). Lockstep is kept within
         :data:`~lightning_fedrep.runners.lockstep.sizing.LOCKSTEP_MARGIN` of the narrow timing only where narrow
         lanes would pay a cost the timing leaves out (Lightning's per-step cost: unfused calls, or the sequential
         runner when no phase runs on cached features); else the faster timing wins."""

@@ -103,12 +103,13 @@ def faster_lane_width(
 ) -> tuple[bool, float, float]:
     """Time one lockstep step of K clients (``wide``) against the same K clients' steps one after
     another (``narrow``), each a whole step (forward, backward, the optimizer's update): one untimed warm-up
-    of the wide step and of the first narrow client (of every one where all are timed), then up to ``repeats`` rounds of both, interleaved (so a
-    passing load slows both alike), the best of each. The narrow time is the first ``sample`` clients after the
-    warm-up one, scaled to all K (all K where there are at most ``sample + 1``). After a repeat whose best times
-    are more than ``1 + clear`` apart either way it stops: only a close call is timed again. Returns whether the
-    wide step is at most ``1 + margin`` times as slow (:data:`LOCKSTEP_MARGIN`), and both times in seconds of
-    ``clock`` (wall-clock seconds by default; tests pass a fake clock that the work advances)."""
+    of the wide step and of the first narrow client (of every one where all are timed), then up to ``repeats``
+    rounds of both, interleaved (so a passing load slows both alike), the best of each. The narrow time is the
+    first ``sample`` clients after the warm-up one, scaled to all K (all K where there are at most
+    ``sample + 1``). After a repeat whose best times are more than ``1 + clear`` apart either way it stops: only
+    a close call is timed again. Returns whether the wide step is at most ``1 + margin`` times as slow
+    (:data:`LOCKSTEP_MARGIN`), and both times in seconds of ``clock`` (wall-clock seconds by default; tests pass
+    a fake clock that the work advances)."""
 
     def timed(work: Callable[[], None]) -> float:
         if device.type == "cuda":
