@@ -15,6 +15,7 @@ import cifar_round  # noqa: E402
 import compiled_head_phase  # noqa: E402
 import device_check  # noqa: E402
 import evaluation  # noqa: E402
+import first_round  # noqa: E402
 import official_round  # noqa: E402
 import overhead  # noqa: E402
 import scaling  # noqa: E402
@@ -104,6 +105,20 @@ def test_auto_choice_runs_and_reports_each_runs_path():
     for row in rows:
         assert len(row["auto"]) == len(row["ratios"]) == 1
         assert set(row["paths"]) <= {"seq", "lock", "lock/1"}
+
+
+def test_first_round_times_each_fit_from_its_start_and_reports_autos_timing():
+    """``benchmarks/engine/first_round.py`` at a reduced size: a row per fit (``auto``, then the references),
+    its first round (from the call of ``Trainer.fit``: longer than its epoch), the later rounds' median, the
+    ratio, the path and ``auto``'s timing line (a smoke check of the script, not of its timings)."""
+    rows = first_round.main(["--small", "--model", "mlp", "--threads", "1"])
+    assert [r["engine"] for r in rows] == ["auto", "sequential", "vectorized"]
+    for row in rows:
+        assert row["first"] > 0 and row["later"] > 0
+        assert row["ratio"] == pytest.approx(row["first"] / row["later"])
+        assert row["path"] in {"seq", "lock", "lock/1"}
+    assert rows[0]["timing"].startswith("(one step of 10 clients measured")
+    assert [r["path"] for r in rows[1:]] == ["seq", "lock"] and rows[1]["timing"] == ""
 
 
 def test_official_round_names_the_argument_when_the_checkout_is_not_the_official_repository(tmp_path):

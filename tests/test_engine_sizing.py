@@ -161,15 +161,98 @@ def test_faster_lane_width_times_best_of_repeats_after_a_warm_up(wide_costs, fas
 
 def test_faster_lane_width_interleaves_the_two_timings():
     """Each timed repeat runs the wide step and then the narrow ones (a load that comes and goes slows both
-    alike). Catches timing every wide repeat before every narrow one."""
-    calls: list[str] = []
-    sizing.faster_lane_width(
-        lambda: calls.append("w"),
-        [lambda: calls.append("n1"), lambda: calls.append("n2")],
-        torch.device("cpu"),
-        3,
-    )
+    alike); a close call (equal times) runs every repeat. Catches timing every wide repeat before every narrow
+    one."""
+    clock, calls = FakeClock(), []
+
+    def step(name):
+        def run():
+            calls.append(name)
+            clock.now += 1.0 if name == "w" else 0.5
+
+        return run
+
+    sizing.faster_lane_width(step("w"), [step("n1"), step("n2")], torch.device("cpu"), 3, clock=clock)
     assert calls == ["w", "n1", "n2"] + ["w", "n1", "n2"] * 3
+
+
+def test_faster_lane_width_estimates_the_narrow_steps_from_a_sample():
+    """Restated rule: with more than ``sample + 1`` clients, the first narrow client is an untimed warm-up and
+    the next ``sample`` are timed, their time scaled to all clients (20 clients, 3 timed at 1 s each: 20 s);
+    the others never run. Catches timing the warm-up client (its 30 s counted), scaling by the wrong count
+    (3 s or 60 s) and running every client."""
+    clock, ran = FakeClock(), []
+
+    def client(k):
+        def run():
+            ran.append(k)
+            clock.now += 30.0 if k == 0 and ran.count(0) == 1 else 1.0
+
+        return run
+
+    wide = clock.work(99.0, 19.0, 19.0, 19.0)
+    chosen, wide_s, narrow_s = sizing.faster_lane_width(
+        wide, [client(k) for k in range(20)], torch.device("cpu"), clock=clock, sample=3
+    )
+    assert (chosen, wide_s, narrow_s) == (True, pytest.approx(19.0), pytest.approx(20.0))
+    assert sorted(set(ran)) == [0, 1, 2, 3] and ran.count(0) == 1
+
+
+@pytest.mark.parametrize(
+    ("wide_costs", "timed_repeats", "faster"),
+    [
+        ((50.0, 1.0, 1.0, 1.0), 1, True),  # lockstep 2x faster: decided after one repeat
+        ((50.0, 4.0, 4.0, 4.0), 1, False),  # 2x slower: decided after one repeat
+        ((50.0, 2.5, 2.5, 1.9), 3, True),  # within 30%: timed again, the best of three
+        ((50.0, 2.5, 1.5, 1.9), 2, True),  # the second repeat is clearly apart: stops there
+    ],
+)
+def test_faster_lane_width_decides_a_clear_gap_after_one_repeat(wide_costs, timed_repeats, faster):
+    """Restated rule: after a repeat whose best times are more than ``1 + clear`` (30%) apart either way it
+    stops; a closer call is timed again, up to ``repeats``. Catches a gap read one way only (2x slower timed
+    three times), an early stop on a close call and a gap taken from the last repeat instead of the best."""
+    clock = FakeClock()
+    wide = clock.work(*wide_costs)
+    narrow = [clock.work(10.0, 1.0, 1.0, 1.0), clock.work(10.0, 1.0, 1.0, 1.0)]  # 2 s a repeat
+    chosen, wide_s, _ = sizing.faster_lane_width(wide, narrow, torch.device("cpu"), clock=clock)
+    assert chosen == faster
+    assert wide_s == pytest.approx(min(wide_costs[1 : timed_repeats + 1]))
+    assert clock.now == pytest.approx(
+        50.0 + 20.0 + sum(wide_costs[1 : timed_repeats + 1]) + 2.0 * timed_repeats
+    )
+
+
+def test_probe_width_is_a_quarter_unless_that_is_a_small_sample():
+    assert sizing.probe_width(100) == 25
+    assert sizing.probe_width(33) == 9  # a quarter, rounded up
+    assert sizing.probe_width(32) == sizing.probe_width(29) == 8  # a quarter as large as the sample
+    assert sizing.probe_width(28) == 28  # a quarter (7) under the sample: the full width at once
+    assert sizing.probe_width(20) == 20
+
+
+@pytest.mark.parametrize(("faster_at_quarter", "widths"), [(False, [8]), (True, [8, 32])])
+def test_auto_times_the_full_width_only_where_a_quarter_of_it_gains(
+    monkeypatch, caplog, faster_at_quarter, widths
+):
+    """``auto`` first times a quarter of the first group (8 of 32 clients); where lockstep is slower there it
+    runs one client at a time without timing the full width (and says so), else it times the full width and
+    that timing decides. Catches a full-width timing always paid, or the quarter's win taken as the answer."""
+    timed: list[int] = []
+
+    def measured(wide, narrow, device, repeats=3, **kwargs):
+        timed.append(len(narrow))
+        return (faster_at_quarter if len(timed) == 1 else False), 3.0, 2.0
+
+    monkeypatch.setattr(sizing, "faster_lane_width", measured)
+    torch.manual_seed(0)
+    strategy = FederatedStrategy(algorithm="fedavg", clients_per_round=32, seed=5, engine="auto")
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer.fit(LossNet(), datamodule=tiny_datamodule(num_clients=32, classes_per_client=1, seed=3))
+    assert timed == widths
+    assert strategy.runner_report.runner == "sequential"  # FedAvg, slower in lockstep: nothing to gain
+    said = "slower in lockstep at a quarter of the width, not timed at 32"
+    assert (said in caplog.text) == (not faster_at_quarter)
 
 
 def test_faster_lane_width_defaults_to_the_wall_clock():

@@ -373,15 +373,49 @@ class LockstepEngine:
         """Decide ``lane_width`` (1 or the group's) by timing the first uncached phase at the width that will
         run (the first group: every client of the first round, up to the memory bound): one lockstep step of
         them against their steps one by one (:func:`~lightning_fedrep.runners.lockstep.sizing.faster_lane_width`).
-        A few clients' timing does not tell: on a CPU lockstep can win at 8 clients and lose by 1.7x at 100.
-        Lockstep is kept within :data:`~lightning_fedrep.runners.lockstep.sizing.LOCKSTEP_MARGIN` of the narrow
-        timing only where narrow lanes would pay a cost the timing leaves out (Lightning's per-step cost: unfused
-        calls, or the sequential runner when no phase runs on cached features); else the faster timing wins."""
+        A few clients' timing does not tell: on a CPU lockstep can win at 8 clients and lose by 1.7x at 100. It
+        tells one way: where lockstep is slower at a quarter of the width
+        (:func:`~lightning_fedrep.runners.lockstep.sizing.probe_width`), the device has no parallelism to spare
+        and a wider step does not find it, so the clients run one at a time without the full width's timing (a
+        CPU's convolution: one wide step of 100 CIFAR CNN clients costs a third to a half of the FedAvg round it
+        would decide). Lockstep is kept within
+        :data:`~lightning_fedrep.runners.lockstep.sizing.LOCKSTEP_MARGIN` of the narrow timing only where narrow
+        lanes would pay a cost the timing leaves out (Lightning's per-step cost: unfused calls, or the sequential
+        runner when no phase runs on cached features); else the faster timing wins."""
         width = min(self.group_width, len(plan.work))
+        margin = self._lockstep_margin(plan)
+        probe = sizing.probe_width(width)
+        if probe < width:
+            timed = self._time_lanes(plan, probe, device, margin)
+            if timed is not None and not timed[0]:
+                self._decide_lanes(
+                    timed, f"; slower in lockstep at a quarter of the width, not timed at {width}"
+                )
+                return
+        self._decide_lanes(self._time_lanes(plan, width, device, margin))
+
+    def _decide_lanes(self, timed: tuple[bool, float, float, int] | None, why: str = "") -> None:
+        """Keep a timing's choice (nothing timed: lockstep, where the first group's uncached phase has one
+        client) and the words the engine's line says about it."""
+        if timed is None:
+            return
+        faster, wide_s, narrow_s, clients = timed
+        self.lane_width = None if faster else 1
+        self._timing = (
+            f" (one step of {clients} clients measured {wide_s * 1e3:.2f} ms in lockstep, "
+            f"{narrow_s * 1e3:.2f} ms one after another{why})"
+        )
+
+    def _time_lanes(
+        self, plan: RoundPlan, width: int, device: torch.device, margin: float
+    ) -> tuple[bool, float, float, int] | None:
+        """:func:`~lightning_fedrep.runners.lockstep.sizing.faster_lane_width` on the first uncached phase of a
+        group of the first ``width`` clients: whether lockstep is faster, both times and the clients timed
+        (``None`` where that phase has fewer than two clients)."""
         wide_plan = lockstep_plan(plan, width, cache_head=self.caching)
         wide = next((s for s in wide_plan.segments if s.group == 0 and not s.cached), None)
         if wide is None or len(wide.clients) < 2:
-            return
+            return None
         narrow_plan = lockstep_plan(plan, width, cache_head=self.caching, uncached_width=1)
         narrow = [s for s in narrow_plan.segments if s.group == 0 and s.phase_index == wide.phase_index]
 
@@ -405,16 +439,12 @@ class LockstepEngine:
                 work(wide, first_batch(wide_plan, wide)),
                 [work(s, first_batch(narrow_plan, s)) for s in narrow],
                 device,
-                margin=self._lockstep_margin(plan),
+                margin=margin,
             )
         finally:
             self.group, self.segment, self._features, self._labels = None, None, None, None
             self._group_index = -1
-        self.lane_width = None if faster else 1
-        self._timing = (
-            f" (one step of {len(wide.clients)} clients measured {wide_s * 1e3:.2f} ms in lockstep, "
-            f"{narrow_s * 1e3:.2f} ms one after another)"
-        )
+        return faster, wide_s, narrow_s, len(wide.clients)
 
     def _lockstep_margin(self, plan: RoundPlan) -> float:
         """How much slower a measured lockstep step may be and still be taken (:meth:`_measure_lanes`): none
