@@ -112,7 +112,7 @@ def test_first_round_times_each_fit_from_its_start_and_reports_autos_timing():
     its first round (from the call of ``Trainer.fit``: longer than its epoch), the later rounds' median, the
     ratio, the path and ``auto``'s timing line (a smoke check of the script, not of its timings)."""
     rows = first_round.main(["--small", "--model", "mlp", "--threads", "1"])
-    assert [r["engine"] for r in rows] == ["auto", "sequential", "vectorized"]
+    assert [r["runner"] for r in rows] == ["auto", "sequential", "vectorized"]
     for row in rows:
         assert row["first"] > 0 and row["later"] > 0
         assert row["ratio"] == pytest.approx(row["first"] / row["later"])

@@ -1,9 +1,9 @@
-"""What does ``engine="auto"``'s one-time timing cost? The cross-device round, first round against the later ones.
+"""What does ``runner="auto"``'s one-time timing cost? The cross-device round, first round against the later ones.
 
 1,000 clients of 50 samples each (random tensors of CIFAR-10's shape, 10 classes, iid), 100 clients per round,
 batch 10, the CIFAR-10 CNN (``CIFAR10CNN``, SGD lr 0.01 momentum 0.5; ``--model mlp``: the digits MLP on 64
 features), FedAvg with 1 local epoch (``--algorithm fedrep``: 10 head + 1 body epochs). Fits with
-``engine="auto"`` and, as references in the same run, ``engine="sequential"`` and ``engine="vectorized"``, each
+``runner="auto"`` and, as references in the same run, ``runner="sequential"`` and ``runner="vectorized"``, each
 ``--rounds`` rounds. Per fit it prints the first round, timed from the call of ``Trainer.fit`` to the end of
 epoch 0 (so it holds Lightning's start-up and ``auto``'s timing, which runs when the first training loader is
 bound, before epoch 0 starts), the median of the later rounds (epoch start to end), their ratio, the path the
@@ -11,7 +11,7 @@ fit took and its timing line. The bar (issue 39): ``auto``'s first round at most
 
 Usage (alone on the machine: timings)::
 
-    .venv/bin/python benchmarks/engine/first_round.py                    # CNN, FedAvg, 4 rounds, each engine once
+    .venv/bin/python benchmarks/engine/first_round.py                    # CNN, FedAvg, 4 rounds, each runner once
     .venv/bin/python benchmarks/engine/first_round.py --runs 3           # auto 3 times (spread)
     .venv/bin/python benchmarks/engine/first_round.py --small            # 100 clients, 10 per round (tests)
 """
@@ -81,7 +81,7 @@ def timing_line(strategy: FederatedStrategy) -> str:
 
 
 def fit(
-    model: str, algorithm: str, engine: str, clients: int, per_round: int, rounds: int, device: str
+    model: str, algorithm: str, runner: str, clients: int, per_round: int, rounds: int, device: str
 ) -> dict[str, Any]:
     """One fit of ``rounds`` rounds: its first round, the later rounds' median, their ratio, path and timing."""
     data = make_data(clients, shape=MODELS[model][0])
@@ -90,7 +90,7 @@ def fit(
         algorithm=algorithm,
         clients_per_round=per_round,
         **epoch_settings(algorithm, head_epochs=HEAD_EPOCHS, body_epochs=BODY_EPOCHS, local_epochs=1),
-        engine=engine,
+        runner=runner,
         seed=0,
     )
     clock = FirstRoundClock()
@@ -101,7 +101,7 @@ def fit(
     trainer.fit(module, datamodule=data)
     later = statistics.median(clock.seconds[1:])
     return {
-        "engine": engine,
+        "runner": runner,
         "first": clock.first,
         "later": later,
         "ratio": clock.first / later,
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--algorithm", choices=["fedavg", "fedrep"], default="fedavg")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per fit (default 4; --small 3)")
     parser.add_argument("--runs", type=int, default=1, help="auto fits (the references run once)")
-    parser.add_argument("--engines", nargs="+", default=["sequential", "vectorized"], help="references")
+    parser.add_argument("--runners", nargs="+", default=["sequential", "vectorized"], help="references")
     parser.add_argument("--threads", type=int, default=None)
     add_device_argument(parser)
     args = parser.parse_args(argv)
@@ -129,14 +129,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"{device_label(args.device)}, {torch.get_num_threads()} threads, {rounds} rounds a fit; first round: "
         "Trainer.fit called to the end of epoch 0; later: median epoch"
     )
-    print("  engine     | first s | later s | first/later | path   | timing")
+    print("  runner     | first s | later s | first/later | path   | timing")
     rows = []
-    for engine in ["auto"] * args.runs + list(args.engines):
-        row = fit(args.model, args.algorithm, engine, clients, per_round, rounds, args.device)
+    for runner in ["auto"] * args.runs + list(args.runners):
+        row = fit(args.model, args.algorithm, runner, clients, per_round, rounds, args.device)
         rows.append(row)
-        flag = "" if engine != "auto" or row["ratio"] <= BAR else f"  (over {BAR})"
+        flag = "" if runner != "auto" or row["ratio"] <= BAR else f"  (over {BAR})"
         print(
-            f"  {engine:10s} | {row['first']:7.2f} | {row['later']:7.2f} | {row['ratio']:11.2f} | "
+            f"  {runner:10s} | {row['first']:7.2f} | {row['later']:7.2f} | {row['ratio']:11.2f} | "
             f"{row['path']:6s} | {row['timing']}{flag}",
             flush=True,
         )
