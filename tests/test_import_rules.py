@@ -93,12 +93,9 @@ RULES: tuple[Rule, ...] = (
 )
 """Group ``source`` must not import group ``forbidden`` (``"lightning"``: the Lightning packages)."""
 
-FACE_TO_ENGINE = "issue 39 step 2/3: the face reaches the vectorized runner's internals"
 FACE_TO_CALLBACKS = "issue 39 step 2/3: the face builds concrete callbacks"
 
 PENDING: dict[tuple[str, str], str] = {
-    ("lightning.api", "runners.lockstep.engine"): FACE_TO_ENGINE,
-    ("lightning.api", "runners.lockstep.heads_together"): FACE_TO_ENGINE,
     ("lightning.evaluating", "callbacks.evaluation_finetuning"): FACE_TO_CALLBACKS,
 }
 """Known violations ``(module, imported module or "<lightning>")`` with the issue item that fixes each."""
