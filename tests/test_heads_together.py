@@ -15,7 +15,7 @@ from lightning_fedrep.callbacks import evaluation_finetuning
 from lightning_fedrep.evaluation import head_tuning
 from lightning_fedrep.evaluation.head_tuning import ClientHead, HeadFineTuning, NotBatchable
 from lightning_fedrep.federation.module.losses import NAMED_LOSSES
-from lightning_fedrep.lightning import api
+from lightning_fedrep.runners import selection
 from lightning_fedrep.runners.lockstep import heads_together
 from tests.fixtures import TinyNet, quiet_trainer
 
@@ -149,8 +149,8 @@ def fine_tuned(model_class, start, monkeypatch, together=True, calls=None, cache
     if not together:
         monkeypatch.setattr(FineTunedEvaluation, "_fit_heads_together", lambda self, *a: {})
     elif calls is not None:
-        real = api.fit_heads_together
-        monkeypatch.setattr(api, "fit_heads_together", lambda *a: calls.append(len(a[1])) or real(*a))
+        real = selection.fit_heads_together
+        monkeypatch.setattr(selection, "fit_heads_together", lambda *a: calls.append(len(a[1])) or real(*a))
     if budget is not None:
         monkeypatch.setattr(evaluation_finetuning, "HEADS_TOGETHER_BYTES", budget)
     callback = FineTunedEvaluation(epochs=3, lr=0.1, start=start, optimizer="sgd", cache_features=cache)

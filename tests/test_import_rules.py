@@ -93,19 +93,10 @@ RULES: tuple[Rule, ...] = (
 )
 """Group ``source`` must not import group ``forbidden`` (``"lightning"``: the Lightning packages)."""
 
-FACE_TO_ENGINE = "issue 39 step 2/3: the face reaches the vectorized runner's internals"
 FACE_TO_CALLBACKS = "issue 39 step 2/3: the face builds concrete callbacks"
-ENGINE_TO_LOADERS = (
-    "issue 39 step 2/3: the vectorized runner reads the loaders' types (a core protocol instead)"
-)
 
 PENDING: dict[tuple[str, str], str] = {
-    ("lightning.api", "runners.lockstep.engine"): FACE_TO_ENGINE,
-    ("lightning.api", "runners.lockstep.heads_together"): FACE_TO_ENGINE,
     ("lightning.evaluating", "callbacks.evaluation_finetuning"): FACE_TO_CALLBACKS,
-    ("runners.lockstep.engine", "data.loaders"): ENGINE_TO_LOADERS,
-    ("runners.lockstep.evaluation", "data.loaders"): ENGINE_TO_LOADERS,
-    ("runners.lockstep.schedule", "data.loaders"): ENGINE_TO_LOADERS,
 }
 """Known violations ``(module, imported module or "<lightning>")`` with the issue item that fixes each."""
 

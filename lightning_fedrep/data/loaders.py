@@ -202,6 +202,13 @@ class RoundLoader:
         index_batches = self.client_index_batches(client, round_index, first_step, num_steps)
         return self.fetcher.batches(self.clients[client].dataset, index_batches)
 
+    def random_batches(self) -> str | None:
+        """``None`` if every training batch is a pure function of its sample indices, else why not (the
+        rule for computing a frozen body's features once: the lockstep engine's head phases)."""
+        if type(self).client_batches is not RoundLoader.client_batches:
+            return f"{type(self).__name__} draws its own batches"
+        return datasets_are_deterministic(data.dataset for data in self.clients)
+
     def state_dict(self) -> dict[str, int]:
         """Position in the round, saved by Lightning with the fit loop for mid-round resume."""
         return {"round": -1 if self._round is None else self._round, "position": self._position}

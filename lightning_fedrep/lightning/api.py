@@ -23,8 +23,6 @@ from lightning_fedrep.federation.module.feature_split import evaluation_split
 from lightning_fedrep.federation.module.split import ParameterSplit
 from lightning_fedrep.federation.plan import RankShare, RoundPlan, shard_round
 from lightning_fedrep.lightning import loading
-from lightning_fedrep.runners.lockstep.engine import LockstepEngine
-from lightning_fedrep.runners.lockstep.heads_together import fit_heads_together
 from lightning_fedrep.runners.runner_report import RunnerReport
 
 
@@ -80,9 +78,9 @@ class StrategyAPI:
         }
 
     @property
-    def lockstep_engine(self) -> LockstepEngine | None:
-        """The lockstep runner's engine (its groups, schedules, loss terms: for inspection), ``None`` when
-        the fit runs sequentially."""
+    def lockstep_engine(self) -> Any:
+        """The lockstep runner's engine (a :class:`~lightning_fedrep.runners.lockstep.engine.LockstepEngine`:
+        its groups, schedules, loss terms, for inspection), ``None`` when the fit runs sequentially."""
         return self._selection.engine
 
     @property
@@ -128,7 +126,7 @@ class StrategyAPI:
         ``clients``' order. For a callback that fine-tunes many clients (``FineTunedEvaluation``, with the head
         of ``feature_split``); the same computation as one client at a time within float error. Raises
         :class:`~lightning_fedrep.evaluation.head_tuning.NotBatchable` (before any client stepped) where it would not be."""
-        return fit_heads_together(tuning, clients)
+        return self._selection.fit_heads_together(tuning, clients)
 
     def feature_split(self, names: Sequence[str], probe: Tensor) -> Any:
         """The live module as ``head(features(x))`` with ``names`` as the head, in evaluation mode, verified

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_fedrep.evaluation.head_tuning import ClientHead, HeadFineTuning
 from lightning_fedrep.federation import Federation
 from lightning_fedrep.federation.api.algorithm import PART_GROUPS, Algorithm
 from lightning_fedrep.federation.api.scoring import evaluation_spec
@@ -28,6 +29,7 @@ from lightning_fedrep.federation.run import PHASE_PARTS, FederatedRun, local_obj
 from lightning_fedrep.runners.constraints import Constraints
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine
 from lightning_fedrep.runners.lockstep.fusion import resolve_steps_per_call
+from lightning_fedrep.runners.lockstep.heads_together import fit_heads_together
 from lightning_fedrep.runners.lockstep.probe import SIDE_EFFECTS, vectorize_problem
 from lightning_fedrep.runners.lockstep.runner import LockstepRunner
 from lightning_fedrep.runners.lockstep.validity import federation_reasons, module_reasons, trainer_reasons
@@ -290,6 +292,15 @@ class RunnerSelection:
         """The module's declared per-sample loss where a step rule needs it (the sequential runner's)."""
         self.evaluation: str | None = None
         """How evaluation runs where the engine does not batch it (``RunnerReport.evaluation``)."""
+
+    @staticmethod
+    def fit_heads_together(
+        tuning: HeadFineTuning, clients: Sequence[ClientHead]
+    ) -> list[dict[str, torch.Tensor]]:
+        """Many clients' heads fine-tuned at once on their cached features (the vectorized runner's
+        :func:`~lightning_fedrep.runners.lockstep.heads_together.fit_heads_together`, whatever runner trains):
+        what the strategy's ``fit_heads_together`` runs."""
+        return fit_heads_together(tuning, clients)
 
     def _lr(self) -> float | None:
         groups = self.optimizer.param_groups if self.optimizer is not None else ()

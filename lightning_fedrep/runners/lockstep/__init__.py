@@ -4,7 +4,7 @@ features, and the rules for when that is exactly the sequential computation. ``r
 segments), ``group.py`` (stacked client tensors), ``optimizers.py``, ``probe.py``, ``validity.py`` (why not
 exact), ``sizing.py`` (memory bound, lockstep timing), ``fusion.py`` (lockstep steps per Lightning step),
 ``compiled.py`` (compiled cached head steps), ``heads_together.py`` (heads fine-tuned together),
-``evaluation.py`` (batched personalized evaluation). What it needs to know about the module (its declared
+``evaluation.py`` (batched personalized evaluation), ``loading.py`` (what it reads from a loader). What it needs to know about the module (its declared
 loss, its feature split) is in the core's :mod:`lightning_fedrep.federation.module`."""
 
 from lightning_fedrep.runners.lockstep.engine import LockstepEngine, data_is_deterministic

@@ -31,6 +31,7 @@ from lightning_fedrep.runners.constraints import move_to_device
 from lightning_fedrep.runners.lockstep import sizing
 from lightning_fedrep.runners.lockstep.compiled import CompiledHeadStep
 from lightning_fedrep.runners.lockstep.group import ClientGroup
+from lightning_fedrep.runners.lockstep.loading import ClientBatches
 from lightning_fedrep.runners.lockstep.probe import loss_label, probe_problem
 from lightning_fedrep.runners.lockstep.schedule import FusedBatches, LockstepPlan, Segment, lockstep_plan
 
@@ -41,13 +42,9 @@ NO_OBJECTIVE = Objective()
 """The objective of a phase that none was given for: the declared loss alone."""
 
 
-def data_is_deterministic(loader: Any) -> str | None:
+def data_is_deterministic(loader: ClientBatches) -> str | None:
     """``None`` if every training batch is a pure function of its sample indices, else why not."""
-    from lightning_fedrep.data.loaders import RoundLoader, datasets_are_deterministic
-
-    if type(loader).client_batches is not RoundLoader.client_batches:
-        return f"{type(loader).__name__} draws its own batches"
-    return datasets_are_deterministic(data.dataset for data in loader.clients)
+    return loader.random_batches()
 
 
 class LockstepEngine:
@@ -222,11 +219,11 @@ class LockstepEngine:
             self.loss_terms_problem = f"the loss terms that read features need the head's input ({why})"
         return why
 
-    def _probe_batches(self, loader: Any, device: torch.device) -> list[tuple[Any, int, str]]:
+    def _probe_batches(self, loader: ClientBatches, device: torch.device) -> list[tuple[Any, int, str]]:
         """The first batch of the first client with data and the second batch of the last one, as
         Lightning hands batches to ``training_step`` (each with its ``batch_idx`` and a name). Fetching
         them draws nothing from the run's generators (a loader's seed, a random transform's noise)."""
-        clients = [c for c in range(len(loader.clients)) if loader.client_size(c)]
+        clients = [c for c in range(loader.num_clients) if loader.client_size(c)]
         first, last = clients[0], clients[-1]
 
         def batch(client: int, step: int) -> Any:

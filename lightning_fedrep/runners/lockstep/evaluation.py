@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fedrep.data.loaders import ClientChunk, EvalLoader
 from lightning_fedrep.evaluation.metrics import ClientMetrics, headline_sums_per_client
 from lightning_fedrep.federation import Federation
 from lightning_fedrep.federation.module.feature_split import FeatureSplit, evaluation_split
 from lightning_fedrep.federation.module.untouched import untouched_random_state
+from lightning_fedrep.runners.lockstep.loading import ClientChunkLike, EvaluationProbe
 
 EVALUATION_CHUNK_SAMPLES = 4096
 """Samples per batched evaluation step (consecutive clients, a larger client alone)."""
@@ -42,7 +42,7 @@ def declares_headline_only(module: nn.Module) -> bool:
 def batched_evaluation(
     module: nn.Module,
     federation: Federation,
-    loader: EvalLoader,
+    loader: EvaluationProbe,
     device: torch.device,
     convert_input: Callable[[Any], Any] | None = None,
 ) -> BatchedEvaluation | None:
@@ -76,7 +76,7 @@ class BatchedEvaluation:
     @torch.no_grad()
     def add(
         self,
-        chunk: ClientChunk,
+        chunk: ClientChunkLike,
         module: nn.Module,
         federation: Federation,
         metrics: ClientMetrics,

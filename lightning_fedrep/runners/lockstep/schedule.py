@@ -27,7 +27,7 @@ from lightning_fedrep.federation.api.algorithm import Part
 from lightning_fedrep.federation.plan import RoundPlan, steps_per_epoch
 
 if TYPE_CHECKING:
-    from lightning_fedrep.data.loaders import RoundLoader
+    from lightning_fedrep.runners.lockstep.loading import ClientBatches
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class FusedBatches:
 
     __slots__ = ("loader", "round", "call")
 
-    def __init__(self, loader: RoundLoader, round_index: int, call: Call):
+    def __init__(self, loader: ClientBatches, round_index: int, call: Call):
         self.loader = loader
         self.round = round_index
         self.call = call
@@ -156,7 +156,7 @@ class LockstepPlan:
         call = self.call(step)
         return call.segment, call.first
 
-    def batches(self, loader: RoundLoader, start: int = 0) -> Iterator[Any]:
+    def batches(self, loader: ClientBatches, start: int = 0) -> Iterator[Any]:
         """The Lightning batches from call ``start``: per lockstep step every lane's next batch, stacked;
         in a fused schedule one :class:`FusedBatches` per call."""
         if self.fused:
@@ -212,7 +212,7 @@ def lockstep_plan(
 
 
 def _segment_batches(
-    loader: RoundLoader, round_index: int, segment: Segment, first: int, stop: int | None = None
+    loader: ClientBatches, round_index: int, segment: Segment, first: int, stop: int | None = None
 ) -> Iterator[dict[str, Any]]:
     """The stacked batches of ``segment``'s steps ``first .. stop - 1`` (``None``: to its end)."""
     k = len(segment.clients)
@@ -236,7 +236,7 @@ def _segment_batches(
 
 
 def _cached_positions(
-    loader: RoundLoader, round_index: int, segment: Segment, first: int, steps: int, remaining: list[int]
+    loader: ClientBatches, round_index: int, segment: Segment, first: int, steps: int, remaining: list[int]
 ) -> tuple[Tensor, Tensor]:
     """Every step's batch positions ``[steps, K, batch_size]`` (zero-padded) of a cached segment's steps
     ``first ..`` and their mask, built per client at once instead of per step."""
