@@ -174,7 +174,7 @@ class LiveModule:
 
     def evaluation_tensors(self, client: int) -> dict[str, Tensor]:
         """What makes ``client``'s model its own in the current evaluation (not copies: do not modify):
-        :meth:`FederationState.scored_tensors`, with those set by :meth:`set_evaluation_tensors` in their place."""
+        ``FederationState.scored_tensors``, with those set by :meth:`set_evaluation_tensors` in their place."""
         return {**self.state.scored_tensors(client), **self._eval_tensors.get(client, {})}
 
     def end_evaluation(self, live_client: int | None) -> None:

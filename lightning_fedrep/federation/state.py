@@ -360,7 +360,7 @@ class FederationState:
     def federation_changes(self, current: Mapping[str, Any] | None = None) -> list[str]:
         """How this run's federation differs from the one the loaded checkpoint was saved with: all of
         :meth:`fingerprint`, or only the keys of ``current`` (in evaluation, the clients:
-        :func:`clients_fingerprint`)."""
+        ``clients_fingerprint``)."""
         return fingerprint_changes(self.saved_federation, self.fingerprint() if current is None else current)
 
     def state_dict(self, round_state: dict[str, Any]) -> dict[str, Any]:

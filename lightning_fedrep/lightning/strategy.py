@@ -155,7 +155,7 @@ class FederatedStrategyMixin(StrategyAPI):
         )
         _check_evaluation_settings(allow_new_federation, first_state, evaluate_clients, buffers)
         self.runner: RunnerSettings = runner_settings(runner)
-        """The runner setting (a choice's name becomes its :class:`RunnerSettings`)."""
+        """The runner setting (a choice's name becomes its :class:`~lightning_fedrep.runners.settings.RunnerSettings`)."""
         resolved = get_algorithm(algorithm)
         # a registered algorithm is shared by name: each strategy gets its own copy of its server state
         self.algorithm: Algorithm = copy.deepcopy(resolved) if isinstance(algorithm, str) else resolved
