@@ -196,6 +196,16 @@ def has_loss_terms(algorithm: Algorithm, bus: CallbackBus) -> bool:
     return any(not local_objective(algorithm, bus, phase).empty for phase in PHASE_PARTS)
 
 
+def refuse_manual_loss_terms(manual_fit: bool, algorithm: Algorithm, bus: CallbackBus) -> None:
+    """Refuse loss terms (the algorithm's or a callback's) in a fit under manual optimization: they are added
+    to the loss of the automatic-optimization closure."""
+    if manual_fit and has_loss_terms(algorithm, bus):
+        raise RuntimeError(
+            "Loss terms (from the algorithm or a FederatedCallback) need automatic optimization; this module "
+            "uses manual optimization."
+        )
+
+
 def live_view(
     federation: Federation, module: Any, batch: Any, batch_idx: int, step: int, lr: float | None
 ) -> StepView:
