@@ -26,7 +26,7 @@ from lightning_fedrep.federation.api.arguments import (
     check_int,
 )
 from lightning_fedrep.federation.api.epochs import EPOCH_DEFAULTS, check_epoch_shorthands, default_phases
-from lightning_fedrep.federation.api.registry import get_algorithm
+from lightning_fedrep.federation.api.registry import ALGORITHMS, get_algorithm
 from lightning_fedrep.federation.state import FederationConfig
 
 
@@ -138,6 +138,19 @@ def refuse_another_module(federation: Federation | None, module: Any, restored: 
         f"it was fitted with (trainer.lightning_module); to start from this module's own weights, use a new "
         "strategy (and Trainer)."
     )
+
+
+def refuse_several_processes(owner: str, algorithm: str, devices: int, nodes: int) -> None:
+    """Refuse several devices or nodes for the one-process strategy ``owner``, naming the DDP strategy of its
+    ``algorithm`` (a registered name; else FedRep's)."""
+    if devices > 1 or nodes > 1:
+        name = algorithm if algorithm in ALGORITHMS else "fedrep"
+        given = f"devices={devices}" if devices > 1 else f"num_nodes={nodes}"
+        raise ValueError(
+            f"{owner} runs on one device, but the Trainer was given {given}. For several "
+            f"processes use strategy='{name}_ddp' (lightning_fedrep.FederatedDDPStrategy), or pass devices=1 "
+            "and num_nodes=1."
+        )
 
 
 def process_settings(timeout: Any, client_store: Any) -> timedelta:

@@ -32,7 +32,7 @@ from lightning_fedrep.federation.checkpoint.entry import (
     refuse_plain_checkpoint_in_fit,
     round_evaluation_missing,
 )
-from lightning_fedrep.federation.checkpoint.reading import check_federated_state, read_checkpoint
+from lightning_fedrep.federation.checkpoint.reading import load_federated_state, read_checkpoint
 from lightning_fedrep.federation.collective import Collective
 from lightning_fedrep.federation.module.split import HeadSpec, check_optimizers_cover_split, resolve_layout
 from lightning_fedrep.federation.run import CallbackBus, FederatedRun, refuse_manual_loss_terms
@@ -41,6 +41,7 @@ from lightning_fedrep.federation.settings import (
     check_settings,
     federation_config,
     refuse_another_module,
+    refuse_several_processes,
     strategy_algorithm,
     takes_settings_of,
 )
@@ -412,12 +413,7 @@ class FederatedStrategyMixin(StrategyAPI):
         if self.federation is None:
             self._resolve_layout(module)
         if self._pending is not None:
-            named = {**dict(module.named_buffers()), **dict(module.named_parameters())}
-            federation = self.federation
-            check_federated_state(
-                self._pending, named, federation.shared_names, federation.local_names, self._checkpoint_path
-            )
-            federation.load_state_dict(self._pending, module.device, self._checkpoint_path)
+            load_federated_state(self.federation, self._pending, module, module.device, self._checkpoint_path)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -512,14 +508,7 @@ class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
         devices = len(self.parallel_devices or [])
         module = self.lightning_module
         nodes = internals.requested_num_nodes(module.trainer) if module is not None and module._trainer else 1
-        if devices > 1 or nodes > 1:
-            name = self.algorithm.name if self.algorithm.name in ALGORITHMS else "fedrep"
-            given = f"devices={devices}" if devices > 1 else f"num_nodes={nodes}"
-            raise ValueError(
-                f"{type(self).__name__} runs on one device, but the Trainer was given {given}. For several "
-                f"processes use strategy='{name}_ddp' (lightning_fedrep.FederatedDDPStrategy), or pass devices=1 "
-                "and num_nodes=1."
-            )
+        refuse_several_processes(type(self).__name__, self.algorithm.name, devices, nodes)
         super().setup_environment()
 
     @property
