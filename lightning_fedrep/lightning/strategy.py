@@ -423,10 +423,7 @@ class FederatedStrategyMixin(StrategyAPI):
         if state is None:
             return
         self._selection.checkpoint(self._run, state, self.algorithm, self.collective)
-        state = self._run.restore(state, self.collective)
-        if "optimizers" in state and state["round"]["open"]:  # Lightning restored rank 0's: take this rank's
-            for optimizer, saved in zip(self.optimizers, state["optimizers"]):
-                optimizer.load_state_dict(saved)
+        state = self._run.restore(state, self.collective, self.optimizers)
         if not self.federation.round_open and not state.get("validation_owed"):
             internals.start_next_round_after_restore(
                 self.lightning_module.trainer
