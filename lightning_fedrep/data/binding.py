@@ -1,5 +1,6 @@
 """What a federated strategy checks and binds of the data it is handed (Lightning-free): the label checks,
-the same-federation check of a restored checkpoint, the evaluated clients kept and dealt to the processes.
+the same-federation check of a restored checkpoint, the evaluated clients kept and dealt to the processes, and
+the note that a fit selects rounds on test data.
 
 :class:`DataBinding` holds what is remembered between loaders of one ``fit``/``validate``/``test``/``predict``
 (which splits' labels were checked); the strategy creates it, and its ``process_dataloader`` calls it with
@@ -8,7 +9,8 @@ the Trainer's facts (:class:`ModelProbe`) and the Lightning-side ways to warn an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,3 +193,28 @@ class DataBinding:
         note = empty_clients_note(loader.stage, [len(data) for data in loader.clients])
         if note is not None:
             self.warn(note)
+
+
+VALIDATION_METRIC = re.compile(r"(^|/)val([/_.]|$)")
+"""A metric measured by validation: ``val/acc``, ``val_loss``, a prefixed ``finetune/val/acc``."""
+
+
+def rounds_selected_on_test_note(monitors: Iterable[Any], datamodule_name: str) -> str | None:
+    """What to say when callbacks that select rounds (``monitors``: a best checkpoint, an early stop, each with
+    its ``monitor``) monitor a validation metric that a data module named ``datamodule_name``, without a
+    validation split, computes on the test split; ``None`` when none monitors a validation metric."""
+    selecting = [
+        f"{type(c).__name__}(monitor={c.monitor!r})"
+        for c in monitors
+        if isinstance(c.monitor, str) and VALIDATION_METRIC.search(c.monitor)
+    ]
+    if not selecting:
+        return None
+    return (
+        f"{', '.join(selecting)} selects rounds on a validation metric, but {datamodule_name} has no "
+        "validation split (val_fraction=0): validation runs on each client's test split, so the selected round "
+        "is chosen on test data and its test metrics are optimistic. Carve a validation split off each client's "
+        f"training data with {datamodule_name}(..., val_fraction=0.1) (on the command line: "
+        "--data.val_fraction 0.1), or monitor a training metric. Reporting the test metric of the last round "
+        "without selecting on it, as the papers do, needs no validation split."
+    )

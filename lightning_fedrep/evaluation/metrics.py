@@ -93,6 +93,21 @@ class ClientMetrics:
         self.sums[name][client] += total
         self.counts[name][client] += count
 
+    def capture(self, name: str, value: Any, client: int, size: int, arguments: dict[str, Any]) -> bool:
+        """Add ``value``, logged as ``name`` with the logging call's ``arguments`` (``reduce_fx``, ``batch_size``,
+        ``prog_bar``, ``logger``), to ``client``'s sums when it is a mean-reduced scalar (weighted by the batch
+        size, ``size`` where the call gives none), keeping its flags; whether it was taken (else the caller logs
+        it unchanged: a torchmetrics ``Metric``, another ``reduce_fx``)."""
+        scalar = value.detach() if isinstance(value, Tensor) and value.numel() == 1 else value
+        mean_reduced = arguments.get("reduce_fx", "mean") in ("mean", torch.mean)
+        if not mean_reduced or not isinstance(scalar, Tensor | float | int) or isinstance(scalar, bool):
+            return False
+        batch = arguments.get("batch_size") or size
+        self.add(name, client, float(scalar) * batch, batch)
+        flags = {"prog_bar": arguments.get("prog_bar", False), "logger": arguments.get("logger")}
+        self.options.setdefault(name, flags)
+        return True
+
     def per_client(self, name: str) -> dict[int, float]:
         """The metric ``name`` (one of :attr:`names`, e.g. ``"test/acc"``) of each client: a ``dict`` from
         client id (``int``, ascending) to the metric's mean over that client's evaluation samples (``float``),

@@ -389,3 +389,12 @@ def plan_fingerprint(plan: RoundPlan) -> int:
             key = zlib.crc32(f"{name}={setting!r}".encode())
             value = (value * 1_000_003 + key + 1) % (2**61 - 1)
     return (value * 1_000_003 + int(plan.aggregate)) % (2**61 - 1)
+
+
+def refuse_empty_plan(plan: RoundPlan) -> None:
+    """Refuse a round plan without a step (every phase's budget zero): the round could not train."""
+    if plan.length == 0:
+        raise ValueError(
+            "The round plan is empty: every phase has a zero budget (head_epochs, body_epochs, "
+            "local_epochs or phases=). Give at least one phase epochs or steps > 0."
+        )

@@ -196,6 +196,16 @@ def has_loss_terms(algorithm: Algorithm, bus: CallbackBus) -> bool:
     return any(not local_objective(algorithm, bus, phase).empty for phase in PHASE_PARTS)
 
 
+def refuse_manual_loss_terms(manual_fit: bool, algorithm: Algorithm, bus: CallbackBus) -> None:
+    """Refuse loss terms (the algorithm's or a callback's) in a fit under manual optimization: they are added
+    to the loss of the automatic-optimization closure."""
+    if manual_fit and has_loss_terms(algorithm, bus):
+        raise RuntimeError(
+            "Loss terms (from the algorithm or a FederatedCallback) need automatic optimization; this module "
+            "uses manual optimization."
+        )
+
+
 def live_view(
     federation: Federation, module: Any, batch: Any, batch_idx: int, step: int, lr: float | None
 ) -> StepView:
@@ -370,9 +380,12 @@ class FederatedRun:
             validation_owed=validation_owed,
         )
 
-    def restore(self, state: dict[str, Any], collective: Collective) -> dict[str, Any]:
-        """Restore this process's open round, RNG and round records, and the runner's settings and open
-        group; returns this process's saved state (its optimizers, ``validation_owed``)."""
+    def restore(
+        self, state: dict[str, Any], collective: Collective, optimizers: Sequence[torch.optim.Optimizer]
+    ) -> dict[str, Any]:
+        """Restore this process's open round, RNG and round records, its ``optimizers`` inside an open round
+        (the trainer restored rank 0's), and the runner's settings and open group; returns this process's
+        saved state (``validation_owed``)."""
         state = this_rank_state(state, collective.rank, collective.world_size)
         restore_rank_state(self.federation, state)
         if state["round"]["open"]:
@@ -381,4 +394,7 @@ class FederatedRun:
         if self.federation.round_open:
             check_round_runner(state, vectorized=self.runner.vectorized)
             self.runner.load_state_dict(state["round"].get("engine"))
+        if "optimizers" in state and state["round"]["open"]:
+            for optimizer, saved in zip(optimizers, state["optimizers"]):
+                optimizer.load_state_dict(saved)
         return state

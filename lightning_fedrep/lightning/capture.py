@@ -11,9 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities.data import extract_batch_size
-from torch import Tensor
 
 from lightning_fedrep.evaluation.metrics import ClientMetrics
 
@@ -46,18 +44,8 @@ def capture_logs(
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         keys.add(name)
         arguments = _LOG_SIGNATURE.bind(module, name, value, *args, **kwargs).arguments
-        scalar = value.detach() if isinstance(value, Tensor) and value.numel() == 1 else value
-        mean_reduced = arguments.get("reduce_fx", "mean") in ("mean", torch.mean)
-        if mean_reduced and isinstance(scalar, Tensor | float | int) and not isinstance(scalar, bool):
-            batch = arguments.get("batch_size") or size
-            metrics.add(name, client, float(scalar) * batch, batch)
-            flags = {
-                "prog_bar": arguments.get("prog_bar", False),
-                "logger": arguments.get("logger"),
-            }
-            metrics.options.setdefault(name, flags)
-            return
-        original(name, value, *args, **kwargs)
+        if not metrics.capture(name, value, client, size, arguments):
+            original(name, value, *args, **kwargs)
 
     module.log = log
     try:

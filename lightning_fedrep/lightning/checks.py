@@ -1,4 +1,4 @@
-"""Refuse Trainer settings and optimizers that would silently break rounds (checked at ``setup``)."""
+"""Refuse Trainer settings and LR schedulers that would silently break rounds (checked at ``setup``)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
-from lightning_fedrep.federation.module.split import ParameterSplit
 from lightning_fedrep.lightning.internals import reload_data_every_round
 
 
@@ -35,20 +33,6 @@ def check_trainer_flags(trainer: L.Trainer) -> None:
             "for shorter rounds (fast_dev_run=True is allowed for smoke tests)."
         )
     reload_data_every_round(trainer)
-
-
-def check_optimizers_cover_split(
-    optimizers: Sequence[torch.optim.Optimizer], module: torch.nn.Module, split: ParameterSplit
-) -> None:
-    """Every head and body parameter must be in an optimizer, or it would never train."""
-    in_optimizer = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
-    named = dict(module.named_parameters())
-    missing = [n for n in split.head + split.body if id(named[n]) not in in_optimizer]
-    if missing:
-        raise ValueError(
-            f"Parameters {missing} are in no optimizer returned by configure_optimizers, so they would never "
-            "train. Pass self.parameters() to the optimizer (the strategy freezes what each phase must not train)."
-        )
 
 
 def check_lr_schedulers(lr_scheduler_configs: Sequence[Any], automatic_optimization: bool) -> None:

@@ -13,7 +13,6 @@ the ones another rank trains for the round, and rank 0 gathers them all for a ch
 
 from __future__ import annotations
 
-import re
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -23,11 +22,14 @@ from typing_extensions import override
 
 from lightning_fedrep.federation.api.registry import ALGORITHMS
 from lightning_fedrep.federation.collective import ProcessGroupCollective
+from lightning_fedrep.federation.settings import (
+    note_lost_peer,
+    process_settings,
+    refuse_callbacks_needing_every_client,
+    refuse_lockstep_settings,
+)
 from lightning_fedrep.lightning import internals
 from lightning_fedrep.lightning.strategy import FederatedStrategyMixin, takes_federated_settings
-
-_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|timed out|Timeout|Broken pipe|watchdog", re.I)
-"""How torch.distributed reports that a peer process is gone or did not answer (gloo and NCCL)."""
 
 
 class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
@@ -65,12 +67,7 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ):
-        if not isinstance(timeout, timedelta):
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-                raise ValueError(f"timeout must be a number of seconds > 0 or a timedelta, got {timeout!r}.")
-            timeout = timedelta(seconds=timeout)
-        if client_store not in ("replicated", "sharded"):
-            raise ValueError(f"client_store must be 'replicated' or 'sharded', got {client_store!r}.")
+        timeout = process_settings(timeout, client_store)
         self.client_store = client_store
         super().__init__(
             *args,
@@ -106,50 +103,20 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
         together (manual optimization, synchronized batch norm, model averaging), set up as on one
         process, then, with a sharded client store, keep only this rank's clients (refusing callbacks
         that read every client)."""
-        self._refuse_lockstep_settings(trainer)
+        manual_fit = trainer.state.fn == "fit" and not self.lightning_module.automatic_optimization
+        averaging = self._ddp_comm_state is not None or self._model_averaging_period is not None
+        refuse_lockstep_settings(type(self).__name__, manual_fit, self._layer_sync is not None, averaging)
         super().setup(trainer)
-        if self.client_store != "sharded":
-            return
-        needy = [type(c).__name__ for c in self._callbacks if c.needs_every_client]
-        if needy:
-            raise ValueError(
-                f"{', '.join(needy)} read(s) every client's state on every process, but client_store='sharded' "
-                "keeps each client on one rank. Use client_store='replicated' (the default)."
-            )
-        self.federation.shard_clients()
-
-    def _refuse_lockstep_settings(self, trainer: L.Trainer) -> None:
-        problems = []
-        if trainer.state.fn == "fit" and not self.lightning_module.automatic_optimization:
-            problems.append(
-                "manual optimization (a rank with nothing to train in a step would not step its optimizer, and "
-                "the ranks' step counts, on which Lightning synchronizes, would drift apart)"
-            )
-        if self._layer_sync is not None:
-            problems.append(
-                "sync_batchnorm=True (a collective in every forward pass, and clients' statistics mixed)"
-            )
-        if self._ddp_comm_state is not None or self._model_averaging_period is not None:
-            problems.append("DDP model averaging (it would average different clients' models every step)")
-        if problems:
-            raise ValueError(
-                f"{type(self).__name__} cannot run with {'; '.join(problems)}. Remove it, or train on one process "
-                "(FederatedStrategy)."
-            )
+        if self.client_store == "sharded":
+            refuse_callbacks_needing_every_client(self._callbacks)
+            self.federation.shard_clients()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Called when training fails: say so when the cause is another process (it died, or did not
         answer within ``timeout``), whose own log holds the reason."""
         super().on_exception(exception)
-        text = str(exception)
-        if exception.args and isinstance(exception.args[0], str) and _LOST_PEER.search(text):
-            exception.args = (
-                f"{exception.args[0]}\nlightning_fedrep: another process of this federated run stopped, or did not "
-                f"answer within timeout={self._timeout}; its own output says why. A checkpoint written at the end "
-                "of a round resumes on any number of processes.",
-                *exception.args[1:],
-            )
+        note_lost_peer(exception, self._timeout)
 
     @override
     def configure_ddp(self) -> None:

@@ -14,6 +14,7 @@ from lightning_fedrep.data.loaders import EvalLoader, RoundLoader
 from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.evaluation.prediction import reads_clients
 from lightning_fedrep.federation import clients_fingerprint
+from lightning_fedrep.federation.plan import refuse_empty_plan
 from lightning_fedrep.runners.batched_evaluation import serve_evaluation
 
 
@@ -52,11 +53,7 @@ def bind_training_loader(strategy: Any, dataloader: RoundLoader) -> RoundLoader:
     strategy._binding.bind_training(dataloader, federation, model_probe(strategy))
     trainer, run = strategy.lightning_module.trainer, strategy._run
     plan = run.plan(trainer.current_epoch)
-    if plan.length == 0:  # before the engine's probe
-        raise ValueError(
-            "The round plan is empty: every phase has a zero budget (head_epochs, body_epochs, "
-            "local_epochs or phases=). Give at least one phase epochs or steps > 0."
-        )
+    refuse_empty_plan(plan)  # before the engine's probe
     smoke, device = bool(trainer.fast_dev_run), strategy.root_device
     say(
         strategy._selection.first_loader(

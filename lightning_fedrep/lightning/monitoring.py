@@ -4,7 +4,6 @@ papers' protocol). Checked once, at the strategy's ``setup`` of a fit."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,10 +11,8 @@ import lightning as L
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_fedrep.data.binding import rounds_selected_on_test_note
 from lightning_fedrep.data.module import FederatedDataModule
-
-VALIDATION_METRIC = re.compile(r"(^|/)val([/_.]|$)")
-"""A metric measured by validation: ``val/acc``, ``val_loss``, a prefixed ``finetune/val/acc``."""
 
 
 def selection_on_test_note(callbacks: Iterable[Any], datamodule: Any) -> str | None:
@@ -24,23 +21,8 @@ def selection_on_test_note(callbacks: Iterable[Any], datamodule: Any) -> str | N
     :class:`~lightning_fedrep.FederatedDataModule`, or nothing monitors a validation metric."""
     if not isinstance(datamodule, FederatedDataModule) or datamodule.has_validation_split:
         return None
-    selecting = [
-        f"{type(c).__name__}(monitor={c.monitor!r})"
-        for c in callbacks
-        if isinstance(c, ModelCheckpoint | EarlyStopping)
-        and isinstance(c.monitor, str)
-        and VALIDATION_METRIC.search(c.monitor)
-    ]
-    if not selecting:
-        return None
-    return (
-        f"{', '.join(selecting)} selects rounds on a validation metric, but {type(datamodule).__name__} has no "
-        "validation split (val_fraction=0): validation runs on each client's test split, so the selected round "
-        "is chosen on test data and its test metrics are optimistic. Carve a validation split off each client's "
-        f"training data with {type(datamodule).__name__}(..., val_fraction=0.1) (on the command line: "
-        "--data.val_fraction 0.1), or monitor a training metric. Reporting the test metric of the last round "
-        "without selecting on it, as the papers do, needs no validation split."
-    )
+    monitors = [c for c in callbacks if isinstance(c, ModelCheckpoint | EarlyStopping)]
+    return rounds_selected_on_test_note(monitors, type(datamodule).__name__)
 
 
 def warn_selection_on_test_data(trainer: L.Trainer) -> None:

@@ -11,9 +11,6 @@ relied on beyond the documented hooks lives in :mod:`lightning_fedrep.lightning.
 
 from __future__ import annotations
 
-import copy
-import inspect
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -26,35 +23,33 @@ from typing_extensions import override
 
 from lightning_fedrep.evaluation.passes import FederatedEvaluation
 from lightning_fedrep.evaluation.prediction import Prediction
-from lightning_fedrep.federation import Federation, FederationConfig
-from lightning_fedrep.federation.api.algorithm import Algorithm, Phase, parse_phases
-from lightning_fedrep.federation.api.arguments import (
-    check_bool,
-    check_choice,
-    check_clients_per_round,
-    check_int,
-)
-from lightning_fedrep.federation.api.epochs import EPOCH_DEFAULTS, check_epoch_shorthands, default_phases
-from lightning_fedrep.federation.api.registry import ALGORITHMS, get_algorithm
+from lightning_fedrep.federation import Federation
+from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.registry import ALGORITHMS
 from lightning_fedrep.federation.checkpoint.entry import (
     CHECKPOINT_KEY,
     read_federated_entry,
     refuse_plain_checkpoint_in_fit,
     round_evaluation_missing,
 )
-from lightning_fedrep.federation.checkpoint.reading import check_federated_state, read_checkpoint
+from lightning_fedrep.federation.checkpoint.reading import load_federated_state, read_checkpoint
 from lightning_fedrep.federation.collective import Collective
-from lightning_fedrep.federation.module.split import HeadSpec, resolve_layout
-from lightning_fedrep.federation.run import CallbackBus, FederatedRun, has_loss_terms
+from lightning_fedrep.federation.module.split import HeadSpec, check_optimizers_cover_split, resolve_layout
+from lightning_fedrep.federation.run import CallbackBus, FederatedRun, refuse_manual_loss_terms
+from lightning_fedrep.federation.settings import (
+    check_evaluation_settings,
+    check_settings,
+    federation_config,
+    refuse_another_module,
+    refuse_several_processes,
+    strategy_algorithm,
+    takes_settings_of,
+)
 from lightning_fedrep.lightning import evaluating, internals, loading
 from lightning_fedrep.lightning.api import StrategyAPI
 from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.capture import batch_size_of, capture_logs, logged_per_round
-from lightning_fedrep.lightning.checks import (
-    check_lr_schedulers,
-    check_optimizers_cover_split,
-    check_trainer_flags,
-)
+from lightning_fedrep.lightning.checks import check_lr_schedulers, check_trainer_flags
 from lightning_fedrep.lightning.constraints import constraints_of
 from lightning_fedrep.lightning.progress import FederatedProgressBar
 from lightning_fedrep.runners.selection import RunnerSelection
@@ -150,26 +145,20 @@ class FederatedStrategyMixin(StrategyAPI):
     ):
         refuse_old_keywords(kwargs)
         super().__init__(**kwargs)
-        _check_settings(
+        check_settings(
             head, head_epochs, body_epochs, local_epochs, allow_frozen, headline_metrics, seed, predict
         )
-        _check_evaluation_settings(allow_new_federation, first_state, evaluate_clients, buffers)
+        check_evaluation_settings(allow_new_federation, first_state, evaluate_clients, buffers)
         self.runner: RunnerSettings = runner_settings(runner)
         """The runner setting (a choice's name becomes its :class:`~lightning_fedrep.runners.settings.RunnerSettings`)."""
-        resolved = get_algorithm(algorithm)
-        # a registered algorithm is shared by name: each strategy gets its own copy of its server state
-        self.algorithm: Algorithm = copy.deepcopy(resolved) if isinstance(algorithm, str) else resolved
+        self.algorithm: Algorithm = strategy_algorithm(algorithm)
         epochs = {"head_epochs": head_epochs, "body_epochs": body_epochs, "local_epochs": local_epochs}
-        check_epoch_shorthands(
-            self.algorithm, phases is not None, epochs, EPOCH_DEFAULTS, owner=type(self).__name__
-        )
-        self.evaluate_clients, self.predict = evaluate_clients, predict
-        self.head, self.buffers = head, buffers
-        self.allow_frozen, self.headline_metrics = allow_frozen, headline_metrics
-        self.allow_new_federation = allow_new_federation
-        self.config = FederationConfig(
-            phases=parse_phases(phases) if phases is not None else default_phases(self.algorithm, epochs),
-            clients_per_round=check_clients_per_round(clients_per_round),
+        self.config = federation_config(
+            self.algorithm,
+            phases,
+            epochs,
+            clients_per_round,
+            type(self).__name__,
             weighting=weighting,
             client_optimizer_state=client_optimizer_state,
             first_state=first_state,
@@ -177,6 +166,10 @@ class FederatedStrategyMixin(StrategyAPI):
             on_nonfinite=on_nonfinite,
             on_client_error=on_client_error,
         )
+        self.evaluate_clients, self.predict = evaluate_clients, predict
+        self.head, self.buffers = head, buffers
+        self.allow_frozen, self.headline_metrics = allow_frozen, headline_metrics
+        self.allow_new_federation = allow_new_federation
         self.federation: Federation | None = None
         """The federated state and round state machine (created when the module's split is known)."""
         self.collective: Collective = Collective()
@@ -205,9 +198,13 @@ class FederatedStrategyMixin(StrategyAPI):
     def _resolve_layout(self, model: torch.nn.Module) -> None:
         needs_head = self.algorithm.needs_split or any(p.train != "all" for p in self.config.phases)
         layout = resolve_layout(
-            model, self.head, shares=self.algorithm.shares, needs_head=needs_head, buffers=self.buffers,
+            model,
+            self.head,
+            shares=self.algorithm.shares,
+            needs_head=needs_head,
+            buffers=self.buffers,
             allow_frozen=self.allow_frozen,
-        )  # fmt: skip
+        )
         if self.federation is None or self.federation.layout != layout:
             self.federation = Federation(self.algorithm, layout, self.config)
             zero = lambda: torch.zeros((), device=self.root_device, requires_grad=True)  # noqa: E731
@@ -224,7 +221,9 @@ class FederatedStrategyMixin(StrategyAPI):
             check_trainer_flags(trainer)
         if self.federation is None:
             self._resolve_layout(self.lightning_module)
-        _refuse_another_module(self, trainer)
+        refuse_another_module(
+            self.federation, self.lightning_module, self._restored, str(trainer.state.fn.value)
+        )
         super().setup(trainer)
         module, federation = self.lightning_module, self.federation
         if fit:
@@ -238,7 +237,7 @@ class FederatedStrategyMixin(StrategyAPI):
         self._callbacks = [c for c in trainer.callbacks if isinstance(c, FederatedCallback)]
         self._run.bus = CallbackBus(self._callbacks, trainer, module)
         federation.timing = any(c.needs_client_timing for c in self._callbacks)
-        _refuse_manual_loss_terms(fit and not module.automatic_optimization, self.algorithm, self._run.bus)
+        refuse_manual_loss_terms(fit and not module.automatic_optimization, self.algorithm, self._run.bus)
         constraints = constraints_of(trainer, module, self.optimizers)
         loading.say(
             self._selection.setup(self._run, constraints, module, self.algorithm, self.collective, fit)
@@ -414,12 +413,7 @@ class FederatedStrategyMixin(StrategyAPI):
         if self.federation is None:
             self._resolve_layout(module)
         if self._pending is not None:
-            named = {**dict(module.named_buffers()), **dict(module.named_parameters())}
-            federation = self.federation
-            check_federated_state(
-                self._pending, named, federation.shared_names, federation.local_names, self._checkpoint_path
-            )
-            federation.load_state_dict(self._pending, module.device, self._checkpoint_path)
+            load_federated_state(self.federation, self._pending, module, module.device, self._checkpoint_path)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -429,30 +423,16 @@ class FederatedStrategyMixin(StrategyAPI):
         if state is None:
             return
         self._selection.checkpoint(self._run, state, self.algorithm, self.collective)
-        state = self._run.restore(state, self.collective)
-        if "optimizers" in state and state["round"]["open"]:  # Lightning restored rank 0's: take this rank's
-            for optimizer, saved in zip(self.optimizers, state["optimizers"]):
-                optimizer.load_state_dict(saved)
+        state = self._run.restore(state, self.collective, self.optimizers)
         if not self.federation.round_open and not state.get("validation_owed"):
             internals.start_next_round_after_restore(
                 self.lightning_module.trainer
             )  # else its validation first
 
 
-def takes_federated_settings(init: Callable[..., None]) -> Callable[..., None]:
-    """Give a federated strategy's ``__init__(self, *args, <its own keyword settings>, **kwargs)`` the signature
-    it really takes: the federated settings of :class:`FederatedStrategyMixin` in place of ``*args``, then its own
-    keyword-only settings, then ``**kwargs`` (passed on to Lightning's strategy). ``help()``, ``inspect.signature``,
-    IDEs and LightningCLI read it; applied once, where the class is defined."""
-    own = inspect.signature(init, eval_str=True)
-    federated = inspect.signature(FederatedStrategyMixin.__init__, eval_str=True)
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    self_parameter, *own_parameters = own.parameters.values()
-    settings = [p for name, p in federated.parameters.items() if name != "self" and p.kind not in variadic]
-    keywords = [p for p in own_parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    rest = [p for p in own_parameters if p.kind is inspect.Parameter.VAR_KEYWORD]
-    init.__signature__ = own.replace(parameters=[self_parameter, *settings, *keywords, *rest])
-    return init
+takes_federated_settings = takes_settings_of(FederatedStrategyMixin.__init__)
+"""Give a federated strategy's ``__init__(self, *args, <its own keyword settings>, **kwargs)`` the federated
+settings of :class:`FederatedStrategyMixin` in its signature; applied once, where the class is defined."""
 
 
 def _user_training_step(module: L.LightningModule, step: Callable[[], Any]) -> Any:
@@ -484,79 +464,6 @@ def _round_validation_owed(trainer: L.Trainer, run: FederatedRun | None) -> bool
     validated = run.validated_round if run is not None else -1
     missing = in_fit and round_evaluation_missing(federation, validated)
     return missing and internals.round_validation_due(trainer)
-
-
-def _refuse_another_module(strategy: FederatedStrategyMixin, trainer: L.Trainer) -> None:
-    """A federation holds a body and one head per client; a module passed to a later ``fit``/``validate``/
-    ``test`` without ``ckpt_path`` holds one model, whose weights the federation's would silently replace."""
-    federation = strategy.federation
-    held = federation.module if federation is not None and federation.has_state else None
-    if held is None or held is strategy.lightning_module or strategy._restored:
-        return
-    call = str(trainer.state.fn.value)
-    raise ValueError(
-        f"trainer.{call}() was given another module than the one this strategy's federation holds (from an "
-        "earlier fit or checkpoint): its weights would be replaced by the federation's global body and "
-        f"per-client heads without a word. To evaluate a checkpoint, pass ckpt_path (trainer.{call}(model, "
-        f"ckpt_path='best') restores its body and every client's head); to use the federation, pass the module "
-        f"it was fitted with (trainer.lightning_module); to start from this module's own weights, use a new "
-        "strategy (and Trainer)."
-    )
-
-
-def _refuse_manual_loss_terms(manual_fit: bool, algorithm: Algorithm, bus: CallbackBus) -> None:
-    if manual_fit and has_loss_terms(algorithm, bus):
-        raise RuntimeError(
-            "Loss terms (from the algorithm or a FederatedCallback) need automatic optimization; this module "
-            "uses manual optimization."
-        )
-
-
-def _check_settings(
-    head: Any,
-    head_epochs: Any,
-    body_epochs: Any,
-    local_epochs: Any,
-    allow_frozen: Any,
-    headline_metrics: Any,
-    seed: Any,
-    predict: Any,
-) -> None:
-    """Refuse bad strategy arguments at construction (each error names the argument)."""
-    _check_head(head)
-    for name, epochs in (
-        ("head_epochs", head_epochs),
-        ("body_epochs", body_epochs),
-        ("local_epochs", local_epochs),
-    ):
-        check_int(name, epochs, minimum=0)
-    for name, flag in (("allow_frozen", allow_frozen), ("headline_metrics", headline_metrics)):
-        check_bool(name, flag)
-    check_int("seed", seed)
-    check_choice("predict", predict, ("auto", "new_client", "personalized"))
-
-
-def _check_evaluation_settings(
-    allow_new_federation: Any, first_state: Any, evaluate_clients: Any, buffers: Any
-) -> None:
-    """Refuse bad strategy arguments at construction (the rest of :func:`_check_settings`)."""
-    check_bool("allow_new_federation", allow_new_federation)
-    check_choice("first_state", first_state, ("initial", "average"))
-    if evaluate_clients is not None:
-        check_int("evaluate_clients", evaluate_clients, minimum=1)
-    if buffers not in ("shared", "local"):
-        raise ValueError(f"buffers must be 'shared' or 'local', got {buffers!r}.")
-
-
-def _check_head(head: Any) -> None:
-    valid = head is None or isinstance(head, str | re.Pattern)
-    if isinstance(head, Sequence) and not isinstance(head, str):
-        valid = len(head) > 0 and all(isinstance(entry, str) and entry for entry in head)
-    if not valid:
-        raise TypeError(
-            "head must be a module name or parameter-name prefix ('classifier'), a non-empty list of them, "
-            f"a compiled regex (re.compile(...)), or None (the module's `fedrep_head`); got {head!r}."
-        )
 
 
 class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
@@ -598,14 +505,7 @@ class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
         devices = len(self.parallel_devices or [])
         module = self.lightning_module
         nodes = internals.requested_num_nodes(module.trainer) if module is not None and module._trainer else 1
-        if devices > 1 or nodes > 1:
-            name = self.algorithm.name if self.algorithm.name in ALGORITHMS else "fedrep"
-            given = f"devices={devices}" if devices > 1 else f"num_nodes={nodes}"
-            raise ValueError(
-                f"{type(self).__name__} runs on one device, but the Trainer was given {given}. For several "
-                f"processes use strategy='{name}_ddp' (lightning_fedrep.FederatedDDPStrategy), or pass devices=1 "
-                "and num_nodes=1."
-            )
+        refuse_several_processes(type(self).__name__, self.algorithm.name, devices, nodes)
         super().setup_environment()
 
     @property

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_fedrep.federation import STATE_VERSION
 
@@ -227,3 +227,14 @@ class _Checker:
                 if name not in shape_of:
                     self.fail([*where, client], f"keyed by the module's tensor names {list(shape_of)}", name)
                 self.tensor(value, name, shape_of[name], [*where, client, name])
+
+
+def load_federated_state(
+    federation: Any, state: dict[str, Any], module: nn.Module, device: Any, path: Any
+) -> None:
+    """Restore ``federation`` (a :class:`~lightning_fedrep.federation.Federation`) from a checkpoint's federated
+    ``state`` onto ``device``, after checking it against ``module``'s parameters and buffers
+    (:func:`check_federated_state`; ``path`` names the checkpoint in errors)."""
+    named = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+    check_federated_state(state, named, federation.shared_names, federation.local_names, path)
+    federation.load_state_dict(state, device, path)

@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torch import nn
+from torch import nn, optim
 
 HeadSpec = str | Sequence[str] | re.Pattern | None
 
@@ -152,6 +152,20 @@ def split_without_head(module: nn.Module, *, allow_frozen: bool = False) -> Para
             f"Parameters {list(frozen)} have requires_grad=False; unfreeze them or pass allow_frozen=True."
         )
     return ParameterSplit(head=(), body=tuple(n for n, p in named if p.requires_grad), frozen=frozen)
+
+
+def check_optimizers_cover_split(
+    optimizers: Sequence[optim.Optimizer], module: nn.Module, split: ParameterSplit
+) -> None:
+    """Every head and body parameter must be in an optimizer, or it would never train."""
+    in_optimizer = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    named = dict(module.named_parameters())
+    missing = [n for n in split.head + split.body if id(named[n]) not in in_optimizer]
+    if missing:
+        raise ValueError(
+            f"Parameters {missing} are in no optimizer returned by configure_optimizers, so they would never "
+            "train. Pass self.parameters() to the optimizer (the strategy freezes what each phase must not train)."
+        )
 
 
 @dataclass(frozen=True)
