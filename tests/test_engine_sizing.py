@@ -245,7 +245,7 @@ def test_auto_times_the_full_width_only_where_a_quarter_of_it_gains(
 
     monkeypatch.setattr(sizing, "faster_lane_width", measured)
     torch.manual_seed(0)
-    strategy = FederatedStrategy(algorithm="fedavg", clients_per_round=32, seed=5, engine="auto")
+    strategy = FederatedStrategy(algorithm="fedavg", clients_per_round=32, seed=5, runner="auto")
     trainer = quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0)
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         trainer.fit(LossNet(), datamodule=tiny_datamodule(num_clients=32, classes_per_client=1, seed=3))
