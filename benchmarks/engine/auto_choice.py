@@ -70,11 +70,19 @@ def fit(
     clock = RoundClock()
     trainer = make_trainer(rounds, strategy=strategy, callbacks=[clock], **trainer_device(device))
     trainer.fit(MODELS[model][1](), datamodule=data)
-    report = strategy.runner_report
-    path = "seq" if report.engine == "sequential" else "lock"
-    if path == "lock" and strategy.runner_settings.get("lane_width") == 1:
-        path = "lock/1"
-    return {"first": clock.seconds[0], "round": statistics.median(clock.seconds[1:]), "path": path}
+    return {
+        "first": clock.seconds[0],
+        "round": statistics.median(clock.seconds[1:]),
+        "path": path_of(strategy),
+    }
+
+
+def path_of(strategy: FederatedStrategy) -> str:
+    """``seq`` (the sequential runner), ``lock`` (lockstep) or ``lock/1`` (lockstep, uncached phases one client
+    at a time)."""
+    if strategy.runner_report.runner == "sequential":
+        return "seq"
+    return "lock/1" if strategy.runner_settings.get("lane_width") == 1 else "lock"
 
 
 def setting(

@@ -40,14 +40,11 @@ from _common import (  # noqa: E402
     synchronize,
     trainer_device,
 )
-from scaling import make_data  # noqa: E402
+from auto_choice import BODY_EPOCHS, HEAD_EPOCHS, MODELS, make_data, path_of  # noqa: E402
 
 from lightning_fedrep import FederatedStrategy  # noqa: E402
 from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
-from lightning_fedrep.models import CIFAR10CNN, MLPClassifier  # noqa: E402
 
-HEAD_EPOCHS, BODY_EPOCHS = 10, 1
-MODELS = {"cnn": ((3, 32, 32), lambda: CIFAR10CNN(lr=0.01)), "mlp": ((64,), lambda: MLPClassifier(lr=0.01))}
 BAR = 1.25
 
 
@@ -66,14 +63,6 @@ class FirstRoundClock(RoundClock):
             self.first = time.perf_counter() - self.fit_start
 
 
-def path_of(strategy: FederatedStrategy) -> str:
-    """``seq`` (the sequential runner), ``lock`` (lockstep) or ``lock/1`` (lockstep, uncached phases one client
-    at a time)."""
-    if strategy.runner_report.runner == "sequential":
-        return "seq"
-    return "lock/1" if strategy.runner_settings.get("lane_width") == 1 else "lock"
-
-
 def timing_line(strategy: FederatedStrategy) -> str:
     """The measured step times of ``auto``'s log line (empty where nothing was measured)."""
     found = re.search(r"\(one step of .*?\)", strategy.runner_report.reason)
@@ -84,7 +73,7 @@ def fit(
     model: str, algorithm: str, runner: str, clients: int, per_round: int, rounds: int, device: str
 ) -> dict[str, Any]:
     """One fit of ``rounds`` rounds: its first round, the later rounds' median, their ratio, path and timing."""
-    data = make_data(clients, shape=MODELS[model][0])
+    data = make_data(model, clients)
     torch.manual_seed(0)
     strategy = FederatedStrategy(
         algorithm=algorithm,
