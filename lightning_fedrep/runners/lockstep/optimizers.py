@@ -82,10 +82,12 @@ class ViewOptimizers:
     ) -> None:
         """One step of each active client ``start + j`` from the gradients on the lanes' ``leaves``, at
         ``lr_scale`` times each param group's learning rate (put back after the step)."""
+        if lr_scale == 1.0:
+            self._step(leaves, start, active)
+            return
         saved = [g["lr"] for g in self.optimizer.param_groups]
-        if lr_scale != 1.0:
-            for group in self.optimizer.param_groups:
-                group["lr"] = group["lr"] * lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * lr_scale
         try:
             self._step(leaves, start, active)
         finally:
