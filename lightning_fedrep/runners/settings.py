@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from lightning_fedrep.federation.api.arguments import check_bool
+
 RunnerChoice = Literal["auto", "vectorized", "sequential"]
 StepsPerCall = int | Literal["auto"]
 CHOICES: tuple[str, ...] = get_args(RunnerChoice)
@@ -68,11 +70,7 @@ class RunnerSettings:
             "memory", self.memory, "a number of bytes", "half a GPU's free memory, a quarter of the RAM"
         )
         _check_steps_per_call(self.steps_per_call, self.choice)
-        if not isinstance(self.compile, bool):
-            raise TypeError(
-                f"RunnerSettings.compile must be True or False, got {type(self.compile).__name__} "
-                f"({self.compile!r})."
-            )
+        check_bool("RunnerSettings.compile", self.compile)
         if self.compile and self.choice == "sequential":
             raise ValueError(
                 "RunnerSettings(compile=True) compiles the vectorized runner's head steps on cached features, "
