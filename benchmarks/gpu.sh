@@ -39,6 +39,7 @@ smoke)
     run finetuned_evaluation 90 benchmarks/srpfl/finetuned_evaluation.py --clients 4 --repeats 1 --device cuda
     run overhead 90 benchmarks/overhead.py --rounds 1 --repeats 1 --device cuda
     run auto_choice 90 benchmarks/engine/auto_choice.py --small --models mlp --runs 1 --device cuda
+    run first_round 60 benchmarks/engine/first_round.py --small --model mlp --device cuda
     ;;
 full)
     run cifar_round 200 benchmarks/engine/cifar_round.py --full --repeats 2 --device cuda
@@ -49,6 +50,7 @@ full)
     run compiled_head_phase 120 benchmarks/engine/compiled_head_phase.py --device cuda
     run auto_choice 100 benchmarks/engine/auto_choice.py --models cnn --runs 3 --device cuda
     run auto_choice_mlp 110 benchmarks/engine/auto_choice.py --models mlp --runs 3 --mlp-rounds 11 --device cuda
+    run first_round 90 benchmarks/engine/first_round.py --runs 3 --device cuda
     ;;
 *)
     echo "usage: bash benchmarks/gpu.sh smoke|full [OUT_DIR]" >&2
