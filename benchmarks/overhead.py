@@ -6,7 +6,7 @@ Two pairs, each measured in the same run:
 * one client step at a time: the strategy's sequential engine vs the fastest straightforward plain
   loop (one model, heads swapped in with ``copy_``, a fresh SGD per client per round, tensor-indexed
   batches, no Lightning), and a plain Lightning fit of the same steps;
-* a round's clients in lockstep: the strategy's vectorized engine vs a plain loop doing the engine's
+* a round's clients in lockstep: the strategy's vectorized runner vs a plain loop doing the engine's
   arithmetic by hand (features cached for the head epochs, every client's step in one
   ``torch.func.vmap``, SGD with momentum and weight decay masked per client), no Lightning.
 

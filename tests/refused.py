@@ -193,7 +193,7 @@ class LegacyObjectiveCallback(FederatedCallback):
 
 
 class SmoothingNet(TinyNet):
-    """Declares cross-entropy (what the vectorized engine trains); its ``training_step`` smooths the labels.
+    """Declares cross-entropy (what the vectorized runner trains); its ``training_step`` smooths the labels.
     Its initial weights are seeded: the refusal quotes both losses."""
 
     fedrep_loss = "cross_entropy"

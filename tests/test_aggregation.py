@@ -20,7 +20,7 @@ from tests.test_faults import FaultyNet
 
 
 class LossNet(TinyNet):
-    """TinyNet declaring its pure loss, so that the vectorized engine can run it."""
+    """TinyNet declaring its pure loss, so that the vectorized runner can run it."""
 
     fedrep_loss = "cross_entropy"
 

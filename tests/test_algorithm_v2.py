@@ -274,7 +274,7 @@ def test_finish_client_and_the_server_step_run_alike_on_the_lockstep_runner(lock
         )
         trainer = quiet_trainer(strategy=strategy, max_epochs=2, limit_val_batches=0)
         trainer.fit(LossNet(), datamodule=tiny_datamodule(num_clients=4))
-        assert strategy.runner_report.engine == runner
+        assert strategy.runner_report.runner == runner
         runs[runner] = strategy.federation
     seq, lock = runs["sequential"], runs[lockstep]
     assert float(lock.store.client_state(0)["rounds"]) + float(lock.store.client_state(1)["rounds"]) > 0

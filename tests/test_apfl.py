@@ -106,7 +106,7 @@ def test_the_lockstep_runner_equals_the_plain_loop_and_the_sequential_runner(mix
     the store after each step; clients of unequal sizes, so some lanes idle. Fails if the engine skips writing
     it (``_write_rule_state`` returning at once)."""
     lockstep, init, dm = fit(APFL(alpha=ALPHA, mixture=mixture), runner="vectorized", batch_size=64)
-    assert lockstep.runner_report.engine == "vectorized"
+    assert lockstep.runner_report.runner == "vectorized"
     sequential, *_ = fit(APFL(alpha=ALPHA, mixture=mixture), runner="sequential", batch_size=64)
     _assert_equal(lockstep, *plain_apfl(init, dm, mixture))
     w = sequential.global_tensors()

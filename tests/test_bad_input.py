@@ -56,7 +56,7 @@ def test_a_label_the_model_cannot_score_is_refused_before_any_step_naming_the_cl
     the data's and TinyNet's."""
     train, test = client_sets(bad_client=2, bad_label=label, split=split)
     model = TinyNet()
-    model.fedrep_loss = "cross_entropy"  # lets the vectorized engine run it
+    model.fedrep_loss = "cross_entropy"  # lets the vectorized runner run it
     strategy = FedRepStrategy(head="classifier", clients_per_round=1.0, head_epochs=1, runner=runner)
     datamodule = FederatedDataModule.from_client_datasets(train, test, batch_size=8)
     trainer = quiet_trainer(strategy=strategy, max_epochs=1)  # no sanity check
@@ -65,7 +65,7 @@ def test_a_label_the_model_cannot_score_is_refused_before_any_step_naming_the_cl
     message = str(refused.value)
     assert f"Client 2's {split} data has label {label}" in message, message
     assert "the model outputs 4 classes" in message and "0..3" in message, message
-    assert trainer.global_step == 0  # (the vectorized engine's probes may call training_step)
+    assert trainer.global_step == 0  # (the vectorized runner's probes may call training_step)
 
 
 @pytest.mark.parametrize("precision", ["64-true", "bf16-true"])

@@ -106,7 +106,7 @@ def test_configure_round_and_lr_scale_equal_a_plain_loop():
     the global RNG or ignores its key (other picks than the restated seeding rule)."""
     algorithm = Picky()
     strategy, init, dm = fit(algorithm)
-    assert strategy.runner_report.engine == "sequential"
+    assert strategy.runner_report.runner == "sequential"
     for r in range(ROUNDS):
         clients, scaled = reference_picks(r)
         assert algorithm.plans[r] == tuple((c, SCALE if c == scaled else 1.0) for c in clients)
@@ -144,7 +144,7 @@ def test_lockstep_applies_lr_scale_as_a_plain_loop(optimizer):
     sequential runner. Fails if the lockstep runner ignores ``lr_scale`` (or scales every client by one), or
     if ``runner="auto"`` still runs an algorithm with ``configure_round`` sequentially for it."""
     strategy, init, dm = fit(Picky(), runner="vectorized", optimizer=optimizer)
-    assert strategy.runner_report.engine == "vectorized"
+    assert strategy.runner_report.runner == "vectorized"
     sequential, _, _ = fit(Picky(), optimizer=optimizer)
     dm.setup()
     expected = plain_loop(init, dm)

@@ -41,7 +41,7 @@ def fit(out: Path, *args: str) -> list[dict]:
 
 
 ENGINE_ATOL = 1e-7
-"""How far the vectorized engine's tensors on 2 processes may be from one process's (its lockstep groups
+"""How far the vectorized runner's tensors on 2 processes may be from one process's (its lockstep groups
 differ, so float32 sums round differently: 6e-8 measured); the sequential path is compared exactly."""
 
 
@@ -80,12 +80,12 @@ def fedrep_reference(runs) -> dict:
 
 @pytest.fixture(scope="module")
 def engine_two(runs) -> list[dict]:
-    """FedRep, 4 rounds, on the vectorized engine on two processes (what each rank held)."""
+    """FedRep, 4 rounds, on the vectorized runner on two processes (what each rank held)."""
     return fit(runs / "fedrep_two", "--devices", "2", "--rounds", "4", "--runner", "vectorized")
 
 
 def test_two_processes_on_the_engine_equal_one_process(engine_two, fedrep_reference):
-    """FedRep on the vectorized engine, clients dealt to 2 ranks (lockstep schedules of unequal length,
+    """FedRep on the vectorized runner, clients dealt to 2 ranks (lockstep schedules of unequal length,
     so one rank idles): the body, every head and the personalized accuracy equal one process's."""
     ranks = engine_two
     for held in ranks:  # every rank holds the whole federation

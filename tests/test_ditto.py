@@ -105,7 +105,7 @@ def test_ditto_equals_a_plain_loop():
     towards the client's live global weights instead of the round-start ones, or evaluation (and
     ``client_model``) scores the global model (``evaluation_slot = None``)."""
     strategy, init, dm, trainer, model = fit()
-    assert strategy.runner_report.engine == "sequential"
+    assert strategy.runner_report.runner == "sequential"
     w, v = plain_ditto(init, dm)
     fed = strategy.federation
     for name, value in w.items():
@@ -159,5 +159,5 @@ def test_auto_runs_ditto_sequentially_naming_its_slot():
             runner="auto",
         )
     )
-    assert strategy.runner_report.engine == "sequential"
+    assert strategy.runner_report.runner == "sequential"
     assert "per-client slot 'personal'" in strategy.runner_report.reason

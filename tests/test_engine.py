@@ -1,4 +1,4 @@
-"""The vectorized engine against the sequential path: more optimizers and head shapes, and where it
+"""The vectorized runner against the sequential path: more optimizers and head shapes, and where it
 does not run.
 
 Every equivalence test fits the same module twice — ``runner="sequential"`` (the user's
@@ -209,7 +209,7 @@ def test_vectorized_equals_sequential(algorithm, optimizer, state, sizes, model)
     vectorized, vec_trainer = fit("vectorized", **kwargs)
 
     engine = vectorized.lockstep_engine
-    assert sequential.runner_report.engine == "sequential" and engine is not None
+    assert sequential.runner_report.runner == "sequential" and engine is not None
     assert vec_trainer.global_step < seq_trainer.global_step  # the clients really ran in lockstep
     if algorithm == "fedrep":  # a head phase: on cached features, through the expected split
         assert engine.caching
@@ -238,7 +238,7 @@ def test_epoch_lr_scheduler_on_the_engine_equals_sequential(optimizer, state):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         vectorized, vec_trainer = fit("vectorized", **kwargs)
-    assert vectorized.runner_report.engine == "vectorized"
+    assert vectorized.runner_report.runner == "vectorized"
     assert_same(sequential, vectorized)
     if state == "keep":
         assert_kept_states_equal(sequential, vectorized)
@@ -253,7 +253,7 @@ def test_explicit_step_phases_on_the_engine_equal_sequential():
     phases = [Phase("body", epochs=1), Phase("head", steps=9), Phase("all", steps=2)]
     sequential, _ = fit("sequential", phases=phases, client_optimizer_state="keep")
     vectorized, _ = fit("vectorized", phases=phases, client_optimizer_state="keep")
-    assert vectorized.runner_report.engine == "vectorized"
+    assert vectorized.runner_report.runner == "vectorized"
     assert_same(sequential, vectorized)
     assert_kept_states_equal(sequential, vectorized)
 
@@ -365,10 +365,10 @@ def test_auto_falls_back_naming_the_reason_and_vectorized_refuses(
 ):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, trainer = fit("auto", model=model, trainer=trainer_kwargs, **SMALL, **strategy_kwargs)
-    assert strategy.runner_report.engine == "sequential"
+    assert strategy.runner_report.runner == "sequential"
     assert trainer.global_step == strategy.round_plan(0).length  # one client step per Lightning step
     lines = [r.getMessage() for r in caplog.records if "lightning_fedrep:" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: sequential engine (")
+    assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: sequential runner (")
     assert reason in lines[0]
     facts = constraints_of(trainer, strategy.lightning_module, trainer.optimizers)
     found = module_reasons(strategy.lightning_module, strategy.federation.layout, facts) + trainer_reasons(
@@ -384,9 +384,9 @@ def test_auto_falls_back_naming_the_reason_and_vectorized_refuses(
 def test_auto_runs_the_engine_where_exact_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, _ = fit("auto", **SMALL)
-    assert strategy.runner_report.engine == "vectorized"
+    assert strategy.runner_report.runner == "vectorized"
     lines = [r.getMessage() for r in caplog.records if "lightning_fedrep:" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: vectorized engine (")
+    assert len(lines) == 1 and lines[0].startswith("lightning_fedrep: vectorized runner (")
     assert "head phases on cached features" in lines[0]
     module = strategy.lightning_module
     facts = constraints_of(module.trainer, module, module.trainer.optimizers)
@@ -482,5 +482,5 @@ def test_global_step_counts_lockstep_steps():
 def test_mid_round_validation_leaves_the_engines_training_untouched():
     plain, _ = fit("vectorized")
     validated, trainer = fit("vectorized", trainer=dict(val_check_interval=0.5, limit_val_batches=None))
-    assert validated.runner_report.engine == "vectorized" and len(validated.history) == 3
+    assert validated.runner_report.runner == "vectorized" and len(validated.history) == 3
     assert_same(plain, validated, exact=True)

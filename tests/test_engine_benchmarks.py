@@ -53,7 +53,7 @@ def test_overhead_plain_vectorized_loop_is_the_engines_computation():
     _, plain_body = overhead.plain_vectorized_loop(dm, 2)
     _, _, engine = overhead.strategy_fit(dm, 2, "vectorized")
     _, _, sequential = overhead.strategy_fit(dm, 2, "sequential")
-    assert engine.runner_report.engine == "vectorized" and sequential.runner_report.engine == "sequential"
+    assert engine.runner_report.runner == "vectorized" and sequential.runner_report.runner == "sequential"
     shared = {n: t for n, t in engine.global_tensors().items()}
     assert_tensors_close(plain_body, {n: shared[n] for n in plain_body})
     assert_tensors_close(plain_body, {n: sequential.global_tensors()[n] for n in plain_body})

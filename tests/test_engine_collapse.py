@@ -1,4 +1,4 @@
-"""The neural-collapse (FLUTE) penalties on the vectorized engine equal the sequential path's (FedRep and
+"""The neural-collapse (FLUTE) penalties on the vectorized runner equal the sequential path's (FedRep and
 FLUTE schedules, the server step, unequal clients whose padding rows must not count, clients with
 different classes); a callback's ``objective(phase)`` terms on both runners (client ids, phases, the
 features check); a term that cannot be vmapped keeps runs sequential."""
@@ -110,7 +110,7 @@ class Sharpness(FederatedCallback):
 def test_a_callback_term_that_cannot_be_vmapped_keeps_the_run_sequential(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto", callback=Sharpness(), rounds=1)
-    assert strategy.runner_report.engine == "sequential"
+    assert strategy.runner_report.runner == "sequential"
     assert "Sharpness term cannot run in lockstep" in caplog.text
     with pytest.raises(ValueError, match="Sharpness term cannot run in lockstep"):
         fit("vectorized", callback=Sharpness(), rounds=1)
@@ -167,7 +167,7 @@ class ScaledOutput(LossNet):
 def test_penalties_need_the_heads_input(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto", model_cls=ScaledOutput, rounds=1)
-    assert strategy.runner_report.engine == "sequential"
+    assert strategy.runner_report.runner == "sequential"
     assert "loss terms that read features need the head's input" in caplog.text
     with pytest.raises(ValueError, match="loss terms that read features need the head's input"):
         fit("vectorized", model_cls=ScaledOutput, rounds=1)

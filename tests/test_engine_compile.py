@@ -145,7 +145,7 @@ def test_the_engine_line_says_what_is_compiled(caplog):
         fit("vectorized", model=Net, algorithm="fedavg", compile=True, **SMALL)
         fit("auto", model=DropoutNet, compile=True, **SMALL)
     lines = [
-        r.getMessage() for r in caplog.records if "lightning_fedrep: vectorized engine" in r.getMessage()
+        r.getMessage() for r in caplog.records if "lightning_fedrep: vectorized runner" in r.getMessage()
     ]
     assert len(lines) == 2
     assert "cached head steps compiled (torch.compile" in lines[0]
@@ -164,7 +164,7 @@ def test_a_smoke_run_compiles_nothing_and_says_so(caplog):
         got, _ = fit("vectorized", model=DeclaredNet, compile=True, trainer=dict(fast_dev_run=True))
     assert got.lockstep_engine._head_step is None and got.runner_settings["compile"] is False
     lines = [
-        r.getMessage() for r in caplog.records if "lightning_fedrep: vectorized engine" in r.getMessage()
+        r.getMessage() for r in caplog.records if "lightning_fedrep: vectorized runner" in r.getMessage()
     ]
     assert "compile=True compiles nothing here (fast_dev_run" in lines[0]
 

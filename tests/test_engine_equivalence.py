@@ -1,4 +1,4 @@
-"""The vectorized engine computes what the sequential path computes: every algorithm, SGD with momentum
+"""The vectorized runner computes what the sequential path computes: every algorithm, SGD with momentum
 and weight decay and Adam, kept and reset optimizer state, equal and unequal client sizes, chunked
 groups, LR schedulers, a bit-exact mid-round resume, fine-tuning rounds. The fallbacks and refusals,
 more optimizers and head shapes are in ``tests/test_engine.py``."""
@@ -120,7 +120,7 @@ def test_engine_equals_sequential(algorithm, optimizer, state, data):
     kwargs = dict(algorithm=algorithm, data=data, optimizer=optimizer, client_optimizer_state=state)
     sequential, seq_trainer = fit("sequential", **kwargs)
     vectorized, vec_trainer = fit("vectorized", **kwargs)
-    assert vectorized.runner_report.engine == "vectorized" and sequential.runner_report.engine == "sequential"
+    assert vectorized.runner_report.runner == "vectorized" and sequential.runner_report.runner == "sequential"
     assert vec_trainer.global_step < seq_trainer.global_step  # one Lightning step = one lockstep
     assert_same(sequential, vectorized)
     if state == "keep":
@@ -179,7 +179,7 @@ def test_mid_round_resume_on_the_engine_is_bit_exact(tmp_path):
             assert torch.equal(resumed.client_tensors(client)[name], value), (client, name)
 
     sequential = FederatedStrategy(head="classifier", clients_per_round=4, seed=5, runner="sequential")
-    with pytest.raises(ValueError, match="saved inside round 0 by the vectorized engine"):
+    with pytest.raises(ValueError, match="saved inside round 0 by the vectorized runner"):
         quiet_trainer(strategy=sequential, max_epochs=3, limit_val_batches=0).fit(
             LossNet(optimizer="adam"), datamodule=unequal_datamodule(), ckpt_path=saved
         )

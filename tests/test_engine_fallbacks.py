@@ -1,4 +1,4 @@
-"""Where the vectorized engine would not train what ``training_step`` trains, or would crash: it falls
+"""Where the vectorized runner would not train what ``training_step`` trains, or would crash: it falls
 back (``runner="auto"``, one line naming the reason) or refuses (``runner="vectorized"``), and its log
 line says what it really does (issue 23, items 1, 2 and the engine's messages of item 8).
 
@@ -165,7 +165,7 @@ def test_label_smoothing_in_training_step_falls_back_and_trains_what_the_step_tr
     assert auto.runner_report.runner == "sequential"
     assert trainer.global_step == sum(auto.round_plan(r).length for r in range(2))  # one client step each
     (line,) = engine_lines(caplog)
-    assert line.startswith("lightning_fedrep: sequential engine (training_step's loss ")
+    assert line.startswith("lightning_fedrep: sequential runner (training_step's loss ")
     assert "differs from the declared fedrep_loss='cross_entropy'" in line
     # the numbers in the line are the two losses on client 0's first batch, computed here by hand
     torch.manual_seed(0)
@@ -204,7 +204,7 @@ def test_training_step_logs_fall_back_and_reach_the_logger(caplog):
         fit("vectorized", model=LoggingNet)
 
     kept, trainer = fit("auto", model=EngineLogNet)
-    assert kept.runner_report.runner == "lockstep" and "train/loss" in trainer.callback_metrics
+    assert kept.runner_report.runner == "vectorized" and "train/loss" in trainer.callback_metrics
 
 
 def test_mse_declared_on_integer_labels_falls_back_naming_the_shapes(caplog):
@@ -323,7 +323,7 @@ def test_an_operation_vmap_cannot_batch_falls_back_or_is_refused(caplog):
     expected = f"cannot vectorize: {plain_vmap_error()} (torch.func.vmap of LSTMNet's loss, in 'body' (LSTM),"
     assert report.reason.startswith(expected), report.reason
     assert report.reason.endswith(", body phase)")  # FedRep's head phase runs on cached features
-    assert engine_lines(caplog) == [f"lightning_fedrep: sequential engine ({report.reason})."]
+    assert engine_lines(caplog) == [f"lightning_fedrep: sequential runner ({report.reason})."]
     assert trainer.global_step == auto.round_plan(0).length  # one client step per Lightning step
     sequential, _ = fit("sequential", model=LSTMNet, rounds=1)
     assert_same(sequential, auto, exact=True)
@@ -371,7 +371,7 @@ def test_float64_precision_runs_on_the_engine_and_equals_sequential():
     options = dict(model=HeadlineNet, trainer={"precision": "64-true", "limit_val_batches": None})
     sequential, seq_trainer = fit("sequential", **options)
     vectorized, vec_trainer = fit("vectorized", **options)
-    assert vectorized.runner_report.runner == "lockstep" and vectorized.lockstep_engine.caching
+    assert vectorized.runner_report.runner == "vectorized" and vectorized.lockstep_engine.caching
     assert vectorized._evaluation.batched is not None
     assert vectorized.global_tensors()["body.0.weight"].dtype == torch.float64
     assert_same(sequential, vectorized)
@@ -577,7 +577,7 @@ def test_every_rank_falls_back_when_another_rank_finds_a_problem(monkeypatch, ca
         auto, _ = fit_with_rank1(monkeypatch, rank1, runner="auto", rounds=1)
     assert auto.runner_report.runner == "sequential"
     (line,) = engine_lines(caplog)
-    assert line == f"lightning_fedrep: sequential engine ({RANDOM})."
+    assert line == f"lightning_fedrep: sequential runner ({RANDOM})."
     sequential, _ = fit("sequential", rounds=1)
     assert_same(sequential, auto, exact=True)
     with pytest.raises(
@@ -597,7 +597,7 @@ def test_features_are_cached_only_where_every_rank_can(monkeypatch, caplog):
 
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, _ = fit_with_rank1(monkeypatch, rank1, runner="vectorized", rounds=1)
-    assert strategy.runner_report.runner == "lockstep" and not strategy.runner_settings["caching"]
+    assert strategy.runner_report.runner == "vectorized" and not strategy.runner_settings["caching"]
     (line,) = engine_lines(caplog)
     assert f"no feature cache: rank 1 cannot: {why}" in line
 

@@ -62,7 +62,7 @@ def test_named_and_own_losses_train_what_the_sequential_path_trains(model):
     head epochs and the body epoch)."""
     sequential, _ = fit("sequential", model=model)
     vectorized, _ = fit("vectorized", model=model)
-    assert vectorized.runner_report.engine == "vectorized"
+    assert vectorized.runner_report.runner == "vectorized"
     assert (vectorized.lockstep_engine.loss_fn in PER_SAMPLE_LOSSES) == (model is Net)
     assert_same(sequential, vectorized)
 

@@ -76,7 +76,7 @@ def test_runner_report_of_the_sequential_setting(caplog):
     assert FederatedStrategy(head="classifier").runner_report is None  # before setup
     strategy, trainer = fit("sequential", **SMALL)
     report = strategy.runner_report
-    assert (report.engine, report.reason, report.decided_at) == ("sequential", "runner='sequential'", "setup")
+    assert (report.runner, report.reason, report.decided_at) == ("sequential", "runner='sequential'", "setup")
     assert set(report.phases) == {"head", "body", "all"}
     assert all(how.startswith("sequential") for how in report.phases.values())
     assert trainer.global_step == strategy.round_plan(0).length  # one client step per Lightning step
@@ -88,9 +88,9 @@ def test_runner_report_of_a_fallback_names_its_reason(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, trainer = fit("auto", on_client_error="skip", **SMALL)
     report = strategy.runner_report
-    assert report.engine == "sequential" and report.decided_at == "setup"
+    assert report.runner == "sequential" and report.decided_at == "setup"
     assert "on_client_error='skip'" in report.reason
-    assert _engine_lines(caplog) == [f"lightning_fedrep: sequential engine ({report.reason})."]
+    assert _engine_lines(caplog) == [f"lightning_fedrep: sequential runner ({report.reason})."]
     assert trainer.global_step == strategy.round_plan(0).length
 
 
@@ -100,11 +100,11 @@ def test_runner_report_of_the_vectorized_engine(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy, trainer = fit("auto", **SMALL)
     report = strategy.runner_report
-    assert report.engine == "vectorized" and report.decided_at == "first loader"
-    assert _engine_lines(caplog) == [f"lightning_fedrep: vectorized engine ({report.reason})."]
+    assert report.runner == "vectorized" and report.decided_at == "first loader"
+    assert _engine_lines(caplog) == [f"lightning_fedrep: vectorized runner ({report.reason})."]
     assert trainer.global_step < strategy.round_plan(0).length  # clients really ran in lockstep
     assert "cached features" in report.phases["head"] and "cached" not in report.phases["body"]
-    assert str(report).startswith("vectorized engine (head phases on cached features")
+    assert str(report).startswith("vectorized runner (head phases on cached features")
 
 
 def test_runner_report_of_a_run_resumed_from_a_sequential_checkpoint(tmp_path):
@@ -116,14 +116,14 @@ def test_runner_report_of_a_run_resumed_from_a_sequential_checkpoint(tmp_path):
     fit("sequential", trainer=dict(enable_checkpointing=True, callbacks=[saver]), **{**small, "rounds": 1})
     strategy, trainer = fit("auto", ckpt_path=tmp_path / "epoch=0.ckpt", **small)
     report = strategy.runner_report
-    assert (report.engine, report.decided_at) == ("sequential", "checkpoint")
+    assert (report.runner, report.decided_at) == ("sequential", "checkpoint")
     assert trainer.global_step == strategy.round_plan(0).length + strategy.round_plan(1).length
 
 
 def test_runner_report_is_read_only():
     report = RunnerReport.sequential("runner='sequential'", "setup")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        report.engine = "vectorized"  # type: ignore[misc]
+        report.runner = "vectorized"  # type: ignore[misc]
     with pytest.raises(TypeError):
         report.phases["head"] = "x"  # type: ignore[index]
     with pytest.raises(AttributeError):

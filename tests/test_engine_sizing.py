@@ -1,4 +1,4 @@
-"""How wide the vectorized engine runs: the memory bound, the measured lane choice of ``runner="auto"``,
+"""How wide the vectorized runner runs: the memory bound, the measured lane choice of ``runner="auto"``,
 and that every width computes what the sequential path computes."""
 
 import logging
@@ -37,7 +37,7 @@ def test_body_phase_one_client_at_a_time_equals_sequential(sequential, monkeypat
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto")
     assert "the other phases one client at a time" in caplog.text
-    assert strategy.runner_report.runner == "lockstep" and strategy.lockstep_engine.lane_width == 1
+    assert strategy.runner_report.runner == "vectorized" and strategy.lockstep_engine.lane_width == 1
     assert_same_federation(sequential, strategy)
 
 
@@ -55,8 +55,8 @@ def test_auto_runs_sequentially_where_the_engine_gains_nothing(monkeypatch, capl
     monkeypatch.setattr(sizing, "faster_lane_width", lanes_measured(False))
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         strategy = fit("auto", algorithm="fedavg", rounds=1)
-    assert strategy.runner_report.engine == "sequential"
-    assert "sequential engine (no cached features and no gain in lockstep" in caplog.text
+    assert strategy.runner_report.runner == "sequential"
+    assert "sequential runner (no cached features and no gain in lockstep" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -233,7 +233,7 @@ def test_the_lockstep_runner_evaluates_the_forward_per_batch():
     ``runner_report.evaluation`` names the per-batch evaluation. Fails if the lockstep runner ignores the forward
     (``scores_per_batch`` forced ``False`` in ``runners/batched_evaluation.py``)."""
     strategy, trainer, model, dm = fit(net=HeadlineNet, runner="vectorized")
-    assert strategy.runner_report.engine == "vectorized"
+    assert strategy.runner_report.runner == "vectorized"
     assert strategy.runner_report.evaluation == PER_BATCH_FORWARD
     assert_scores(strategy, trainer, model, dm, user_metric=False)
 

@@ -33,7 +33,7 @@ class FaultyNet(TinyNet):
         loss = super().training_step(batch, batch_idx)
         key = (self.trainer.current_epoch, self.trainer.strategy.current_client)
         kind = self.faults.get(key)
-        # counts only where it injects: a step that writes nothing keeps the vectorized engine
+        # counts only where it injects: a step that writes nothing keeps the vectorized runner
         if kind is None:
             return loss
         self._steps[key] = self._steps.get(key, 0) + 1
@@ -92,7 +92,7 @@ def test_a_raising_and_a_nan_client_are_left_out_of_their_rounds_and_the_run_equ
         quiet_trainer(strategy=s, max_epochs=4, limit_val_batches=0, callbacks=[summary]).fit(
             model, datamodule=dm
         )
-    assert s.runner_report.engine == "sequential"  # a client's error needs its own steps
+    assert s.runner_report.runner == "sequential"  # a client's error needs its own steps
     ref_body, ref_heads = plain_fedrep(init, dm, 4, 1.0, 2, 1, 0, excluded={(1, 3), (2, 2)})
     assert_federation_equals(s, model, ref_body, ref_heads, init, 5)
     faults = [(f.round, f.client, f.step) for f in s.federation.faults]
@@ -135,7 +135,7 @@ def test_a_client_with_nan_data_never_reaches_the_body(runner):
     s = strategy(runner=runner)
     with pytest.warns(ClientFaultWarning):
         quiet_trainer(strategy=s, max_epochs=3, limit_val_batches=0).fit(model, datamodule=data)
-    assert s.runner_report.engine == runner
+    assert s.runner_report.runner == runner
     excluded = {(r, 1) for r in range(3)}
     ref_body, ref_heads = plain_fedrep(init, reference_dm, 3, 1.0, 2, 1, 0, excluded=excluded)
     assert_federation_equals(s, model, ref_body, ref_heads, init, 5)

@@ -89,7 +89,7 @@ def test_fed_mtl_equals_the_official_rule_restated(runner):
     block is kept (``_rows`` returning ``d``), the own column is left out of the gradient (``w.detach()``), or a
     lockstep lane reads another client's row (``tables["index"][0]``)."""
     strategy, init, dm, trainer, model = fit(FedMTL(chunk=CHUNK, strength=STRENGTH), runner=runner)
-    assert strategy.runner_report.engine == runner
+    assert strategy.runner_report.runner == runner
     assert strategy.global_tensors() == {}  # nothing is averaged
     expected = plain_fed_mtl(init, dm)
     for client in range(NUM_CLIENTS):
@@ -150,7 +150,7 @@ def test_auto_may_run_fed_mtl_on_the_lockstep_runner(monkeypatch):
         sizing, "faster_lane_width", lambda wide, narrow, device, **kwargs: (True, 1e-3, 2e-3)
     )
     strategy, *_ = fit(FedMTL(chunk=CHUNK, strength=STRENGTH))
-    assert strategy.runner_report.engine == "vectorized", strategy.runner_report
+    assert strategy.runner_report.runner == "vectorized", strategy.runner_report
 
 
 class ScaledFedMTL(FedMTL):
@@ -165,7 +165,7 @@ def test_a_round_that_scales_the_lr_trains_alike_on_both_runners():
     """The lockstep runner applies the ``lr_scale`` that FedMTL's ``configure_round`` sets beside recording the
     round's clients: every client's model as on the sequential runner. Fails if one runner ignores it."""
     lockstep, *_ = fit(ScaledFedMTL(chunk=CHUNK, strength=STRENGTH), runner="vectorized")
-    assert lockstep.runner_report.engine == "vectorized"
+    assert lockstep.runner_report.runner == "vectorized"
     sequential, *_ = fit(ScaledFedMTL(chunk=CHUNK, strength=STRENGTH), runner="sequential")
     unscaled, *_ = fit(FedMTL(chunk=CHUNK, strength=STRENGTH), runner="sequential")
     first = sequential.round_plan(0).clients[0]

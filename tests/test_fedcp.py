@@ -224,7 +224,7 @@ def test_the_lockstep_runner_equals_the_plain_loop():
     lanes), with the MMD term. Fails if the MMD averages over the padded rows too (``total.mean()``) or the
     stale-CPN bug above."""
     strategy, init, dm, trainer, model, start = fit(FedCP(lamda=0.5), runner="vectorized", batch_size=64)
-    assert strategy.runner_report.engine == "vectorized"
+    assert strategy.runner_report.runner == "vectorized"
     _assert_equal(strategy, *plain_fedcp(init, dm, start, 0.5))
 
 
@@ -374,7 +374,7 @@ def test_a_module_fedcp_cannot_run_is_refused_at_setup(model, message):
 @pytest.mark.parametrize("runner", ["sequential", "vectorized"])
 def test_a_forward_of_head_of_body_runs_as_the_declared_split(runner):
     """``LossNet`` declares no ``forward_features``/``forward_head``; its ``forward`` is ``classifier(body(x))``,
-    which FedCP finds as the vectorized engine does. It trains (with the MMD term) and scores bit for bit as the
+    which FedCP finds as the vectorized runner does. It trains (with the MMD term) and scores bit for bit as the
     same module with the split declared (``DeclaredNet``). Fails on the code before: refused at setup ("FedCP
     needs the module's declared feature split")."""
     runs = []
@@ -382,7 +382,7 @@ def test_a_forward_of_head_of_body_runs_as_the_declared_split(runner):
         torch.manual_seed(0)
         runs.append(fit(FedCP(lamda=0.5), runner=runner, model=model_class(lr=LR)))
     (detected, _, dm, *_), (declared, *_) = runs
-    assert detected.runner_report.engine == declared.runner_report.engine == runner
+    assert detected.runner_report.runner == declared.runner_report.runner == runner
     assert detected.federation.server_tensors.keys() == declared.federation.server_tensors.keys()
     for name, value in declared.federation.server_tensors.items():
         assert torch.equal(detected.federation.server_tensors[name], value), name

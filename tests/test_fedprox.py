@@ -68,7 +68,7 @@ def test_fedprox_equals_a_plain_loop_on_both_runners(runner):
     one of the runners."""
     mu = 0.5
     strategy, init, dm = fit(runner, FedProx(mu=mu))
-    assert strategy.runner_report.engine == runner
+    assert strategy.runner_report.runner == runner
     dm.setup()
     expected = plain_fedprox(init, dm, mu)
     for name, value in expected.items():
@@ -100,7 +100,7 @@ def test_auto_runs_fedprox_on_the_lockstep_runner(monkeypatch):
     sequentially), or if an algorithm's term again forces the sequential runner."""
     _lockstep_wins(monkeypatch)
     strategy, _, _ = fit("auto", FedProx(mu=0.5), max_steps=-1)
-    assert strategy.runner_report.engine == "vectorized", strategy.runner_report
+    assert strategy.runner_report.runner == "vectorized", strategy.runner_report
 
 
 class SequentialFedProx(FedProx):
@@ -114,7 +114,7 @@ def test_a_term_that_cannot_be_vmapped_falls_back_naming_it(monkeypatch):
     _lockstep_wins(monkeypatch)
     strategy, _, _ = fit("auto", SequentialFedProx(mu=0.5))
     report = strategy.runner_report
-    assert report.engine == "sequential" and "FedProx proximal term" in report.reason, report
+    assert report.runner == "sequential" and "FedProx proximal term" in report.reason, report
     with pytest.raises(ValueError, match="FedProx proximal term cannot run in lockstep"):
         fit("vectorized", SequentialFedProx(mu=0.5))
 

@@ -144,7 +144,7 @@ def test_the_lockstep_runner_equals_the_plain_loop(counts):
     set-up reads another split (``"test"`` in ``client_label_counts``), or if the batch counts include the padded
     rows (``rows if view.mask is None else ...`` replaced by ``rows``)."""
     lockstep, init, dm, *_ = fit(FedRoD(label_counts=counts), runner="vectorized", batch_size=64)
-    assert lockstep.runner_report.engine == "vectorized"
+    assert lockstep.runner_report.runner == "vectorized"
     _assert_equal(lockstep, *plain_fedrod(init, dm, batch_counts=counts == "batch"))
 
 

@@ -108,7 +108,7 @@ def test_the_lockstep_runner_equals_the_plain_loop_and_the_sequential_runner(par
     ``_split``)."""
     algorithm = HFMAML(alpha=ALPHA, delta=DELTA, parts=parts)
     lockstep, init, dm, *_ = fit(algorithm, runner="vectorized", batch_size=64)
-    assert lockstep.runner_report.engine == "vectorized"
+    assert lockstep.runner_report.runner == "vectorized"
     sequential, *_ = fit(algorithm, runner="sequential", batch_size=64)
     expected = plain_hf_maml(init, dm, parts)
     _assert_equal(lockstep.global_tensors(), expected)

@@ -312,7 +312,7 @@ ALGORITHM_API = frozenset(
     }
 )
 """What an algorithm module (``federation/algorithms/<name>.py``) may import: the public algorithm API (with
-``federation.feature_split``: the module as ``head(features(x))``, found as the vectorized engine finds it)."""
+``federation.feature_split``: the module as ``head(features(x))``, found as the vectorized runner finds it)."""
 
 
 def test_algorithm_modules_are_written_on_the_public_api() -> None:

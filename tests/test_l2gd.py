@@ -110,7 +110,7 @@ def test_l2gd_equals_the_official_loop():
     the average (``evaluation_slot = None``)."""
     assert [len(coins(r)) for r in range(ROUNDS)] != [2] * ROUNDS  # some round pulls or trains twice
     strategy, init, dm, trainer, model = fit()
-    assert strategy.runner_report.engine == "sequential"
+    assert strategy.runner_report.runner == "sequential"
     w_bar, w = plain_l2gd(init, dm)
     fed = strategy.federation
     for name, value in w_bar.items():
@@ -140,7 +140,7 @@ def test_a_mid_round_checkpoint_resumes_like_the_uninterrupted_run(tmp_path):
 def test_auto_runs_l2gd_sequentially_naming_its_slot():
     """The lockstep runner does not train declared slots: ``runner="auto"`` says so and runs sequentially."""
     strategy, *_ = fit(runner="auto", rounds=1)
-    assert strategy.runner_report.engine == "sequential"
+    assert strategy.runner_report.runner == "sequential"
     assert "per-client slot 'personal'" in strategy.runner_report.reason
 
 

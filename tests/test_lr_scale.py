@@ -55,7 +55,7 @@ class ScaledAPFL(APFL):
 def both(**kwargs):
     sequential, _ = fit("sequential", **kwargs)
     vectorized, _ = fit("vectorized", **kwargs)
-    assert vectorized.runner_report.engine == "vectorized", vectorized.runner_report
+    assert vectorized.runner_report.runner == "vectorized", vectorized.runner_report
     return sequential, vectorized
 
 

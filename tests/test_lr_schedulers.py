@@ -1,4 +1,4 @@
-"""LR schedulers in a federated fit. A Lightning step is one client's local step (on the vectorized engine,
+"""LR schedulers in a federated fit. A Lightning step is one client's local step (on the vectorized runner,
 one step of a group of clients), so a scheduler Lightning steps per training step (``interval="step"``) would
 tick across the round's clients: each client would train at another point of the schedule, by its place in
 the round. It is refused at setup, on every engine, naming the fix: ``interval="epoch"`` steps once per

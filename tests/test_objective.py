@@ -122,7 +122,7 @@ def test_the_ported_loss_term_equals_the_plain_loop_on_both_runners(engine):
     """The port trains what the old term trained (FedProx with ``mu = 0.5``, written out in plain PyTorch), now
     on the lockstep runner too."""
     strategy, init, dm = fit(engine, PortedProx())
-    assert strategy.runner_report.engine == engine
+    assert strategy.runner_report.runner == engine
     dm.setup()
     for name, value in plain_fedprox(init, dm, mu=0.5).items():
         torch.testing.assert_close(strategy.global_tensors()[name], value, rtol=1e-5, atol=1e-6, msg=name)

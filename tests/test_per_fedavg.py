@@ -109,7 +109,7 @@ def test_the_lockstep_runner_equals_the_plain_loop_and_the_sequential_runner(ste
     zeros in ``_rule_loss``)."""
     algorithm = PerFedAvg(step=step, first_order=first_order, inner_scale=1.0)
     lockstep, init, dm = fit(algorithm, runner="vectorized", batch_size=64)
-    assert lockstep.runner_report.engine == "vectorized"
+    assert lockstep.runner_report.runner == "vectorized"
     sequential, *_ = fit(algorithm, runner="sequential", batch_size=64)
     expected = plain_per_fedavg(init, dm, step, first_order, 1.0)
     for name, value in expected.items():

@@ -77,7 +77,7 @@ def test_scaffold_equals_a_plain_loop_on_both_runners(runner):
     also if the clip is dropped or the group's gradients are clipped together (one norm over all clients'
     stacked gradients, the transform run outside the ``vmap``), or a client reads another's ``c_i``."""
     strategy, init, dm = fit(Scaffold(lr_g=LR_G, clip=CLIP), runner)
-    assert strategy.runner_report.engine == runner
+    assert strategy.runner_report.runner == runner
     w, c, c_i = plain_scaffold(init, dm)
     fed = strategy.federation
     for name, value in w.items():
@@ -107,7 +107,7 @@ def test_auto_runs_scaffold_on_the_lockstep_runner(monkeypatch):
         sizing, "faster_lane_width", lambda wide, narrow, device, **kwargs: (True, 1e-3, 2e-3)
     )
     strategy, _, _ = fit(Scaffold(lr_g=LR_G, clip=CLIP), "auto", max_steps=-1)
-    assert strategy.runner_report.engine == "vectorized", strategy.runner_report
+    assert strategy.runner_report.runner == "vectorized", strategy.runner_report
 
 
 class LinearTermScaffold(Scaffold):
@@ -130,7 +130,7 @@ def test_a_loss_term_reads_the_declared_tensors_in_lockstep_as_sequentially():
     plain loop is matched. Fails if the loss path's StepView drops ``client_state`` (KeyError) or stacks the
     rows in another order than the segment's clients (``rows[::-1]``)."""
     strategy, init, dm = fit(LinearTermScaffold(lr_g=LR_G), "vectorized")
-    assert strategy.runner_report.engine == "vectorized"
+    assert strategy.runner_report.runner == "vectorized"
     w, _, c_i = plain_scaffold(init, dm, clip=1e9)
     for name, value in w.items():
         torch.testing.assert_close(strategy.global_tensors()[name], value, rtol=1e-4, atol=1e-5, msg=name)

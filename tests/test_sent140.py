@@ -215,7 +215,7 @@ def test_fedrep_fast_dev_run_fits_with_the_decoder_as_head(files, layout):
     assert trainer.global_step >= 1
     assert strategy.federation.split.head == ("decoder.weight", "decoder.bias")
     report = strategy.runner_report
-    assert report.engine == "sequential"
+    assert report.runner == "sequential"
     assert ("dropout" if layout == "tokens" else "loss") in report.reason.lower()
 
 

@@ -146,7 +146,7 @@ def test_start_client_equals_a_plain_loop_on_both_runners(runner):
     runner's live module, the lockstep group's stacked rows), or ``ClientEnd.start`` is the unblended start
     (``moved``)."""
     strategy, init, dm = fit(BlendStart(), runner)
-    assert strategy.runner_report.engine == runner
+    assert strategy.runner_report.runner == runner
     reference = plain_blend(init, dm)
     assert max(reference[3]) > 1  # some client returned, so the blend ran
     assert_like_plain(strategy, reference)
@@ -182,7 +182,7 @@ def test_the_default_start_client_is_never_called(monkeypatch):
     for runner in ("sequential", "vectorized"):
         seen.clear()
         strategy, _, _ = fit(Algorithm("plain", {"body", "head"}, "FedAvg"), runner, rounds=2)
-        assert strategy.runner_report.engine == runner
+        assert strategy.runner_report.runner == runner
         assert seen and all(changed == {} and starts == {} for _, changed, starts in seen), runner
 
 
@@ -340,5 +340,5 @@ def test_lockstep_refuses_start_client_with_buffers_it_holds_once():
     quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0).fit(
         BufferNet(), datamodule=datamodule()
     )
-    assert strategy.runner_report.engine == "sequential"
+    assert strategy.runner_report.runner == "sequential"
     assert "start_client" in strategy.runner_report.reason

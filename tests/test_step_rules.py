@@ -75,7 +75,7 @@ def test_the_optimizer_sees_exactly_the_rules_gradients_and_its_loss_is_logged()
     ``None``)."""
     seen, captured = [], GradientsSeen()
     strategy, trainer = fit(OddGradients(seen), runner="sequential", callbacks=[captured])
-    assert strategy.runner_report.engine == "sequential"
+    assert strategy.runner_report.runner == "sequential"
     assert len(seen) == len(captured.grads) > 0
     for expected, got in zip(seen, captured.grads):
         assert expected.keys() == got.keys()
@@ -129,7 +129,7 @@ def test_a_rule_that_cannot_be_vmapped_falls_back_naming_it():
     Fails if ``federation_reasons`` leaves the rule out (the engine would run a rule that cannot be vmapped)."""
     strategy, _ = fit(SequentialPerFedAvg(), runner="auto")
     report = strategy.runner_report
-    assert report.engine == "sequential" and "Per-FedAvg maml step" in report.reason, report
+    assert report.runner == "sequential" and "Per-FedAvg maml step" in report.reason, report
     with pytest.raises(ValueError, match="step rule 'Per-FedAvg maml step' cannot run in lockstep"):
         fit(SequentialPerFedAvg(), runner="vectorized")
 
@@ -139,7 +139,7 @@ def test_a_vmappable_rule_runs_in_lockstep_without_a_feature_cache():
     cached features under a rule (it runs the whole module)."""
     strategy, _ = fit(PerFedAvg(), runner="vectorized")
     report = strategy.runner_report
-    assert report.engine == "vectorized", report
+    assert report.runner == "vectorized", report
     assert "the step rule 'Per-FedAvg maml step' runs the whole module" in report.reason, report
 
 
@@ -178,7 +178,7 @@ def test_a_client_whose_steps_wrote_non_finite_declared_tensors_is_left_out_with
     trainer = quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0)
     with pytest.warns(UserWarning, match="Client 0 is left out"):
         trainer.fit(LossNet(), datamodule=tiny_datamodule(num_clients=3, batch_size=64))
-    assert strategy.runner_report.engine == runner
+    assert strategy.runner_report.runner == runner
     store = strategy.federation.store
     assert torch.equal(store.client_state(0)["c"], torch.zeros(1))
     assert torch.equal(store.client_state(1)["c"], torch.ones(1))

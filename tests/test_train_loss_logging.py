@@ -26,7 +26,7 @@ ROUNDS = 3
 
 class LoggingNet(TinyNet):
     """Logs its loss as ``train/loss`` (Lightning's default timing) and, with ``record``, records each step's
-    round, loss, accuracy and batch size (a side effect the vectorized engine refuses: its run records nothing);
+    round, loss, accuracy and batch size (a side effect the vectorized runner refuses: its run records nothing);
     optionally also logs its accuracy (default timing) and its loss per step (``on_step=True`` given)."""
 
     fedrep_loss = "cross_entropy"
@@ -98,7 +98,7 @@ def test_the_sequential_train_loss_is_logged_once_per_round_as_its_mean(sequenti
     ``train/loss`` value (step 49's), not one per round."""
     model, strategy, trainer, columns = sequential
     assert trainer.log_every_n_steps == 50 and trainer.global_step > ROUNDS * 20
-    assert strategy.runner_report.engine == "sequential"
+    assert strategy.runner_report.runner == "sequential"
     got = columns["train/loss"]
     assert [r for r, _ in got] == list(range(ROUNDS))
     expected = per_round_means(model.steps, 1)
@@ -113,7 +113,7 @@ def test_the_vectorized_engines_train_loss_is_the_same_round_mean(sequential, tm
     model, _, _, _ = sequential
     torch.manual_seed(0)
     strategy, trainer, columns = fit("vectorized", tmp_path, LoggingNet(record=False))
-    assert strategy.runner_report.engine == "vectorized" and trainer.global_step == 2 * ROUNDS
+    assert strategy.runner_report.runner == "vectorized" and trainer.global_step == 2 * ROUNDS
     got = columns["train/loss"]
     assert [r for r, _ in got] == list(range(ROUNDS))
     expected = per_round_means(model.steps, 1)

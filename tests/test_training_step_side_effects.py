@@ -1,6 +1,6 @@
 """What ``training_step`` writes besides its loss is never lost on the default engine (issue 43, item 1).
 
-The vectorized engine runs no ``training_step``: it trains the declared loss. Before, a torchmetrics metric
+The vectorized runner runs no ``training_step``: it trains the declared loss. Before, a torchmetrics metric
 updated in the step saw only the probe batches (``train/acc_epoch`` read 0.0 under ``runner="auto"``), and
 a counter counted two steps. Now the probe compares the module's state before and after the step
 (``runners/lockstep/side_effects.py``): any write sends ``runner="auto"`` to the sequential runner with the
@@ -187,7 +187,7 @@ def test_an_accuracy_updated_in_training_step_is_the_sequential_runners_under_au
     assert named in report.reason
     (line,) = engine_lines(caplog)
     assert (
-        line.startswith("lightning_fedrep: sequential engine (training_step has side effects")
+        line.startswith("lightning_fedrep: sequential runner (training_step has side effects")
         and named in line
     )
     _, sequential_trainer, sequential = fit("sequential", AccuracyNet)
@@ -252,7 +252,7 @@ def test_a_step_without_side_effects_still_runs_on_the_engine(model):
     """Catches over-eager detection (fails when the probe compares Lightning's bookkeeping or a cache the
     forward filled before the step: the fit would fall back)."""
     auto, _, _ = fit("auto", model, rounds=1)
-    assert auto.runner_report.runner == "lockstep", auto.runner_report.reason
+    assert auto.runner_report.runner == "vectorized", auto.runner_report.reason
 
 
 # ----------------------------------------------------------------------------- the probe, write by write

@@ -128,7 +128,7 @@ def worker(args: argparse.Namespace, devices: int) -> None:
     )
     trainer.fit(CIFAR10CNN(), datamodule=data)
     if trainer.global_rank == 0:
-        engine = strategy.runner_report.engine
+        engine = strategy.runner_report.runner
         report = dict(seconds=clock.seconds, shares=clock.shares, steps=clock.steps, engine=engine)
         Path(args.worker).write_text(json.dumps(report))
 

@@ -1,7 +1,7 @@
 """The engine's head steps on cached features, eager against ``RunnerSettings(compile=True)``, inside real fits.
 
 The workload of ``cifar_round.py`` (the official CIFAR CNN, 10 clients x 500 samples, 10 head epochs on cached
-features then 1 body epoch, batch 10). Each fit runs ``--rounds`` rounds on the vectorized engine; a clock
+features then 1 body epoch, batch 10). Each fit runs ``--rounds`` rounds on the vectorized runner; a clock
 around the engine's cached head segments (from the end of a segment's feature pass to its end: this script
 wraps three ``LockstepEngine`` methods, the library is unchanged) times each round's head steps alone. Eager and
 compiled fits alternate, ``--repeats`` of each. Printed: each variant's first round (compiling included) and the

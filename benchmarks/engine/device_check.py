@@ -45,7 +45,7 @@ def fit_and_test(w: Workload, engine: str, device: str, fine_tune: bool) -> dict
     trainer.test(model, datamodule=dm, verbose=False)
     table = strategy.client_metrics["test"]
     metrics = {m: table.per_client(m) for m in ("test/loss", "test/acc")}
-    return {"body": body, "heads": heads, "metrics": metrics, "engine": strategy.runner_report.engine}
+    return {"body": body, "heads": heads, "metrics": metrics, "engine": strategy.runner_report.runner}
 
 
 def relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -184,7 +184,7 @@ class RoundLoader:
         batches = (
             plan.batches(self, start) if not isinstance(plan, RoundPlan) else self.plan_batches(plan, start)
         )
-        for batch in batches:  # a round plan, or the vectorized engine's lockstep schedule
+        for batch in batches:  # a round plan, or the vectorized runner's lockstep schedule
             self._position += 1
             yield batch
 
@@ -204,7 +204,7 @@ class RoundLoader:
 
     def random_batches(self) -> str | None:
         """``None`` if every training batch is a pure function of its sample indices, else why not (the
-        rule for computing a frozen body's features once: the lockstep engine's head phases)."""
+        rule for computing a frozen body's features once: the vectorized runner's head phases)."""
         if type(self).client_batches is not RoundLoader.client_batches:
             return f"{type(self).__name__} draws its own batches"
         return datasets_are_deterministic(data.dataset for data in self.clients)

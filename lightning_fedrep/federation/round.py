@@ -427,7 +427,7 @@ class RoundTransaction:
         In a round that aggregates, ``Algorithm.finish_client`` decides the upload and the client's new
         declared tensors (their values must be finite too). ``slots``: the declared slots it trained
         (``"<slot>.<name>"``), stored with its declared tensors. ``finite``: names of ``tensors`` the caller
-        already found finite (the lockstep engine checks a whole group's stacked tensors at once)."""
+        already found finite (the vectorized runner checks a whole group's stacked tensors at once)."""
         plan = self.plan(self.round_index)
         slots = dict(slots or {})
         before = self._before_round

@@ -1,7 +1,7 @@
 """One fit (or evaluation) of a federation, driven step by step by the Lightning face, without Lightning.
 
 :class:`Runner` is the protocol of what runs a round's local work (``lightning_fedrep.runners``: the
-sequential runner, the lockstep engine, both wrapped by the per-process ``Sharded`` runner). It is declared
+sequential runner, the vectorized runner, both wrapped by the per-process ``Sharded`` runner). It is declared
 here, in the core, so the core never imports a runner. :class:`FederatedRun` opens and closes rounds around
 the runner's steps, hands the clients' ends to the federated callbacks (:class:`CallbackBus`) and builds the
 checkpoint entry. The Lightning face (``lightning_fedrep.lightning.strategy``) turns each Lightning hook
@@ -302,7 +302,7 @@ class FederatedRun:
 
     def log_round_loss(self, log: Callable[[float, int], None]) -> None:
         """At the round's last step, on every process: the round's training loss where the runner computed it
-        (the lockstep engine, a step rule), summed over the processes, as ``log(mean, samples)``: the mean over
+        (the vectorized runner, a step rule), summed over the processes, as ``log(mean, samples)``: the mean over
         every local step of every client of the step's mean loss, weighted by its batch's samples (the mean
         loss per trained sample); nothing where the user's ``training_step`` ran (it logs its own)."""
         loss, self.round_loss = self.round_loss, None

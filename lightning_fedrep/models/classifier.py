@@ -15,7 +15,7 @@ class FedRepClassifier(L.LightningModule):
     """Cross-entropy training, strategy-side evaluation and the official SGD recipe.
 
     ``forward`` is ``forward_head(forward_features(x))`` and ``fedrep_loss`` says what ``training_step``
-    computes, so the strategy's vectorized engine applies (and caches features in head phases). A subclass
+    computes, so the strategy's vectorized runner applies (and caches features in head phases). A subclass
     builds its layers, saves ``lr``, ``momentum`` and ``weight_decay`` as hyper-parameters
     (``save_hyperparameters``) and defines ``forward_features`` and ``forward_head``.
     """

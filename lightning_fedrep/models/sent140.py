@@ -36,7 +36,7 @@ class Sent140RNN(FedRepClassifier):
 
     * ``"tokens"`` (default): one step per word, each step the word's vector: ``LSTM(embedding_dim, 128)``
       over ``max_words`` steps, every tweet on its own. The output is ``decoder(features)``, with the
-      body's features declared (``forward_features``), so the vectorized engine may cache them.
+      body's features declared (``forward_features``), so the vectorized runner may cache them.
     * ``"official"``: the official code's ``emb.view(300, 4, 25)`` (sic) of the ``(25, batch, 300)``
       embedded batch, which reinterprets the memory as 300 steps of 25 numbers, so ``LSTM(max_words, 128)``
       as in ``Nets.py``, and each of its batch rows mixes the vectors of several tweets of the batch. A

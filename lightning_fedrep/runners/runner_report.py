@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-Engine = Literal["vectorized", "sequential"]
+RunnerName = Literal["vectorized", "sequential"]
 DecidedAt = Literal["setup", "first loader", "checkpoint"]
 
 PHASE_PARTS = ("head", "body", "all")
@@ -23,20 +23,21 @@ class RunnerReport:
     """The runner decision of a fit (read-only; ``FederatedStrategy.runner_report``).
 
     Attributes:
-        engine: ``"vectorized"`` or ``"sequential"``: what runs the training steps.
-        reason: why, the text of the one log line (``lightning_fedrep: <engine> engine (<reason>).``).
+        runner: ``"vectorized"`` or ``"sequential"`` (the names of the ``runner=`` setting): what runs the
+            training steps.
+        reason: why, the text of the one log line (``lightning_fedrep: <runner> runner (<reason>).``).
         decided_at: ``"setup"`` (the settings, module, Trainer, algorithm and callbacks), ``"first loader"``
             (probe batches, feature cache, widths, measured gain) or ``"checkpoint"`` (a resumed run keeps
-            the engine of the run that saved it). A ``"setup"`` report that says ``"vectorized"`` is
+            the runner of the run that saved it). A ``"setup"`` report that says ``"vectorized"`` is
             provisional: the first training loader may still send the fit to the sequential path.
         phases: how each kind of phase (``"head"``, ``"body"``, ``"all"``) runs, where it differs: under the
-            vectorized engine head phases may run on cached body features.
-        evaluation: how validation and test run where the vectorized engine does not batch them (``None``:
-            as the engine decides): an algorithm's ``EvaluationSpec.forward`` is evaluated per batch
+            vectorized runner head phases may run on cached body features.
+        evaluation: how validation and test run where the vectorized runner does not batch them (``None``:
+            as the runner decides): an algorithm's ``EvaluationSpec.forward`` is evaluated per batch
             (``PER_BATCH_FORWARD``).
     """
 
-    engine: Engine
+    runner: RunnerName
     reason: str
     decided_at: DecidedAt
     phases: Mapping[str, str] = field(default_factory=dict)
@@ -54,7 +55,7 @@ class RunnerReport:
     def vectorized(
         cls, reason: str, decided_at: DecidedAt, cached: Iterable[str] = (), how: str = ""
     ) -> RunnerReport:
-        """The vectorized engine, chosen for ``reason`` (in words) when ``decided_at`` says; the phase kinds in
+        """The vectorized runner, chosen for ``reason`` (in words) when ``decided_at`` says; the phase kinds in
         ``cached`` train on cached features (``how``: the split)."""
         cached = set(cached)
         phases = {
@@ -62,10 +63,5 @@ class RunnerReport:
         }
         return cls("vectorized", reason, decided_at, phases)
 
-    @property
-    def runner(self) -> str:
-        """The runner's name: ``"lockstep"`` (the vectorized engine) or ``"sequential"``."""
-        return "lockstep" if self.engine == "vectorized" else "sequential"
-
     def __str__(self) -> str:
-        return f"{self.engine} engine ({self.reason}), decided at {self.decided_at}"
+        return f"{self.runner} runner ({self.reason}), decided at {self.decided_at}"

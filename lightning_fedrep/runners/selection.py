@@ -41,7 +41,7 @@ from lightning_fedrep.runners.sharded import Sharded
 
 @dataclass(frozen=True)
 class Decision:
-    """A runner decision: the lockstep engine (``None``: the sequential runner), the report (``None``:
+    """A runner decision: the vectorized runner's engine (``None``: the sequential runner), the report (``None``:
     unchanged) and the line to log (``None``: none)."""
 
     engine: LockstepEngine | None
@@ -61,7 +61,7 @@ def build_engine(
     steps_per_call: StepsPerCall = "auto",
     compile: bool = False,
 ) -> Decision:
-    """The lockstep engine for this fit, or the sequential runner (``mode="auto"`` where the engine would
+    """The vectorized runner for this fit, or the sequential runner (``mode="auto"`` where the engine would
     not be exact); raises for ``mode="vectorized"`` where it would not be exact. The engine runs
     ``steps_per_call`` lockstep steps per Lightning step (:func:`~lightning_fedrep.runners.lockstep.fusion.resolve_steps_per_call`:
     refused here where something needs a Lightning step per local step), its cached head steps compiled
@@ -97,7 +97,7 @@ def build_engine(
                 "sequential runner) or runner='sequential'."
             )
         report = RunnerReport.sequential("; ".join(reasons), "setup")
-        return Decision(None, report, f"lightning_fedrep: sequential engine ({'; '.join(reasons)}).")
+        return Decision(None, report, f"lightning_fedrep: sequential runner ({'; '.join(reasons)}).")
     calls, calls_line = resolve_steps_per_call(steps_per_call, constraints.per_step_needs, constraints.smoke)
     report = RunnerReport.vectorized(
         "nothing at setup keeps it sequential; the first loader decides", "setup"
@@ -158,7 +158,7 @@ def start_engine(
                 "pass runner='auto' (falls back to the sequential runner) or runner='sequential'."
             )
         report = RunnerReport.sequential(reason, "first loader")
-        return Decision(None, report, f"lightning_fedrep: sequential engine ({reason}).")
+        return Decision(None, report, f"lightning_fedrep: sequential runner ({reason}).")
     gather = collective.all_gather_object if distributed else None
     unbatched = _vectorize_problem(engine, loader, plan, device, gather)
     if unbatched is not None:
@@ -169,7 +169,7 @@ def start_engine(
                 "back to it)."
             )
         report = RunnerReport.sequential(unbatched, "first loader")
-        return Decision(None, report, f"lightning_fedrep: sequential engine ({unbatched}).")
+        return Decision(None, report, f"lightning_fedrep: sequential runner ({unbatched}).")
     if engine.caching and not engine.caches_head(plan):
         cache = f"no head phase in the first round; any later one on cached features ({engine.split.how})"
     widths = engine.prepare(plan, device, measure=mode == "auto" and not smoke, memory=memory, smoke=smoke)
@@ -182,11 +182,11 @@ def start_engine(
     if mode == "auto" and not engine.gains(plan):
         no_gain = f"no cached features and no gain in lockstep: {widths}"
         report = RunnerReport.sequential(no_gain, "first loader")
-        return Decision(None, report, f"lightning_fedrep: sequential engine ({no_gain}).")
+        return Decision(None, report, f"lightning_fedrep: sequential runner ({no_gain}).")
     cached = ("head",) if engine.caching else ()
     how = engine.split.how if cached else ""
     report = RunnerReport.vectorized(f"{cache}; {widths}", "first loader", cached, how)
-    return Decision(engine, report, f"lightning_fedrep: vectorized engine ({cache}; {widths}).")
+    return Decision(engine, report, f"lightning_fedrep: vectorized runner ({cache}; {widths}).")
 
 
 def _probe_fix(reason: str, probe_problem: str | None) -> str:
@@ -331,7 +331,7 @@ class RunnerSelection:
             line = f"{line} compile=True compiles nothing on it (it runs the module's training_step)."
         if decision.report is not None:
             self.report = decision.report
-            if self.report.engine == "vectorized" and self.evaluation is not None:
+            if self.report.runner == "vectorized" and self.evaluation is not None:
                 self.report = replace(self.report, evaluation=self.evaluation)
                 line = None if line is None else f"{line} Evaluation: {self.evaluation}."
         return line

@@ -61,7 +61,7 @@ SIZES = (7, 41, 13, 22, 30, 9, 55, 18)  # uneven: 1 to 7 batches of 8 per epoch
 
 
 class Net(L.LightningModule):
-    """A body and a ``classifier`` head, its loss declared (so the vectorized engine can run it)."""
+    """A body and a ``classifier`` head, its loss declared (so the vectorized runner can run it)."""
 
     fedrep_head = "classifier"
     fedrep_loss = "cross_entropy"

@@ -36,7 +36,7 @@ ROUNDS = 4
 
 
 class DeclaredLossNet(TinyNet):
-    """The tiny net with its pure loss declared: the vectorized engine runs it."""
+    """The tiny net with its pure loss declared: the vectorized runner runs it."""
 
     fedrep_loss = "cross_entropy"
 
@@ -84,7 +84,7 @@ def newest_checkpoint(root: Path) -> Path:
 def build(
     runner: str, root: Path, kill_at: str | None = None
 ) -> tuple[L.LightningModule, FedRepStrategy, L.Trainer]:
-    """The run: dropout on the sequential engine (the resume must restore the RNG), 6 clients, 3 a round."""
+    """The run: dropout on the sequential runner (the resume must restore the RNG), 6 clients, 3 a round."""
     torch.manual_seed(0)
     model = TinyNet(dropout=0.2) if runner == "sequential" else DeclaredLossNet()
     strategy = FedRepStrategy(

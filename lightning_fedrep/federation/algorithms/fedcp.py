@@ -239,7 +239,7 @@ def _per_sample_loss(module: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
 
 def _find_split(module: nn.Module, head: Sequence[str], datamodule: Any) -> FeatureSplit:
     """The module as ``head(features(x))`` (declared, or its head submodule called last), verified on a few
-    training inputs as the vectorized engine verifies it; refuses a module that is neither."""
+    training inputs as the vectorized runner verifies it; refuses a module that is neither."""
     split = find_feature_split_on_data(module, tuple(head), datamodule)
     if split is not None:
         return split
@@ -292,7 +292,7 @@ class FedCP(Algorithm):
     ``"context"`` (``[d]``). Evaluation scores ``fedcp_forward``. Needs the module's ``fedrep_loss``, the
     module as ``head(features(x))`` (declared ``forward_features``/``forward_head``, or a ``forward`` that returns
     its head submodule applied last to the body's output, found and verified on a client's first training samples
-    as the vectorized engine finds it) and a head of ``nn.Linear`` layers (refused at ``setup``) and one ``Phase("all")`` per federated round (refused when the round is planned: a client
+    as the vectorized runner finds it) and a head of ``nn.Linear`` layers (refused at ``setup``) and one ``Phase("all")`` per federated round (refused when the round is planned: a client
     takes the global CPN at its first step of the round). Runners: both (the step rule runs per client inside
     the lockstep runner's ``vmap``; the Gumbel noise is a hash of counters, not ``torch.rand``).
 

@@ -1,4 +1,4 @@
-"""A training batch as the runners read it: ``(inputs, targets)`` tensors (the vectorized engine trains the
+"""A training batch as the runners read it: ``(inputs, targets)`` tensors (the vectorized runner trains the
 declared loss on them, a step rule reads them), with the reason a batch of another form is refused."""
 
 from __future__ import annotations

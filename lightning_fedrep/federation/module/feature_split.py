@@ -1,5 +1,5 @@
 """The model as ``head(features(x))``: found and verified on a probe input, for whatever runs the body and
-the head separately (the vectorized engine caching a frozen body's output, batched evaluation, fine-tuned
+the head separately (the vectorized runner caching a frozen body's output, batched evaluation, fine-tuned
 evaluation, FedCP's two heads on one body output).
 
 Declared with ``forward_features`` / ``forward_head`` (timm's names), or detected when the head is one

@@ -1,4 +1,4 @@
-"""Personalized evaluation of many clients at once (the evaluation side of the vectorized engine).
+"""Personalized evaluation of many clients at once (the evaluation side of the vectorized runner).
 
 Per :class:`~lightning_fedrep.data.loaders.ClientChunk` of clients: one forward pass of the global body
 over all their samples (clients whose own tensors change the features, LG-FedAvg's local body or a

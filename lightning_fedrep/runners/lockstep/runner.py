@@ -1,4 +1,4 @@
-"""The lockstep runner: the vectorized engine (:mod:`lightning_fedrep.runners.lockstep.engine`) behind the runner
+"""The vectorized runner: the lockstep engine (:mod:`lightning_fedrep.runners.lockstep.engine`) behind the runner
 protocol."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class LockstepRunner:
     several: :attr:`LockstepEngine.steps_per_call <lightning_fedrep.runners.lockstep.engine.LockstepEngine.steps_per_call>`).
 
     Args:
-        engine: the lockstep engine (decided and sized by :mod:`lightning_fedrep.runners.selection`).
+        engine: the vectorized runner (decided and sized by :mod:`lightning_fedrep.runners.selection`).
         notify: tells the federated callbacks (``on_client_start``, ``on_client_end``).
     """
 

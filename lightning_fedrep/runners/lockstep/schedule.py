@@ -264,7 +264,7 @@ def _stack_pairs(pairs: list[Any], batch_size: int, mask: Tensor) -> dict[str, T
         and all(isinstance(t, Tensor) for t in template)
     ):
         raise TypeError(
-            "The vectorized engine needs training batches of (inputs, targets) tensors; "
+            "The vectorized runner needs training batches of (inputs, targets) tensors; "
             f"got {type(template).__name__}. Pass runner='sequential' to the strategy."
         )
     x = template[0].new_zeros((len(pairs), batch_size, *template[0].shape[1:]))

@@ -1,4 +1,4 @@
-"""How wide the vectorized engine runs: the memory bound on a lockstep group, and a short timing of
+"""How wide the vectorized runner runs: the memory bound on a lockstep group, and a short timing of
 one wide lockstep step against the same clients one after another.
 
 A group of K clients holds K copies of every trainable tensor, their gradients and optimizer state,

@@ -1,4 +1,4 @@
-"""When the vectorized engine computes exactly what the sequential path computes, and when not.
+"""When the vectorized runner computes exactly what the sequential path computes, and when not.
 
 :func:`sequential_reasons` lists every reason found (checked at ``setup``, before any step). With
 ``runner="auto"`` any reason sends the run to the sequential path with a one-line message; with
