@@ -44,6 +44,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "callbacks": ("callbacks", "callbacks.*"),
     "data loaders": ("data", "data.*"),
     "app": ("app", "app.*"),
+    "privacy": ("privacy.*",),
 }
 """Module groups: fnmatch patterns on the dotted module name inside the package (``""`` is the package).
 The algorithm modules are held to more than the core's rules: they import only the algorithm API
@@ -69,6 +70,7 @@ RULES: tuple[Rule, ...] = (
     Rule("core", "data loaders", "the core takes loaders through small protocols (sharding.PlanBatches)"),
     Rule("core", "app", "the command and reports sit on top of everything"),
     Rule("core", "lightning", "the federation core runs without Lightning"),
+    Rule("core", "privacy", "the core takes a mechanism through its own protocol (api.mechanism)"),
     Rule("evaluation", "runners", "runners evaluate with it, it does not know them"),
     Rule("evaluation", "lightning face", "the face logs what an evaluation pass leaves"),
     Rule("evaluation", "callbacks", "callbacks ask for evaluation, it does not know them"),
@@ -90,6 +92,13 @@ RULES: tuple[Rule, ...] = (
     Rule("data loaders", "lightning face", "loaders do not know the strategy"),
     Rule("data loaders", "callbacks", "loaders do not know the callbacks"),
     Rule("data loaders", "app", "the command and reports sit on top of everything"),
+    Rule("privacy", "lightning face", "mechanisms reach the strategy through the core's PrivacyMechanism"),
+    Rule("privacy", "callbacks", "mechanisms do not know the callbacks"),
+    Rule("privacy", "app", "the command and reports sit on top of everything"),
+    Rule("privacy", "lightning", "the mechanisms and the accountant run without Lightning"),
+    Rule(
+        "privacy", "vectorized runner", "mechanisms use the runners' protocols, never the engine's internals"
+    ),
 )
 """Group ``source`` must not import group ``forbidden`` (``"lightning"``: the Lightning packages)."""
 
