@@ -20,10 +20,24 @@ from lightning_fedrep import FederatedStrategy
 from lightning_fedrep.federation.api.aggregation import ClientUpdate
 from lightning_fedrep.federation.api.registry import ALGORITHMS
 from lightning_fedrep.federation.state import FederationConfig
-from lightning_fedrep.privacy.aggregator import ClippedNoisyMean
-from lightning_fedrep.privacy.client_level import ClientLevelDP
-from lightning_fedrep.privacy.clipping import AdaptiveClipping, update_noise_multiplier
+from lightning_fedrep.privacy import AdaptiveClipping, ClientLevelDP, ClippedNoisyMean
+from lightning_fedrep.privacy.clipping import update_noise_multiplier
 from tests.fixtures import TinyNet, quiet_trainer, tiny_datamodule
+
+try:
+    import dp_accounting  # noqa: F401
+    import opacus  # noqa: F401
+
+    EXTRA = True
+except ImportError:
+    EXTRA = False
+"""Whether the ``privacy`` extra (Opacus, dp-accounting) is installed: the accounting tests need it."""
+
+
+def dp(**kwargs) -> ClientLevelDP:
+    """``ClientLevelDP`` without accounting (the mechanism's tests; the ``privacy`` extra may be missing)."""
+    return ClientLevelDP(**{"accountant": None, **kwargs})
+
 
 WIDE = 400
 """The wide body's hidden width: 6*400 + 400 + 400*300 + 300 = 123,100 body parameters."""
@@ -73,7 +87,7 @@ def test_with_learning_rate_zero_the_body_moves_by_noise_of_std_z_clip_over_m_an
     model = WideNet(lr=0.0)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     z, clip, m = 1.3, 0.7, 4
-    strategy = fit(model, ClientLevelDP(clip=clip, noise_multiplier=z), clients=m)
+    strategy = fit(model, dp(clip=clip, noise_multiplier=z), clients=m)
     moved = torch.cat([(t - start[n]).reshape(-1).double() for n, t in body(strategy).items()])
     assert moved.numel() == 123_100
     expected = z * clip / m
@@ -101,7 +115,7 @@ def test_every_upload_is_clipped_and_no_head_reaches_the_server(monkeypatch):
 
     monkeypatch.setattr(ClippedNoisyMean, "clipped_delta", spy)
     clip = 0.01
-    strategy = fit(TinyNet(lr=0.2), ClientLevelDP(clip=clip, noise_multiplier=0.5), rounds=2)
+    strategy = fit(TinyNet(lr=0.2), dp(clip=clip, noise_multiplier=0.5), rounds=2)
     body_names = {n for n in strategy.federation.shared_names}
     assert body_names and not any(n.startswith("classifier") for n in body_names)
     assert len(seen_names) == 8 and all(names == body_names for names in seen_names)
@@ -116,7 +130,7 @@ def test_without_noise_and_with_a_large_clip_it_is_the_plain_uniform_mean():
     a = TinyNet()
     b = TinyNet()
     b.load_state_dict(a.state_dict())
-    private = fit(a, ClientLevelDP(clip=1e6, noise_multiplier=0.0), rounds=3)
+    private = fit(a, dp(clip=1e6, noise_multiplier=0.0), rounds=3)
     plain = fit(b, None, rounds=3)
     for name, value in body(plain).items():
         torch.testing.assert_close(body(private)[name], value, rtol=1e-5, atol=1e-6)
@@ -137,7 +151,7 @@ def test_the_mean_divides_by_the_planned_cohort_and_integer_buffers_keep_their_s
         for i, d in enumerate(deltas)
     ]
     clip = 1.0
-    aggregator = ClientLevelDP(clip=clip, noise_multiplier=0.0).aggregator(start, 0, 0)
+    aggregator = dp(clip=clip, noise_multiplier=0.0).aggregator(start, 0, 0)
     aggregator.expect(5)
     for update in updates(uploads):
         aggregator.add(update)
@@ -169,7 +183,7 @@ def test_adaptive_clipping_tracks_its_target_quantile_of_lognormal_norms(quantil
     150 of 400 rounds is within 0.08 of log(quantile)."""
     sigma, m = 0.5, 100
     target = math.exp(sigma * torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(quantile)).item())
-    mechanism = ClientLevelDP(
+    mechanism = dp(
         clip=0.1, noise_multiplier=1.0, adaptive=AdaptiveClipping(target_quantile=quantile, learning_rate=0.2)
     )
     generator = torch.Generator().manual_seed(0)
@@ -186,7 +200,7 @@ def test_the_noise_is_the_same_across_processes_and_after_a_mid_round_checkpoint
     g = torch.Generator().manual_seed(1)
     start = {"w": torch.randn(1000, generator=g), "v": torch.randn(30, generator=g)}
     values = [{n: t + 0.1 * torch.randn(t.shape, generator=g) for n, t in start.items()} for _ in range(6)]
-    mechanism = ClientLevelDP(clip=0.5, noise_multiplier=2.0, adaptive=AdaptiveClipping(count_noise_std=3.0))
+    mechanism = dp(clip=0.5, noise_multiplier=2.0, adaptive=AdaptiveClipping(count_noise_std=3.0))
 
     def aggregator():
         made = mechanism.aggregator(start, 4, 9)
@@ -229,8 +243,8 @@ def test_the_noise_is_the_same_across_processes_and_after_a_mid_round_checkpoint
 
 def test_a_run_resumed_from_a_mid_round_checkpoint_equals_the_uninterrupted_run(tmp_path):
     """Adaptive clipping and noise through a whole fit: resuming from a mid-round checkpoint gives the
-    uninterrupted run's bodies bit for bit and its clips (the clip state and the open round's clipped sums are in
-    the checkpoint)."""
+    uninterrupted run's bodies bit for bit, its clips and (with the privacy extra) its ε (the clip, the accountant
+    and the open round's clipped sums are in the checkpoint)."""
 
     def run(root, ckpt_path=None, callbacks=()):
         torch.manual_seed(0)
@@ -241,7 +255,10 @@ def test_a_run_resumed_from_a_mid_round_checkpoint_equals_the_uninterrupted_run(
             weighting="uniform",
             seed=5,
             privacy=ClientLevelDP(
-                clip=0.05, noise_multiplier=0.3, adaptive=AdaptiveClipping(count_noise_std=2.0)
+                clip=0.05,
+                noise_multiplier=0.3,
+                adaptive=AdaptiveClipping(count_noise_std=2.0),
+                accountant="rdp" if EXTRA else None,
             ),
             runner="sequential",
         )
@@ -268,6 +285,12 @@ def test_a_run_resumed_from_a_mid_round_checkpoint_equals_the_uninterrupted_run(
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     clips = [row["privacy/clip"] for row in rows(full)]
     assert clips == [row["privacy/clip"] for row in rows(resumed)]
+    if (
+        EXTRA
+    ):  # the accountant's state is in the checkpoint: the resumed run reports the uninterrupted run's ε
+        epsilons = [row["privacy/epsilon"] for row in rows(full)]
+        assert epsilons == [row["privacy/epsilon"] for row in rows(resumed)]
+        assert epsilons == sorted(epsilons) and epsilons[0] > 0
     assert len(set(clips)) == 3  # the clip moved every round
 
 
@@ -307,7 +330,7 @@ def test_every_registered_algorithm_is_accepted_or_refused_naming_why(name):
     config = FederationConfig(
         phases=algorithm.default_phases(**dict.fromkeys(algorithm.epochs, 1)), weighting="uniform"
     )
-    mechanism = ClientLevelDP(clip=1.0, noise_multiplier=1.0)
+    mechanism = dp(clip=1.0, noise_multiplier=1.0)
     if name in ACCEPTED:
         mechanism.check(algorithm, config)
     else:
@@ -318,10 +341,10 @@ def test_every_registered_algorithm_is_accepted_or_refused_naming_why(name):
 
 def test_sample_weighting_is_refused_at_construction():
     with pytest.raises(ValueError, match="weighting='uniform'"):
-        FederatedStrategy(head="classifier", privacy=ClientLevelDP(clip=1.0, noise_multiplier=1.0))
+        FederatedStrategy(head="classifier", privacy=dp(clip=1.0, noise_multiplier=1.0))
     with pytest.raises(ValueError, match="chooses its own aggregator"):
         FederatedStrategy(
-            algorithm="scaffold", weighting="uniform", privacy=ClientLevelDP(clip=1.0, noise_multiplier=1.0)
+            algorithm="scaffold", weighting="uniform", privacy=dp(clip=1.0, noise_multiplier=1.0)
         )
     with pytest.raises(TypeError, match="privacy must be a mechanism"):
         FederatedStrategy(head="classifier", weighting="uniform", privacy="dp")
@@ -353,10 +376,24 @@ def test_sample_weighting_is_refused_at_construction():
             ValueError,
             r"count's noise must have std > 1 / \(2 \* noise_multiplier\) = 0.25",
         ),
-        ({"clip": 1.0, "target_epsilon": 1.0}, NotImplementedError, "needs the privacy accountant"),
+        ({"clip": 1.0, "target_epsilon": 1.0}, ValueError, r"pass rounds= \(the Trainer's max_epochs\)"),
+        (
+            {"clip": 1.0, "target_epsilon": 1.0, "rounds": 5, "accountant": None},
+            ValueError,
+            "solves the noise for a number of rounds with an accountant",
+        ),
+        ({"clip": 1.0, "noise_multiplier": 0.0}, ValueError, "its epsilon is infinite"),
+        ({"clip": 1.0, "noise_multiplier": 1.0, "accountant": "gdp"}, ValueError, "accountant"),
+        (
+            {"clip": 1.0, "noise_multiplier": 1.0, "rounds": 0},
+            ValueError,
+            r"rounds=...\) must be an integer >= 1",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_naming_them(kwargs, error, message):
+    if "accountant" not in kwargs and "noise_multiplier" in kwargs and kwargs.get("noise_multiplier") != 0.0:
+        kwargs = {**kwargs, "accountant": None}  # the refusal comes before any accountant is built
     with pytest.raises(error, match=message):
         ClientLevelDP(**kwargs)
 
@@ -379,7 +416,7 @@ def test_the_update_noise_multiplier_folds_in_the_count_noise():
     cohort too small for it is refused when the round opens."""
     assert update_noise_multiplier(1.0, 5.0) == pytest.approx((1 - 0.01) ** -0.5)
     assert update_noise_multiplier(0.0, 5.0) == 0.0
-    aggregator = ClientLevelDP(clip=1.0, noise_multiplier=1.0, adaptive=AdaptiveClipping()).aggregator(
+    aggregator = dp(clip=1.0, noise_multiplier=1.0, adaptive=AdaptiveClipping()).aggregator(
         {"w": torch.zeros(3)}, 0, 0
     )
     aggregator.expect(100)
@@ -389,7 +426,7 @@ def test_the_update_noise_multiplier_folds_in_the_count_noise():
 
 
 def test_an_upload_beyond_the_shared_tensors_is_refused():
-    aggregator = ClientLevelDP(clip=1.0, noise_multiplier=1.0).aggregator({"w": torch.zeros(3)}, 0, 0)
+    aggregator = dp(clip=1.0, noise_multiplier=1.0).aggregator({"w": torch.zeros(3)}, 0, 0)
     aggregator.expect(2)
     with pytest.raises(ValueError, match=r"uploaded \['dc.w'\], which are not shared tensors"):
         aggregator.add(ClientUpdate(0, 0, 1.0, 10, 1, {"w": torch.ones(3), "dc.w": torch.ones(3)}))
@@ -414,7 +451,7 @@ def test_shared_batchnorm_statistics_are_privatized_and_its_counter_is_not_relea
     released, so the global counter stays at its initial 0 while every client's training counted batches."""
     strategy = fit(
         BatchNormNet(),
-        ClientLevelDP(clip=0.5, noise_multiplier=0.1),
+        dp(clip=0.5, noise_multiplier=0.1),
         rounds=2,
         buffers="shared",
         batch_size=1000,
@@ -431,12 +468,13 @@ def test_a_recipe_gives_the_mechanism_as_a_class_path(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     privacy = {
-        "class_path": "lightning_fedrep.privacy.client_level.ClientLevelDP",
+        "class_path": "lightning_fedrep.privacy.ClientLevelDP",
         "init_args": {
             "clip": 0.5,
             "noise_multiplier": 0.8,
+            "accountant": None,
             "adaptive": {
-                "class_path": "lightning_fedrep.privacy.clipping.AdaptiveClipping",
+                "class_path": "lightning_fedrep.privacy.AdaptiveClipping",
                 "init_args": {"target_quantile": 0.7, "count_noise_std": 2.0},
             },
         },
@@ -447,3 +485,42 @@ def test_a_recipe_gives_the_mechanism_as_a_class_path(tmp_path, monkeypatch):
     assert isinstance(mechanism, ClientLevelDP) and mechanism.noise_multiplier == 0.8
     assert mechanism.adaptive.target_quantile == 0.7
     assert "privacy/clip" in cli.trainer.strategy.federation.history.rows[0]
+
+
+needs_extra = pytest.mark.skipif(
+    not EXTRA, reason="the privacy extra (Opacus, dp-accounting) is not installed"
+)
+
+
+@needs_extra
+def test_a_target_epsilon_is_met_over_the_planned_rounds_and_epsilon_is_reported_every_round():
+    """ε 4 at δ 1e-5 over 3 rounds of 4 of 8 clients: the noise multiplier is the accountant's own solution for
+    fixed-size sampling without replacement (population 8, rate 1/2, 3 steps), every round's privacy/epsilon is
+    what an accountant stepped by hand reports, and the last one is at most (and close to) the target."""
+    from lightning_fedrep.privacy import PrivacyAccountant
+
+    strategy = fit(TinyNet(), ClientLevelDP(clip=0.1, target_epsilon=4.0, rounds=3), rounds=3)
+    reference = PrivacyAccountant("rdp", "without_replacement", population=8)
+    sigma = reference.noise_multiplier_for(4.0, 1e-5, 0.5, 3)
+    history = rows(strategy)
+    assert [row["privacy/noise_multiplier"] for row in history] == [sigma] * 3
+    for row in history:
+        reference.step(noise_multiplier=sigma, sample_rate=0.5)
+        assert row["privacy/epsilon"] == pytest.approx(reference.epsilon(1e-5), rel=1e-12)
+    assert 3.9 < history[-1]["privacy/epsilon"] <= 4.0
+
+
+@needs_extra
+def test_rounds_on_every_client_are_the_gaussian_mechanism_and_a_round_beyond_the_budget_is_refused():
+    """Every client every round: no sampling, accounted as Poisson at rate 1 (add/remove one client, CENTAUR's
+    and Opacus's count); a third round under rounds=2 is refused before it trains."""
+    from lightning_fedrep.privacy import PrivacyAccountant
+
+    mechanism = ClientLevelDP(clip=0.1, noise_multiplier=2.0, rounds=2, accountant="pld")
+    with pytest.raises(RuntimeError, match="budget covers 2 rounds"):
+        fit(TinyNet(), mechanism, rounds=3, clients=8)
+    reference = PrivacyAccountant("pld", "poisson")
+    reference.step(noise_multiplier=2.0, sample_rate=1.0, steps=2)
+    assert mechanism.budget.accountant.epsilon(1e-5) == pytest.approx(reference.epsilon(1e-5))
+    with pytest.raises(ValueError, match="cannot account rounds of 4 of 8 clients"):
+        fit(TinyNet(), ClientLevelDP(clip=0.1, noise_multiplier=2.0, accountant="pld"))

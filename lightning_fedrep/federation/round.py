@@ -238,6 +238,9 @@ class RoundTransaction:
     def _new_aggregator(self, plan: RoundPlan) -> Aggregator | None:
         """The algorithm's aggregator for the round (``WeightedMean`` unless it chooses another), or ``None``
         when it receives nothing (no shared tensors and no names of the algorithm's own: Local)."""
+        mechanism = self.state.config.privacy
+        if mechanism is not None:
+            mechanism.prepare(len(self.state.require_data()), len(plan.clients))
         aggregator = self._aggregator(plan.round)
         if not isinstance(aggregator, Aggregator):
             raise TypeError(

@@ -104,8 +104,8 @@ class ClippedNoisyMean(WeightedMean):
         return update_noise_multiplier(self.noise_multiplier, self.adaptive.count_std(self.planned))
 
     def clipped_delta(self, update: ClientUpdate) -> tuple[list[Tensor], Tensor]:
-        """One client's clipped delta (float64 copies, in :attr:`private_names`' order) and its norm before
-        clipping. Refuses an upload holding names outside the shared tensors (nothing else can be privatized)."""
+        """The clipped delta of one client's ``update`` (float64 copies, in :attr:`private_names`' order) and its
+        norm before clipping. Refuses an upload holding names outside the shared tensors (nothing else can be privatized)."""
         extra = sorted(set(update.upload) - set(self.names))
         if extra:
             raise ValueError(

@@ -75,7 +75,7 @@ class AdaptiveClipping:
         return self.count_noise_std if self.count_noise_std is not None else cohort / 20
 
     def next_clip(self, clip: float, unclipped_fraction: float) -> float:
-        """The clip of the next round, from this round's ``clip`` and its noised unclipped fraction."""
+        """The clip of the next round, from this round's ``clip`` and its noised ``unclipped_fraction``."""
         return clip * math.exp(-self.learning_rate * (unclipped_fraction - self.target_quantile))
 
     def __repr__(self) -> str:

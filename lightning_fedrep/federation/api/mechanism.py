@@ -1,10 +1,12 @@
 """The server-side privacy mechanism as the federation core sees it: a small protocol, no DP in here.
 
 The core never imports :mod:`lightning_fedrep.privacy`. A mechanism given as ``FederationConfig.privacy``
-(the strategy's ``privacy=``) subclasses :class:`PrivacyMechanism`, and the core calls it at four points:
+(the strategy's ``privacy=``) subclasses :class:`PrivacyMechanism`, and the core calls it at five points:
 
 * :meth:`PrivacyMechanism.check` when the federation is configured (the strategy's construction and the
   federation's): refuse an algorithm or a setting it cannot make private, naming why;
+* :meth:`PrivacyMechanism.prepare` before each aggregating round opens, with the federation's size and the
+  round's planned cohort;
 * :meth:`PrivacyMechanism.aggregator` when an aggregating round opens (and when a mid-round checkpoint is
   resumed), **in place of** ``Algorithm.aggregator``: the aggregator that privatizes the uploads, so
   ``Algorithm.aggregate`` only post-processes the private ``results.reduced`` (server momentum, FedOpt);
@@ -35,6 +37,12 @@ class PrivacyMechanism:
         ``config`` (the :class:`~lightning_fedrep.federation.state.FederationConfig`) the mechanism cannot make
         private. Called when the federation is configured, before any round."""
 
+    def prepare(self, num_clients: int, cohort: int) -> None:
+        """Before each aggregating round opens (every process alike): the federation's size ``num_clients`` and
+        the round's planned ``cohort`` (how many clients it samples). Calibrate what depends on them (the noise for a
+        target ε, the accountant's sampling), or refuse a round the budget does not cover. The default does
+        nothing."""
+
     def aggregator(self, like: Mapping[str, Tensor], round_index: int, seed: int) -> Aggregator:
         """The aggregator of round ``round_index`` (called when it opens, and when a mid-round checkpoint of it
         is resumed; the core then calls ``expect(planned clients)`` or ``load_state_dict``). ``like``: the
@@ -46,8 +54,8 @@ class PrivacyMechanism:
     def after_round(self, aggregator: Aggregator, round_index: int, num_clients: int) -> dict[str, float]:
         """After the server step of a round that aggregated (every process alike): update the mechanism's state
         from what ``aggregator`` (this round's, reduced over processes) released, and return columns for the
-        round's history row (e.g. ``privacy/clip``, ``privacy/epsilon``). ``num_clients``: the federation's
-        size."""
+        round's history row (e.g. ``privacy/clip``, ``privacy/epsilon``). ``round_index``: the round;
+        ``num_clients``: the federation's size."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
