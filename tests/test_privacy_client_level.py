@@ -524,3 +524,19 @@ def test_rounds_on_every_client_are_the_gaussian_mechanism_and_a_round_beyond_th
     assert mechanism.budget.accountant.epsilon(1e-5) == pytest.approx(reference.epsilon(1e-5))
     with pytest.raises(ValueError, match="cannot account rounds of 4 of 8 clients"):
         fit(TinyNet(), ClientLevelDP(clip=0.1, noise_multiplier=2.0, accountant="pld"))
+
+
+def test_two_processes_draw_the_same_noise_and_equal_one(tmp_path_factory):
+    """FedRep under client-level DP with adaptive clipping (``tests/scripts/algorithms_run.py``'s ``fedrep_dp``),
+    2 rounds, every client: the body and every head on 2 gloo processes equal the 1-process run bit for bit, and
+    the clip history too. Fails when a rank noises only its own clients' sums (before the all-reduce), draws from
+    the global RNG, or divides by its own survivors."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)  # the 2-process launch shared with other test modules
+    single = singles["fedrep_dp"]
+    assert [row["privacy/clip"] for row in single["history"]][0] == 0.05
+    for held in (rank["fedrep_dp"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held)
