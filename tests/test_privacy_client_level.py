@@ -540,3 +540,34 @@ def test_two_processes_draw_the_same_noise_and_equal_one(tmp_path_factory):
     for held in (rank["fedrep_dp"] for rank in ranks):
         assert held["world_size"] == 2
         assert_same_federation(single, held)
+
+
+class LossNet(TinyNet):
+    """TinyNet declaring its loss, so the vectorized runner may run it."""
+
+    fedrep_loss = "cross_entropy"
+
+
+def test_the_vectorized_runner_releases_what_the_sequential_runner_releases():
+    """The lockstep engine hands its clients to the same aggregator: under noise and adaptive clipping, its body
+    and clips equal the sequential runner's (up to float error in the local steps)."""
+    runs = {}
+    for runner in ("sequential", "vectorized"):
+        torch.manual_seed(0)
+        mechanism = dp(clip=0.05, noise_multiplier=0.5, adaptive=AdaptiveClipping(count_noise_std=1.0))
+        runs[runner] = fit(LossNet(), mechanism, rounds=2, runner=runner)
+    assert runs["vectorized"].runner_report.engine == "vectorized"
+    for name, value in body(runs["sequential"]).items():
+        torch.testing.assert_close(body(runs["vectorized"])[name], value, rtol=1e-5, atol=1e-6)
+    clips = [[row["privacy/clip"] for row in rows(run)] for run in runs.values()]
+    assert clips[0] == pytest.approx(clips[1], rel=1e-6)
+
+
+def test_a_checkpoint_saved_without_a_mechanism_starts_it_fresh_with_a_warning():
+    """Resuming a run saved without privacy under a mechanism: its earlier rounds were not private, and the
+    warning says that no accountant counted them."""
+    from lightning_fedrep.federation.state import FederationState
+
+    with pytest.warns(UserWarning, match="saved without a privacy mechanism.*not private"):
+        assert FederationState._privacy_state({}, "old.ckpt") == {}
+    assert FederationState._privacy_state({"privacy": {"clip": 2.0}}, "new.ckpt") == {"clip": 2.0}
