@@ -571,3 +571,21 @@ def test_a_checkpoint_saved_without_a_mechanism_starts_it_fresh_with_a_warning()
     with pytest.warns(UserWarning, match="saved without a privacy mechanism.*not private"):
         assert FederationState._privacy_state({}, "old.ckpt") == {}
     assert FederationState._privacy_state({"privacy": {"clip": 2.0}}, "new.ckpt") == {"clip": 2.0}
+
+
+def test_a_checkpoint_saved_under_one_mechanism_is_refused_under_other_settings(tmp_path):
+    """The mechanism's settings are part of the federation's fingerprint: resuming with another noise multiplier
+    would continue the run (and its accountant) under a mechanism it was not started with."""
+    from lightning_fedrep.federation import FederationMismatch
+
+    def run(privacy, max_epochs, ckpt=None, **kwargs):
+        strategy = FederatedStrategy(
+            head="classifier", clients_per_round=4, head_epochs=1, weighting="uniform", privacy=privacy
+        )
+        trainer = quiet_trainer(strategy=strategy, max_epochs=max_epochs, limit_val_batches=0, **kwargs)
+        trainer.fit(TinyNet(), datamodule=tiny_datamodule(num_clients=8, seed=1), ckpt_path=ckpt)
+
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, filename="{epoch}")
+    run(dp(clip=0.1, noise_multiplier=0.3), 1, callbacks=[saver], enable_checkpointing=True)
+    with pytest.raises(FederationMismatch, match=r"privacy 'ClientLevelDP\(clip=0.1, noise_multiplier=0.3"):
+        run(dp(clip=0.1, noise_multiplier=0.5), 2, ckpt=tmp_path / "epoch=0.ckpt")

@@ -90,8 +90,10 @@ def federation_fingerprint(
     client_sizes: Sequence[int], partition: int, batch_size: int, algorithm: str, config: FederationConfig
 ) -> dict[str, Any]:
     """What a checkpoint records of its federation: the clients (:func:`clients_fingerprint`), the batch
-    size, the algorithm, how rounds are planned (seed, clients per round, phases) and where untrained
-    clients start (``first_state``; absent from older checkpoints, whose resumes compare the rest)."""
+    size, the algorithm, how rounds are planned (seed, clients per round, phases), where untrained
+    clients start (``first_state``; absent from older checkpoints, whose resumes compare the rest) and, under a
+    privacy mechanism, its settings (``privacy``: the mechanism's ``repr``)."""
+    privacy = {} if config.privacy is None else {"privacy": repr(config.privacy)}
     return {
         **clients_fingerprint(client_sizes, partition),
         "batch_size": int(batch_size),
@@ -100,6 +102,7 @@ def federation_fingerprint(
         "clients_per_round": repr(config.clients_per_round),
         "phases": repr(config.phases),
         "first_state": config.first_state,
+        **privacy,
     }
 
 
