@@ -118,7 +118,7 @@ class FederatedStrategyMixin(StrategyAPI):
             ``"auto"``, personalized where the batches carry their clients (a federated data module), else
             new_client (a warning if its local part is the untrained initial one). A log line says which
             ran; ``prediction_mode`` holds it and ``prediction_clients`` the client of each batch.
-        privacy: a server-side privacy mechanism from :mod:`lightning_fedrep.privacy` (``ClientLevelDP``: each
+        privacy: a server-side privacy mechanism from ``lightning_fedrep.privacy`` (``ClientLevelDP``: each
             round's shared updates clipped and noised before the server step; needs ``weighting="uniform"``),
             or ``None``.
     """

@@ -38,22 +38,22 @@ class ClippedNoisyMean(WeightedMean):
 
     Each surviving client's upload of the shared floating-point tensors becomes its delta against the
     round's starting values ``like``, clipped to flat L2 norm ``clip`` over all of them together
-    (:func:`~lightning_fedrep.privacy.clipping.clip_flat`), and added to ``WeightedMean``'s float64 sums with
+    (``clip_flat``), and added to ``WeightedMean``'s float64 sums with
     weight 1 (the sums' sensitivity to one client is ``clip``; sample weights would break it). ``m`` is the
     planned cohort (:meth:`expect`), not the survivors: a client that fails still counts, so the noise on the
     mean keeps its std ``z * clip / m`` (Flower divides by the survivors' sampled count the same way but only
     warns; dividing by the survivors would under-noise). Non-floating shared tensors (BatchNorm's
     ``num_batches_tracked``) are not released: they keep the round's starting values.
 
-    The noise is drawn once, at the first :meth:`result` (the round's close, after :meth:`reduce` on several
-    processes), in float64 on the tensors' device from :func:`noise_generator`, then cast; from then on the
+    The noise is drawn once, at the first :meth:`result` (the round's close, after ``reduce`` on several
+    processes), in float64 on the tensors' device from ``noise_generator``, then cast; from then on the
     sums hold the noised sums, so nothing read from the aggregator afterwards is unprivatized. A mid-round
-    checkpoint (:meth:`state_dict`) holds the clipped sums, the count and the planned cohort.
+    checkpoint (``state_dict``) holds the clipped sums, the count and the planned cohort.
 
     With ``adaptive`` each client also adds its centred indicator ``1[norm <= clip] - 1/2`` to a count; the
     count gets noise of std ``adaptive.count_std(m)`` and :attr:`unclipped_fraction` is the noised fraction
     of unclipped clients; the update's noise multiplier is then
-    :func:`~lightning_fedrep.privacy.clipping.update_noise_multiplier` of ``noise_multiplier``.
+    ``update_noise_multiplier`` of ``noise_multiplier``.
 
     Args:
         like: the shared tensors' values at the round's start (read, never modified).

@@ -41,7 +41,7 @@ class ClientLevelDP(PrivacyMechanism):
 
     Accounting (``accountant="rdp"``, the default): every released round is one step of a
     :class:`~lightning_fedrep.privacy.accounting.PrivacyAccountant` (Opacus / dp-accounting, the ``privacy``
-    extra), sampled as the cohort is drawn (:mod:`~lightning_fedrep.privacy.budget`: ``m`` distinct clients of
+    extra), sampled as the cohort is drawn (``lightning_fedrep.privacy.budget``: ``m`` distinct clients of
     ``N``, or every client), and the history gets ``privacy/epsilon`` (at ``delta``) every round. With
     ``target_epsilon`` the noise multiplier is solved before the first round for ``rounds`` rounds, and a round
     beyond them is refused. ``accountant=None`` accounts nothing and reports no ε (e.g. ``noise_multiplier=0``).
