@@ -70,6 +70,7 @@ RULES: tuple[Rule, ...] = (
     Rule("core", "data loaders", "the core takes loaders through small protocols (sharding.PlanBatches)"),
     Rule("core", "app", "the command and reports sit on top of everything"),
     Rule("core", "lightning", "the federation core runs without Lightning"),
+    Rule("core", "privacy", "the core takes a mechanism through its own protocol (api.mechanism)"),
     Rule("evaluation", "runners", "runners evaluate with it, it does not know them"),
     Rule("evaluation", "lightning face", "the face logs what an evaluation pass leaves"),
     Rule("evaluation", "callbacks", "callbacks ask for evaluation, it does not know them"),

@@ -145,7 +145,7 @@ class DataBinding:
             raise FederationMismatch(
                 f"The checkpoint was saved by another federation than this run's ({'; '.join(changes)}). Resume "
                 "or evaluate it with the same data module (clients, partition, batch size) and strategy settings "
-                "(algorithm, seed, clients_per_round, phases, first_state), or pass allow_new_federation=True to "
+                "(algorithm, seed, clients_per_round, phases, first_state, privacy), or pass allow_new_federation=True to "
                 "start these clients from the checkpoint's global state (their own parts from the initial ones)."
             )
         self.warn(

@@ -238,7 +238,10 @@ class RoundTransaction:
     def _new_aggregator(self, plan: RoundPlan) -> Aggregator | None:
         """The algorithm's aggregator for the round (``WeightedMean`` unless it chooses another), or ``None``
         when it receives nothing (no shared tensors and no names of the algorithm's own: Local)."""
-        aggregator = self.state.algorithm.aggregator(self.state.global_view())
+        mechanism = self.state.config.privacy
+        if mechanism is not None:
+            mechanism.prepare(len(self.state.require_data()), len(plan.clients))
+        aggregator = self._aggregator(plan.round)
         if not isinstance(aggregator, Aggregator):
             raise TypeError(
                 f"{type(self.state.algorithm).__name__}.aggregator() must return an Aggregator (e.g. WeightedMean or "
@@ -248,6 +251,15 @@ class RoundTransaction:
             return None
         aggregator.expect(len(plan.clients))
         return aggregator
+
+    def _aggregator(self, round_index: int) -> Aggregator:
+        """A new aggregator for round ``round_index``: the privacy mechanism's where one is set (in place of the
+        algorithm's, :mod:`~lightning_fedrep.federation.api.mechanism`), else ``Algorithm.aggregator``."""
+        like = self.state.global_view()
+        mechanism = self.state.config.privacy
+        if mechanism is not None:
+            return mechanism.aggregator(like, round_index, self.state.config.seed)
+        return self.state.algorithm.aggregator(like)
 
     def _new_local_average(self, aggregate: bool) -> WeightedAverage | None:
         """A running average of the local part when untrained clients start from it (``first_state``)."""
@@ -599,6 +611,7 @@ class RoundTransaction:
                 f"{name}.aggregate(server, results, failures) must return (ServerState, metrics dict)."
             )
         new, metrics = answer
+        metrics = dict(metrics)
         for label, names, given in (
             ("shared", list(self.state.shared_names), list(new.shared)),
             ("server", list(self.state.server_tensors), list(new.tensors)),
@@ -610,6 +623,10 @@ class RoundTransaction:
         if new.client_map is not None:
             self._map_clients(new.client_map)
         self.state.set_server_state(new.shared, new.tensors)
+        if self.state.config.privacy is not None:
+            metrics.update(
+                self.state.config.privacy.after_round(average, self.round_index, server.num_clients)
+            )
         if metrics:
             self.state.history.record(self.round_index, {k: float(v) for k, v in metrics.items()})
 
@@ -712,7 +729,7 @@ class RoundTransaction:
             return
         self._average = None
         if round_state["average"] is not None:
-            self._average = self.state.algorithm.aggregator(self.state.global_view())
+            self._average = self._aggregator(self.round_index)
             self._average.load_state_dict(round_state["average"])
         self._local_average = None
         if round_state.get("local_average") is not None:

@@ -95,13 +95,17 @@ def federation_config(
 ) -> FederationConfig:
     """The :class:`FederationConfig` of a strategy's settings: its explicit ``phases``, else the algorithm's
     default phases from the epoch shorthands (refusing a shorthand that would have no effect, named as
-    ``owner``'s); ``settings`` are the config's other fields (``weighting``, ``seed``, ...)."""
+    ``owner``'s); ``settings`` are the config's other fields (``weighting``, ``seed``, ``privacy``, ...). A privacy
+    mechanism checks the algorithm and the settings here."""
     check_epoch_shorthands(algorithm, phases is not None, epochs, EPOCH_DEFAULTS, owner=owner)
-    return FederationConfig(
+    config = FederationConfig(
         phases=parse_phases(phases) if phases is not None else default_phases(algorithm, epochs),
         clients_per_round=check_clients_per_round(clients_per_round),
         **settings,
     )
+    if config.privacy is not None:  # refused at construction, not at the first round
+        config.privacy.check(algorithm, config)
+    return config
 
 
 def takes_settings_of(settings: Callable[..., None]) -> Callable[[Callable[..., None]], Callable[..., None]]:

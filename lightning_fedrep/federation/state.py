@@ -7,6 +7,7 @@ processes (:mod:`.ranks`) are its other parts, each given this one to work on.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -19,6 +20,7 @@ from lightning_fedrep.federation.api.aggregation import ClientFault
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
 from lightning_fedrep.federation.api.declared import declared_names as declared_templates_names
 from lightning_fedrep.federation.api.declared import declared_templates
+from lightning_fedrep.federation.api.mechanism import PrivacyMechanism
 from lightning_fedrep.federation.api.scoring import EvaluationSpec, evaluation_spec, scored_tensors
 from lightning_fedrep.federation.history import History
 from lightning_fedrep.federation.module.split import ParameterSplit, TensorLayout
@@ -31,8 +33,8 @@ STATE_VERSION = 3
 @dataclass(frozen=True)
 class FederationConfig:
     """The settings of a federation that do not depend on the model (checked at construction): ``phases``,
-    ``clients_per_round``, ``weighting``, ``client_optimizer_state``, ``seed``, ``on_nonfinite`` and
-    ``on_client_error`` are the strategy's settings of the same names
+    ``clients_per_round``, ``weighting``, ``client_optimizer_state``, ``seed``, ``on_nonfinite``,
+    ``on_client_error`` and ``privacy`` are the strategy's settings of the same names
     (:class:`~lightning_fedrep.lightning.strategy.FederatedStrategyMixin`)."""
 
     phases: tuple[Phase, ...]
@@ -46,6 +48,9 @@ class FederationConfig:
     """Where a client that has not trained yet starts its local part: the module's ``"initial"`` values, or
     the ``"average"`` of every local tensor over the last aggregated round's clients (the official code's
     aliasing of ``w_locals`` to the global model, into which it averages every key, heads included)."""
+    privacy: PrivacyMechanism | None = None
+    """The server's privacy mechanism (e.g. ``lightning_fedrep.privacy.ClientLevelDP``): it aggregates every
+    round in place of the algorithm's aggregator (:mod:`~lightning_fedrep.federation.api.mechanism`)."""
 
     def __post_init__(self) -> None:
         for name, value in (("on_nonfinite", self.on_nonfinite), ("on_client_error", self.on_client_error)):
@@ -59,6 +64,11 @@ class FederationConfig:
             )
         if self.first_state not in ("initial", "average"):
             raise ValueError(f"first_state must be 'initial' or 'average', got {self.first_state!r}.")
+        if self.privacy is not None and not isinstance(self.privacy, PrivacyMechanism):
+            raise TypeError(
+                "privacy must be a mechanism from lightning_fedrep.privacy (e.g. ClientLevelDP(clip=1.0, "
+                f"noise_multiplier=1.0)) or None, got {type(self.privacy).__name__} ({self.privacy!r})."
+            )
 
 
 class FederationMismatch(ValueError):
@@ -80,8 +90,10 @@ def federation_fingerprint(
     client_sizes: Sequence[int], partition: int, batch_size: int, algorithm: str, config: FederationConfig
 ) -> dict[str, Any]:
     """What a checkpoint records of its federation: the clients (:func:`clients_fingerprint`), the batch
-    size, the algorithm, how rounds are planned (seed, clients per round, phases) and where untrained
-    clients start (``first_state``; absent from older checkpoints, whose resumes compare the rest)."""
+    size, the algorithm, how rounds are planned (seed, clients per round, phases), where untrained
+    clients start (``first_state``; absent from older checkpoints, whose resumes compare the rest) and, under a
+    privacy mechanism, its settings (``privacy``: the mechanism's ``repr``)."""
+    privacy = {} if config.privacy is None else {"privacy": repr(config.privacy)}
     return {
         **clients_fingerprint(client_sizes, partition),
         "batch_size": int(batch_size),
@@ -90,6 +102,7 @@ def federation_fingerprint(
         "clients_per_round": repr(config.clients_per_round),
         "phases": repr(config.phases),
         "first_state": config.first_state,
+        **privacy,
     }
 
 
@@ -135,6 +148,8 @@ class FederationState:
         self.device = torch.device("cpu")
         """Where the state is held (the training device, set by :meth:`initialize`)."""
         self._evaluation_spec: EvaluationSpec | None = None
+        if config.privacy is not None:
+            config.privacy.check(algorithm, config)
 
     @property
     def split(self) -> ParameterSplit:
@@ -382,6 +397,8 @@ class FederationState:
             "round": round_state,
             "torch_rng": torch.get_rng_state(),
         }
+        if self.config.privacy is not None:
+            state["privacy"] = self.config.privacy.state_dict()
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         return state
@@ -418,6 +435,23 @@ class FederationState:
         self.faults = [ClientFault(**f) for f in state.get("faults", [])]
         self.saved_federation = state.get("federation")
         self.algorithm.load_state_dict(state.get("algorithm_state", {}))
+        if self.config.privacy is not None:
+            self.config.privacy.load_state_dict(self._privacy_state(state, path))
+
+    @staticmethod
+    def _privacy_state(state: Mapping[str, Any], path: Any) -> Mapping[str, Any]:
+        """The privacy mechanism's part of a saved ``state``; a state saved without a mechanism gives ``{}``
+        (the mechanism starts fresh), with a warning: its rounds were not private and no accountant counted them."""
+        if "privacy" in state:
+            return state["privacy"]
+        warnings.warn(
+            f"{path} was saved without a privacy mechanism: this run's mechanism starts fresh from it, and the "
+            "rounds before it were not private (no accountant counted them; an epsilon reported from here on "
+            "covers only the rounds run under the mechanism).",
+            UserWarning,
+            stacklevel=3,
+        )
+        return {}
 
     @property
     def evaluation_spec(self) -> EvaluationSpec:

@@ -25,6 +25,7 @@ from lightning_fedrep.evaluation.passes import FederatedEvaluation
 from lightning_fedrep.evaluation.prediction import Prediction
 from lightning_fedrep.federation import Federation
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
+from lightning_fedrep.federation.api.mechanism import PrivacyMechanism
 from lightning_fedrep.federation.api.registry import ALGORITHMS
 from lightning_fedrep.federation.checkpoint.entry import (
     CHECKPOINT_KEY,
@@ -117,6 +118,9 @@ class FederatedStrategyMixin(StrategyAPI):
             ``"auto"``, personalized where the batches carry their clients (a federated data module), else
             new_client (a warning if its local part is the untrained initial one). A log line says which
             ran; ``prediction_mode`` holds it and ``prediction_clients`` the client of each batch.
+        privacy: a server-side privacy mechanism from ``lightning_fedrep.privacy`` (``ClientLevelDP``: each
+            round's shared updates clipped and noised before the server step; needs ``weighting="uniform"``),
+            or ``None``.
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class FederatedStrategyMixin(StrategyAPI):
         allow_new_federation: bool = False,
         runner: RunnerChoice | RunnerSettings = "auto",
         predict: Literal["auto", "new_client", "personalized"] = "auto",
+        privacy: PrivacyMechanism | None = None,
         **kwargs: Any,
     ):
         refuse_old_keywords(kwargs)
@@ -165,6 +170,7 @@ class FederatedStrategyMixin(StrategyAPI):
             seed=seed,
             on_nonfinite=on_nonfinite,
             on_client_error=on_client_error,
+            privacy=privacy,
         )
         self.evaluate_clients, self.predict = evaluate_clients, predict
         self.head, self.buffers = head, buffers

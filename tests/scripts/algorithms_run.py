@@ -1,5 +1,5 @@
-"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP and an algorithm with a
-``start_client`` (``tests/test_start_client.py``), each fitted on 1 or N CPU processes (gloo) in ONE launch.
+"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, an algorithm with a
+``start_client`` (``tests/test_start_client.py``) and FedRep under client-level DP, each fitted on 1 or N CPU processes (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
 share this launch: Lightning's launcher re-runs this script for every extra rank once, at the first ``fit``; the
@@ -41,6 +41,7 @@ ALGORITHMS = (
     "fed_mtl",
     "fedcp",
     "blend_start",
+    "fedrep_dp",
 )
 """Fitted on 2 processes; the 1-process reference also fits ``fedavg`` (FedProx must differ from it)."""
 
@@ -51,8 +52,13 @@ def _blend_start():  # tests/test_start_client.py's algorithm: Algorithm.start_c
     return BlendStart()
 
 
-VARIANTS = {"fed_mtl": lambda: FedMTL(chunk=None, strength=0.05), "blend_start": _blend_start}
-"""Names fitted with an algorithm object instead: Fed-MTL's official strength (1e-5 here) moves the weights
+VARIANTS = {
+    "fed_mtl": lambda: FedMTL(chunk=None, strength=0.05),
+    "blend_start": _blend_start,
+    "fedrep_dp": lambda: "fedrep",
+}
+"""Names fitted with another algorithm than the name (``fedrep_dp``: FedRep, with :data:`SETTINGS`) or an algorithm
+object: Fed-MTL's official strength (1e-5 here) moves the weights
 by less than the comparison's tolerance, and its 4000-row blocks drop every row of this small model (the
 trace, which reads the other clients' columns, would vanish): a regularizer reading the wrong columns would pass
 unseen."""
@@ -68,6 +74,20 @@ class SplitNet(Net):
     def forward_head(self, features: torch.Tensor) -> torch.Tensor:
         return self.classifier(features)
 
+
+def _client_level_dp() -> dict[
+    str, Any
+]:  # tests/test_privacy_client_level.py: the noise alike on 2 processes
+    from lightning_fedrep.privacy import AdaptiveClipping, ClientLevelDP
+
+    adaptive = AdaptiveClipping(count_noise_std=1.0)
+    privacy = ClientLevelDP(clip=0.05, noise_multiplier=0.5, adaptive=adaptive, accountant=None)
+    return {"weighting": "uniform", "privacy": privacy}
+
+
+SETTINGS = {"fedrep_dp": _client_level_dp}
+"""Names fitted with other strategy settings (FedRep under client-level DP, whose noise every rank must draw
+alike after the all-reduce of the clipped sums)."""
 
 MODELS = {"fedcp": SplitNet}
 """Names fitted on another module than ``Net``."""
@@ -85,6 +105,8 @@ def fit(devices: int, algorithm: str) -> dict[str, Any]:
         runner="sequential",
         seed=3,
     )
+    if algorithm in SETTINGS:
+        settings.update(SETTINGS[algorithm]())
     if devices > 1:
         strategy = FederatedDDPStrategy(timeout=120, **settings)
     else:

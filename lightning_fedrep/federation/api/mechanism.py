@@ -1,0 +1,66 @@
+"""The server-side privacy mechanism as the federation core sees it: a small protocol, no DP in here.
+
+The core never imports :mod:`lightning_fedrep.privacy`. A mechanism given as ``FederationConfig.privacy``
+(the strategy's ``privacy=``) subclasses :class:`PrivacyMechanism`, and the core calls it at five points:
+
+* :meth:`PrivacyMechanism.check` when the federation is configured (the strategy's construction and the
+  federation's): refuse an algorithm or a setting it cannot make private, naming why;
+* :meth:`PrivacyMechanism.prepare` before each aggregating round opens, with the federation's size and the
+  round's planned cohort;
+* :meth:`PrivacyMechanism.aggregator` when an aggregating round opens (and when a mid-round checkpoint is
+  resumed), **in place of** ``Algorithm.aggregator``: the aggregator that privatizes the uploads, so
+  ``Algorithm.aggregate`` only post-processes the private ``results.reduced`` (server momentum, FedOpt);
+* :meth:`PrivacyMechanism.after_round` once the server step of a round that aggregated has run: the mechanism
+  updates its own state (an adaptive clip, its accountant) and returns columns for the round's history row;
+* :meth:`PrivacyMechanism.state_dict` / :meth:`PrivacyMechanism.load_state_dict` with the federation's state
+  (checkpoints, including mid-round ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from lightning_fedrep.federation.api.aggregation import Aggregator
+from lightning_fedrep.federation.api.algorithm import Algorithm
+
+
+class PrivacyMechanism:
+    """A mechanism the server applies to each aggregating round's uploads (client-level differential
+    privacy: :class:`lightning_fedrep.privacy.ClientLevelDP`). Subclasses implement :meth:`aggregator`; the
+    other hooks have do-nothing defaults."""
+
+    def check(self, algorithm: Algorithm, config: Any) -> None:
+        """Refuse (raise, naming the argument or the algorithm and the fix) an ``algorithm`` or a
+        ``config`` (the :class:`~lightning_fedrep.federation.state.FederationConfig`) the mechanism cannot make
+        private. Called when the federation is configured, before any round."""
+
+    def prepare(self, num_clients: int, cohort: int) -> None:
+        """Before each aggregating round opens (every process alike): the federation's size ``num_clients`` and
+        the round's planned ``cohort`` (how many clients it samples). Calibrate what depends on them (the noise for a
+        target ε, the accountant's sampling), or refuse a round the budget does not cover. The default does
+        nothing."""
+
+    def aggregator(self, like: Mapping[str, Tensor], round_index: int, seed: int) -> Aggregator:
+        """The aggregator of round ``round_index`` (called when it opens, and when a mid-round checkpoint of it
+        is resumed; the core then calls ``expect(planned clients)`` or ``load_state_dict``). ``like``: the
+        shared tensors' values at the round's start (not copies: read them, never modify them); ``seed``: the
+        strategy's seed (draw noise from a generator seeded by ``seed`` and the round, never the global RNG,
+        so that every process and a resumed run draw the same)."""
+        raise NotImplementedError
+
+    def after_round(self, aggregator: Aggregator, round_index: int, num_clients: int) -> dict[str, float]:
+        """After the server step of a round that aggregated (every process alike): update the mechanism's state
+        from what ``aggregator`` (this round's, reduced over processes) released, and return columns for the
+        round's history row (e.g. ``privacy/clip``, ``privacy/epsilon``). ``round_index``: the round;
+        ``num_clients``: the federation's size."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mechanism's state across rounds (saved with the federation)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state``, what :meth:`state_dict` returned."""
