@@ -71,12 +71,13 @@ from lightning_fedrep.federation.api.objective import (
 )
 from lightning_fedrep.federation.api.registry import ALGORITHMS, on_register, register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
+from lightning_fedrep.federation.checkpoint.entry import CHECKPOINT_KEY
 from lightning_fedrep.federation.checkpoint.export import personalized_state_dict
 from lightning_fedrep.federation.module.split import ParameterSplit, SplitError, resolve_split
 from lightning_fedrep.federation.plan import ClientWork, RoundPlan, RoundSpec, StepLocation
 from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.ddp import FederatedDDPStrategy
-from lightning_fedrep.lightning.strategy import CHECKPOINT_KEY, FederatedStrategy, FedRepStrategy
+from lightning_fedrep.lightning.strategy import FederatedStrategy, FedRepStrategy
 from lightning_fedrep.runners.runner_report import RunnerReport
 from lightning_fedrep.runners.settings import RunnerSettings
 

@@ -257,12 +257,12 @@ def test_every_strategy_argument_has_help_text_and_short_class_names_work(capsys
     import inspect
 
     from lightning_fedrep import FederatedDDPStrategy, FederatedStrategy
-    from lightning_fedrep.lightning.strategy import FederatedStrategyMixin
+    from lightning_fedrep.session.session import FederatedSession
 
     def arguments(function):
         return [n for n in inspect.signature(function).parameters if n not in ("self", "kwargs", "args")]
 
-    shared = arguments(FederatedStrategyMixin.__init__)
+    shared = arguments(FederatedSession.__init__)
     for cls in (FederatedStrategy, FederatedDDPStrategy):
         with pytest.raises(SystemExit):
             run_cli("fit", "--trainer.strategy.help", f"lightning_fedrep.{cls.__name__}")

@@ -31,8 +31,8 @@ EXTERNAL_PREFIXES = ("lightning", "torch", "builtins", "typing", "abc", "enum")
 
 
 def names_with_option(option: str) -> set[str]:
-    """The names whose directive has ``option``: ``:inherited-members:`` (the page also shows the package
-    bases' members: the strategies' accessors live in ``StrategyAPI``), ``:no-members:`` (only the class)."""
+    """The names whose directive has ``option``: ``:inherited-members:`` (the page also shows the members
+    the class inherits from the package's classes), ``:no-members:`` (only the class)."""
     names = set()
     for page in sorted(API_PAGES.glob("*.md")):
         for block in re.split(r"\n(?=\.\. )", page.read_text()):

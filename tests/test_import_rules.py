@@ -37,6 +37,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "sequential runner": ("runners.sequential",),
     "vectorized runner": ("runners.lockstep", "runners.lockstep.*"),
     "runners": ("runners", "runners.*"),
+    "session": ("session", "session.*"),
     "lightning face": (
         "lightning",  # our lightning_fedrep/lightning/ folder (the distribution is LIGHTNING_MARKER)
         "lightning.*",
@@ -69,6 +70,7 @@ RULES: tuple[Rule, ...] = (
     Rule("core", "callbacks", "callbacks plug into the core, the core does not know them"),
     Rule("core", "data loaders", "the core takes loaders through small protocols (sharding.PlanBatches)"),
     Rule("core", "app", "the command and reports sit on top of everything"),
+    Rule("core", "session", "the session holds the core's objects; the core does not know it"),
     Rule("core", "lightning", "the federation core runs without Lightning"),
     Rule("core", "privacy", "the core takes a mechanism through its own protocol (api.mechanism)"),
     Rule("evaluation", "runners", "runners evaluate with it, it does not know them"),
@@ -77,12 +79,19 @@ RULES: tuple[Rule, ...] = (
     Rule("evaluation", "data loaders", "evaluation reads batches it is handed"),
     Rule("evaluation", "app", "the command and reports sit on top of everything"),
     Rule("evaluation", "lightning", "evaluation runs without Lightning"),
+    Rule("evaluation", "session", "the session asks for evaluation, evaluation does not know it"),
     Rule("runners", "lightning face", "runners use the core's types (Objective, not hooks)"),
     Rule("runners", "lightning", "runners read the Trainer through Constraints, built by the face"),
     Rule("runners", "callbacks", "runners see callbacks only through duck-typed hooks"),
     Rule("runners", "data loaders", "runners take their batches through the core's protocols"),
     Rule("runners", "app", "the command and reports sit on top of everything"),
+    Rule("runners", "session", "the session chooses the runner, runners do not know it"),
     Rule("sequential runner", "vectorized runner", "the plain runner stands alone beside the engine"),
+    Rule("session", "lightning face", "the face translates Lightning's events into the session's calls"),
+    Rule("session", "lightning", "the session runs without Lightning: the face hands it the Trainer's facts"),
+    Rule("session", "vectorized runner", "the session drives runners through Runner and the selection"),
+    Rule("session", "callbacks", "the session sees callbacks through the callback bus"),
+    Rule("session", "app", "the command and reports sit on top of everything"),
     Rule("lightning face", "vectorized runner", "the face drives runners through Runner and the selection"),
     Rule("lightning face", "callbacks", "the face knows the callback API, not the concrete callbacks"),
     Rule("lightning face", "app", "the command and reports sit on top of everything"),
@@ -95,9 +104,11 @@ RULES: tuple[Rule, ...] = (
     Rule("privacy", "lightning face", "the strategy drives mechanisms and accountants, not the reverse"),
     Rule("privacy", "callbacks", "callbacks may report privacy, privacy does not know them"),
     Rule("privacy", "app", "the command and reports sit on top of everything"),
+    Rule("privacy", "session", "the session holds a mechanism, the mechanism does not know it"),
     Rule("privacy", "lightning", "privacy runs without Lightning"),
     Rule("privacy", "sequential runner", "runners apply mechanisms, never the other way round"),
     Rule("privacy", "vectorized runner", "runners apply mechanisms, never the other way round"),
+    Rule("data loaders", "session", "loaders do not know the session"),
 )
 """Group ``source`` must not import group ``forbidden`` (``"lightning"``: the Lightning packages)."""
 
@@ -482,3 +493,39 @@ def test_planted_hook_branches_are_found() -> None:
     )
     (mixin,) = ast.parse(source).body
     assert hook_branches(mixin) == ["on_train_batch_start: line 4", "training_step: line 8"]
+
+
+LIGHTNING_ATTRIBUTES = frozenset(
+    {
+        "lightning_module",
+        "trainer",
+        "root_device",
+        "precision_plugin",
+        "lr_scheduler_configs",
+        "current_epoch",
+        "sanity_checking",
+        "automatic_optimization",
+    }
+)
+"""What only a Lightning strategy, module or Trainer has: the session asks its host instead (``Host``)."""
+
+
+def lightning_attributes_in(source: str) -> list[str]:
+    """The attributes of :data:`LIGHTNING_ATTRIBUTES` that ``source`` reads or writes (``x.trainer``, ...)."""
+    nodes = ast.walk(ast.parse(source))
+    return sorted({n.attr for n in nodes if isinstance(n, ast.Attribute) and n.attr in LIGHTNING_ATTRIBUTES})
+
+
+def test_the_session_reaches_no_lightning_object_around_the_rules() -> None:
+    """Catches the session made Lightning-free by accounting only: reading the Trainer or the strategy's
+    Lightning attributes (``self.lightning_module.trainer.current_epoch``, ``self.root_device``) without
+    importing Lightning, where it should ask its host (``Host._round_now()``, ``Host._device()``)."""
+    session = [m for m in modules() if group_of(m) == "session"]
+    assert "session.session" in session
+    found = {m: lightning_attributes_in(modules()[m].read_text()) for m in session}
+    assert {m: names for m, names in found.items() if names} == {}
+
+
+def test_planted_lightning_attribute_is_found() -> None:
+    source = "def f(self):\n    return self.lightning_module.trainer.current_epoch, trainer\n"
+    assert lightning_attributes_in(source) == ["current_epoch", "lightning_module", "trainer"]

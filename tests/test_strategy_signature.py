@@ -10,7 +10,7 @@ import pydoc
 import pytest
 
 from lightning_fedrep import FederatedDDPStrategy, FederatedStrategy, FedRepStrategy
-from lightning_fedrep.lightning.strategy import FederatedStrategyMixin
+from lightning_fedrep.session.session import FederatedSession
 
 OWN_SETTINGS = {
     FederatedStrategy: ["device"],
@@ -19,8 +19,8 @@ OWN_SETTINGS = {
 
 
 def federated_settings() -> dict[str, inspect.Parameter]:
-    """The mixin's named parameters (the reference: the one place they are written)."""
-    parameters = inspect.signature(FederatedStrategyMixin.__init__).parameters.values()
+    """The session's named parameters (the reference: the one place they are written)."""
+    parameters = inspect.signature(FederatedSession.__init__).parameters.values()
     return {p.name: p for p in parameters if p.name != "self" and p.kind is not p.VAR_KEYWORD}
 
 

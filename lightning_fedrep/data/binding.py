@@ -25,8 +25,14 @@ from lightning_fedrep.data.labels import (
     string_labels_error,
 )
 from lightning_fedrep.data.loaders import EvalLoader, RoundLoader
+from lightning_fedrep.data.module import FederatedDataModule
 from lightning_fedrep.evaluation.records import empty_clients_note
-from lightning_fedrep.federation import Federation, FederationMismatch
+from lightning_fedrep.federation import (
+    Federation,
+    FederationMismatch,
+    clients_fingerprint,
+    federation_fingerprint,
+)
 from lightning_fedrep.federation.collective import Collective
 from lightning_fedrep.federation.module.untouched import untouched_random_state
 
@@ -193,6 +199,31 @@ class DataBinding:
         note = empty_clients_note(loader.stage, [len(data) for data in loader.clients])
         if note is not None:
             self.warn(note)
+
+
+def training_clients(datamodule: Any) -> dict[str, Any] | None:
+    """The fingerprint of a ``FederatedDataModule``'s training clients (``None`` for other data, or a
+    data module without training data)."""
+    if not isinstance(datamodule, FederatedDataModule):
+        return None
+    try:
+        loader = datamodule.train_dataloader()
+    except ValueError:  # evaluation data only
+        return None
+    return clients_fingerprint(loader.client_sizes(), loader.partition_checksum())
+
+
+def data_fingerprint(datamodule: Any, fit: bool, algorithm: str, config: Any) -> dict[str, Any] | None:
+    """``datamodule``'s federation as a checkpoint's fingerprint records it (``None``: data not from a
+    ``FederatedDataModule``): to resume a ``fit``, its training clients with the batch size and the strategy's
+    ``algorithm`` name and ``config``; else its training clients (their number alone without training data)."""
+    if not isinstance(datamodule, FederatedDataModule):
+        return None
+    if not fit:
+        return training_clients(datamodule) or {"num_clients": datamodule.num_clients}
+    loader = datamodule.train_dataloader()
+    sizes, checksum = loader.client_sizes(), loader.partition_checksum()
+    return federation_fingerprint(sizes, checksum, loader.batch_size, algorithm, config)
 
 
 VALIDATION_METRIC = re.compile(r"(^|/)val([/_.]|$)")

@@ -3,9 +3,10 @@
 What a strategy's constructor does with its federated keyword arguments before any Trainer exists: refuse a bad
 one (each error names the argument), resolve the algorithm, and build the :class:`FederationConfig` the
 :class:`~lightning_fedrep.federation.Federation` runs with. Also the checks a strategy runs at ``setup`` that need
-only the federation's objects (another module than the federation's, a sharded store's callbacks), and the
-signature decorator that gives a strategy class its federated settings. The Lightning strategies
-(``lightning/strategy.py``, ``lightning/ddp.py``) call these and hold the results.
+only the federation's objects or plain facts (another module than the federation's, a sharded store's callbacks,
+a per-step LR schedule), and the signature decorator that gives a strategy class its federated settings. The
+session (``session/session.py``) and the Lightning strategies (``lightning/strategy.py``, ``lightning/ddp.py``)
+call these; the session holds the results.
 """
 
 from __future__ import annotations
@@ -198,6 +199,24 @@ def refuse_lockstep_settings(
         raise ValueError(
             f"{owner} cannot run with {'; '.join(problems)}. Remove it, or train on one process "
             "(FederatedStrategy)."
+        )
+
+
+def check_lr_schedulers(lr_scheduler_configs: Sequence[Any], automatic_optimization: bool) -> None:
+    """Refuse an LR scheduler that Lightning steps at every training step (``interval="step"``; of each of the
+    ``lr_scheduler_configs`` only its ``interval`` and ``scheduler`` are read): a Lightning step is one client's
+    local step (on the vectorized engine, a step of every client of a group), so the schedule would tick across
+    the round's clients, and each client would train at another point of it, by its place in the round. Under
+    manual optimization Lightning steps no scheduler (the module does)."""
+    stepped = [c for c in lr_scheduler_configs if c.interval == "step"] if automatic_optimization else []
+    if stepped:
+        name = type(stepped[0].scheduler).__name__
+        raise ValueError(
+            f"The LR scheduler {name} has interval='step': Lightning would step it at every training step, "
+            "across clients, so in one round each client would train at another learning rate (the first "
+            "client at the schedule's start, the last one after every earlier client's steps). Return "
+            "{'scheduler': ..., 'interval': 'epoch'} from configure_optimizers: it steps once per round (one "
+            "Lightning epoch is one communication round), and every client of a round trains at the same rate."
         )
 
 

@@ -35,7 +35,7 @@ class FederationConfig:
     """The settings of a federation that do not depend on the model (checked at construction): ``phases``,
     ``clients_per_round``, ``weighting``, ``client_optimizer_state``, ``seed``, ``on_nonfinite``,
     ``on_client_error`` and ``privacy`` are the strategy's settings of the same names
-    (:class:`~lightning_fedrep.lightning.strategy.FederatedStrategyMixin`)."""
+    (:class:`~lightning_fedrep.session.session.FederatedSession`)."""
 
     phases: tuple[Phase, ...]
     clients_per_round: float | int = 0.1

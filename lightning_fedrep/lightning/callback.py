@@ -1,30 +1,9 @@
 """``FederatedCallback``: the one API through which callbacks take part in a federated run.
 
 A federated callback is a Lightning ``Callback`` (every Lightning hook and ``state_dict`` work as
-usual) with federated hooks the strategy calls, in the order of ``trainer.callbacks``:
-
-====================================================  ===============================================
-hook                                                  when
-====================================================  ===============================================
-``configure_round(trainer, plan) -> plan``            once per round, when it is planned (before its
-                                                      first batch); return ``plan`` or a changed plan
-                                                      (``plan.replace(...)``). Each callback receives
-                                                      the previous one's plan, so they compose.
-``objective(phase) -> Objective``                     once per fit and phase part, at the strategy's
-                                                      ``setup`` (after the callbacks' ``setup``): the
-                                                      :class:`~lightning_fedrep.federation.api.objective.Objective`
-                                                      (loss terms, step transforms) the callback adds to
-                                                      every local step of that phase, on both runners
-                                                      (automatic optimization only); the same hook as
-                                                      ``Algorithm.objective(phase)``
-``on_round_start(trainer, pl_module, plan)``          before the round's first step
-``on_client_start(trainer, pl_module, client)``       after a client was loaded, before its first step
-``on_client_end(trainer, pl_module, result)``         after a client's last step of the round and its
-                                                      state was stored (:class:`ClientResult`: steps,
-                                                      measured seconds)
-``on_round_end(trainer, pl_module, result)``          after the round was aggregated, before validation
-                                                      (:class:`RoundResult`)
-====================================================  ===============================================
+usual) with federated hooks the strategy calls, in the order of ``trainer.callbacks``: ``configure_round``,
+``objective``, ``on_round_start``, ``on_client_start``, ``on_client_end`` and ``on_round_end`` (each one's
+docstring says when it runs; the guide's table, docs/algorithms/adding.md, shows them side by side).
 
 From any hook, :meth:`FederatedCallback.federation` gives the run's :class:`Federation`: read-only views
 (``split``, ``shared_names``, ``local_names``, ``global_tensors()``, ``client_tensors(c)``,
@@ -34,54 +13,19 @@ From any hook, :meth:`FederatedCallback.federation` gives the run's :class:`Fede
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
-
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from lightning_fedrep.evaluation.metrics import ClientMetrics
 from lightning_fedrep.federation import ClientResult, Federation, RoundResult
-from lightning_fedrep.federation.api.algorithm import Algorithm
 from lightning_fedrep.federation.api.objective import Objective
 from lightning_fedrep.federation.plan import RoundPlan
+from lightning_fedrep.session.api import FederatedStrategyAPI
 
-__all__ = ["ClientResult", "FederatedCallback", "FederatedStrategyAPI", "RoundResult"]
-
-
-@runtime_checkable
-class FederatedStrategyAPI(Protocol):
-    """What a federated callback may use of the Trainer's strategy (``FederatedStrategy`` implements it)."""
-
-    algorithm: Algorithm
-    client_metrics: dict[str, ClientMetrics]
-
-    @property
-    def current_client(self) -> int | None: ...
-
-    @property
-    def current_clients(self) -> tuple[int, ...]: ...
-
-    @property
-    def current_phase(self) -> str | None: ...
-
-    @property
-    def history(self) -> list[dict[str, Any]]: ...
-
-    @property
-    def faults(self) -> list[Any]: ...
-
-    @property
-    def evaluated_clients(self) -> list[int]: ...
-
-    def require_federation(self) -> Federation: ...
-
-    def round_plan(self, round_index: int) -> RoundPlan: ...
-
-    def results(self) -> dict[str, dict[str, float]]: ...
+__all__ = ["ClientResult", "FederatedCallback", "RoundResult"]
 
 
 class FederatedCallback(Callback):
-    """Base class of callbacks that take part in federated rounds (see the module docstring).
+    """Base class of callbacks that take part in federated rounds (the hooks below; see the module docstring).
 
     Set ``needs_client_timing = True`` on a callback that reads ``ClientResult.seconds``: the strategy
     then times every client's steps (synchronising the device on GPU), which it skips otherwise.

@@ -1,9 +1,6 @@
-"""Refuse Trainer settings and LR schedulers that would silently break rounds (checked at ``setup``)."""
+"""Refuse Trainer settings that would silently break rounds (checked at ``setup``)."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -33,20 +30,3 @@ def check_trainer_flags(trainer: L.Trainer) -> None:
             "for shorter rounds (fast_dev_run=True is allowed for smoke tests)."
         )
     reload_data_every_round(trainer)
-
-
-def check_lr_schedulers(lr_scheduler_configs: Sequence[Any], automatic_optimization: bool) -> None:
-    """Refuse an LR scheduler that Lightning steps at every training step (``interval="step"``): a Lightning
-    step is one client's local step (on the vectorized engine, a step of every client of a group), so the
-    schedule would tick across the round's clients, and each client would train at another point of it, by
-    its place in the round. Under manual optimization Lightning steps no scheduler (the module does)."""
-    stepped = [c for c in lr_scheduler_configs if c.interval == "step"] if automatic_optimization else []
-    if stepped:
-        name = type(stepped[0].scheduler).__name__
-        raise ValueError(
-            f"The LR scheduler {name} has interval='step': Lightning would step it at every training step, "
-            "across clients, so in one round each client would train at another learning rate (the first "
-            "client at the schedule's start, the last one after every earlier client's steps). Return "
-            "{'scheduler': ..., 'interval': 'epoch'} from configure_optimizers: it steps once per round (one "
-            "Lightning epoch is one communication round), and every client of a round trains at the same rate."
-        )

@@ -20,7 +20,6 @@ import lightning as L
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from lightning_fedrep.federation.api.registry import ALGORITHMS
 from lightning_fedrep.federation.collective import ProcessGroupCollective
 from lightning_fedrep.federation.settings import (
     note_lost_peer,
@@ -29,15 +28,15 @@ from lightning_fedrep.federation.settings import (
     refuse_lockstep_settings,
 )
 from lightning_fedrep.lightning import internals
-from lightning_fedrep.lightning.strategy import FederatedStrategyMixin, takes_federated_settings
+from lightning_fedrep.lightning.strategy import FederatedStrategyMixin
+from lightning_fedrep.session.session import takes_federated_settings
 
 
 class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
     """Personalized federated learning on several processes: one round's clients sharded over ranks.
 
-    Takes every federated setting of :class:`~lightning_fedrep.FederatedStrategy`
-    (``head``, ``algorithm``, ``clients_per_round``, ``head_epochs``, ``body_epochs``, ``phases``,
-    ``runner``, ...) and Lightning's DDP process settings:
+    Takes the federated settings (:class:`~lightning_fedrep.session.session.FederatedSession`: ``head``,
+    ``algorithm``, ...) and Lightning's DDP process settings:
 
     Args:
         client_store: ``"replicated"``: every rank holds every client's state (memory: the whole store per
@@ -56,6 +55,7 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
     """
 
     strategy_name = "federated_ddp"
+    _registered_as = ("{}_ddp", "{} (several processes)")
 
     @takes_federated_settings
     def __init__(
@@ -76,19 +76,6 @@ class FederatedDDPStrategy(FederatedStrategyMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"<algorithm>_ddp"`` for every registered algorithm (``"fedrep_ddp"``, ...)."""
-        for name, algorithm in ALGORITHMS.items():
-            if f"{name}_ddp" not in strategy_registry:
-                strategy_registry.register(
-                    f"{name}_ddp",
-                    cls,
-                    description=f"{algorithm.description} (several processes)",
-                    algorithm=name,
-                )
 
     @override
     def setup_environment(self) -> None:

@@ -1,194 +1,71 @@
 """The Lightning strategies: a whole federated training inside one ``Trainer.fit``.
 
 One Lightning epoch is one communication round. Every hook here is thin: it says when Lightning calls
-it and delegates to the Lightning-free :class:`~lightning_fedrep.federation.run.FederatedRun` (rounds,
-callbacks, checkpoint entry) and its runner (:mod:`lightning_fedrep.runners`), to the
-:class:`~lightning_fedrep.federation.Federation`, or to the Lightning glue of this folder (data binding:
-:mod:`~lightning_fedrep.lightning.loading`; evaluation: :mod:`~lightning_fedrep.lightning.evaluating`).
-The public accessors are on :class:`~lightning_fedrep.lightning.api.StrategyAPI`. Lightning behaviour
+it, reads what it needs of the Trainer and hands it to the Lightning-free
+:class:`~lightning_fedrep.session.session.FederatedSession` (the settings, the public accessors, the data
+binding, the checkpoint entry), to :class:`~lightning_fedrep.federation.run.FederatedRun` (rounds, callbacks)
+and its runner (:mod:`lightning_fedrep.runners`), or to the Lightning glue of this folder. Lightning behaviour
 relied on beyond the documented hooks lives in :mod:`lightning_fedrep.lightning.internals`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerStatus
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_fedrep.evaluation.passes import FederatedEvaluation
-from lightning_fedrep.evaluation.prediction import Prediction
-from lightning_fedrep.federation import Federation
-from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
-from lightning_fedrep.federation.api.mechanism import PrivacyMechanism
 from lightning_fedrep.federation.api.registry import ALGORITHMS
-from lightning_fedrep.federation.checkpoint.entry import (
-    CHECKPOINT_KEY,
-    read_federated_entry,
-    refuse_plain_checkpoint_in_fit,
-    round_evaluation_missing,
-)
-from lightning_fedrep.federation.checkpoint.reading import load_federated_state, read_checkpoint
-from lightning_fedrep.federation.collective import Collective
-from lightning_fedrep.federation.module.split import HeadSpec, check_optimizers_cover_split, resolve_layout
-from lightning_fedrep.federation.run import CallbackBus, FederatedRun, refuse_manual_loss_terms
-from lightning_fedrep.federation.settings import (
-    check_evaluation_settings,
-    check_settings,
-    federation_config,
-    refuse_another_module,
-    refuse_several_processes,
-    strategy_algorithm,
-    takes_settings_of,
-)
+from lightning_fedrep.federation.checkpoint.reading import read_checkpoint
+from lightning_fedrep.federation.module.split import check_optimizers_cover_split
+from lightning_fedrep.federation.settings import check_lr_schedulers, refuse_several_processes
 from lightning_fedrep.lightning import evaluating, internals, loading
-from lightning_fedrep.lightning.api import StrategyAPI
 from lightning_fedrep.lightning.callback import FederatedCallback
 from lightning_fedrep.lightning.capture import batch_size_of, capture_logs, logged_per_round
-from lightning_fedrep.lightning.checks import check_lr_schedulers, check_trainer_flags
+from lightning_fedrep.lightning.checks import check_trainer_flags
 from lightning_fedrep.lightning.constraints import constraints_of
 from lightning_fedrep.lightning.progress import FederatedProgressBar
-from lightning_fedrep.runners.selection import RunnerSelection
-from lightning_fedrep.runners.settings import (
-    RunnerChoice,
-    RunnerSettings,
-    refuse_old_keywords,
-    runner_settings,
-)
+from lightning_fedrep.session.session import FederatedSession, takes_federated_settings
 
 
-class FederatedStrategyMixin(StrategyAPI):
+class FederatedStrategyMixin(FederatedSession):
     """The federated hooks shared by :class:`FederatedStrategy` (one device) and
-    :class:`~lightning_fedrep.FederatedDDPStrategy` (several processes): put before a
-    Lightning strategy class in the bases.
+    :class:`~lightning_fedrep.FederatedDDPStrategy` (several processes): put before a Lightning strategy class
+    in the bases. The settings, the accessors and what the hooks do with the federation are the
+    :class:`~lightning_fedrep.session.session.FederatedSession`'s; each hook here reads the Trainer and calls it."""
 
-    Args:
-        head: the per-client part: module name(s) / parameter-name prefixes, or a compiled regex.
-            ``None`` uses the module's own ``fedrep_head`` attribute.
-        algorithm: a registered name (``"fedrep"``, ``"fedper"``, ``"lg_fedavg"``, ``"fedavg"``,
-            ``"local"``) or an :class:`~lightning_fedrep.federation.api.algorithm.Algorithm` object.
-        clients_per_round: a fraction in (0, 1] of the clients, or a count, sampled each round.
-        head_epochs: FedRep's local epochs of the head, with the body frozen (first in a round).
-        body_epochs: FedRep's local epochs of the body, with the head frozen (after the head's).
-        local_epochs: local epochs of the other algorithms (everything trains jointly).
-        phases: explicit local phases instead of the shorthands, e.g.
-            ``[Phase("head", steps=10), Phase("body", steps=1)]`` (dicts are accepted too).
-        weighting: ``"samples"`` weights clients by their training-set size (the official code),
-            ``"uniform"`` averages them equally (the paper's Algorithm 1).
-        client_optimizer_state: ``"reset"`` gives every client a fresh optimizer state every round (the
-            official FedRep recipe); ``"keep"`` keeps the optimizer state of each client's *local*
-            part (its head, for FedRep) across rounds; the shared part's state restarts every round.
-        first_state: where a client that has not trained yet starts its local part (its head, for
-            FedRep; LG-FedAvg's local representation), and what it is evaluated with until it trains:
-            ``"initial"``, the module's initial values; ``"average"``, the weighted average of that part
-            over the last aggregated round's clients (the official FedRep/FLUTE/SRPFL code, whose clients
-            alias the global model into which every key, heads included, is averaged each round).
-        evaluate_clients: validation and test score only the first this many clients (ids ``0 .. N-1``);
-            ``None``: every client. The official ``main_local.py`` (Local Only) scores the first
-            ``min(100, n)`` clients with an unweighted mean (``val/acc``).
-        buffers: ``"shared"``: buffers (BatchNorm statistics) follow the body, averaged when the
-            algorithm shares the body; ``"local"`` keeps them per client for every algorithm (FedBN).
-        allow_frozen: keep parameters that are frozen at setup fixed, instead of raising.
-        seed: seeds client sampling (data order is seeded by the data module).
-        headline_metrics: compute ``val/acc`` and ``val/loss`` (``test/``...) from ``model(x)`` on
-            ``(x, y)`` batches, in addition to what the module logs.
-        on_nonfinite: a client whose tensors are not all finite after its round's work (a NaN loss, NaN
-            data, a diverging step): ``"skip"`` leaves it out of the round (nothing it computed is kept,
-            the round aggregates without it, a warning and the history say so); ``"raise"`` stops.
-        allow_new_federation: resume or evaluate a checkpoint with other clients or settings than it was
-            saved with (e.g. fine-tune its global model on new clients); by default that is refused.
-        on_client_error: a client whose step raises: ``"raise"`` stops the run (the open round is rolled
-            back, so a checkpoint written on the exception restarts the round); ``"skip"`` leaves the
-            client out of the round like a non-finite one (sequential path only: one client's steps).
-        runner: which runner runs a round's local work: ``"auto"`` (the vectorized runner where it computes
-            exactly what the sequential one does and gains, else the sequential runner, saying why in one
-            line), ``"vectorized"`` (clients in lockstep; refused, naming why, where not exact) or
-            ``"sequential"`` (one client step per Lightning step, the module's own ``training_step``); or a
-            :class:`~lightning_fedrep.runners.settings.RunnerSettings` with the choice and the vectorized
-            runner's sizing (``width``, ``memory``, ``steps_per_call``, ``compile``). Held as
-            ``strategy.runner`` (a ``RunnerSettings``); what was decided is ``strategy.runner_report``.
-        predict: whose model ``trainer.predict`` runs: ``"personalized"``, each batch's client's own model
-            (needs a federated data module's batches: each client's test samples, client after client);
-            ``"new_client"``, the model a client that never trained gets (global body, initial head);
-            ``"auto"``, personalized where the batches carry their clients (a federated data module), else
-            new_client (a warning if its local part is the untrained initial one). A log line says which
-            ran; ``prediction_mode`` holds it and ``prediction_clients`` the client of each batch.
-        privacy: a server-side privacy mechanism from ``lightning_fedrep.privacy`` (``ClientLevelDP``: each
-            round's shared updates clipped and noised before the server step; needs ``weighting="uniform"``),
-            or ``None``.
-    """
+    _warn, _info = staticmethod(rank_zero_warn), staticmethod(rank_zero_info)
+    _capture, _batch_size = staticmethod(capture_logs), staticmethod(batch_size_of)
 
-    def __init__(
-        self,
-        head: HeadSpec = None,
-        algorithm: str | Algorithm = "fedrep",
-        clients_per_round: int | float = 0.1,
-        head_epochs: int = 10,
-        body_epochs: int = 1,
-        local_epochs: int = 1,
-        phases: Sequence[Phase | dict] | None = None,
-        weighting: Literal["samples", "uniform"] = "samples",
-        client_optimizer_state: Literal["reset", "keep"] = "reset",
-        first_state: Literal["initial", "average"] = "initial",
-        evaluate_clients: int | None = None,
-        buffers: Literal["shared", "local"] = "shared",
-        allow_frozen: bool = False,
-        seed: int = 0,
-        headline_metrics: bool = True,
-        on_nonfinite: Literal["skip", "raise"] = "skip",
-        on_client_error: Literal["raise", "skip"] = "raise",
-        allow_new_federation: bool = False,
-        runner: RunnerChoice | RunnerSettings = "auto",
-        predict: Literal["auto", "new_client", "personalized"] = "auto",
-        privacy: PrivacyMechanism | None = None,
-        **kwargs: Any,
-    ):
-        refuse_old_keywords(kwargs)
-        super().__init__(**kwargs)
-        check_settings(
-            head, head_epochs, body_epochs, local_epochs, allow_frozen, headline_metrics, seed, predict
-        )
-        check_evaluation_settings(allow_new_federation, first_state, evaluate_clients, buffers)
-        self.runner: RunnerSettings = runner_settings(runner)
-        """The runner setting (a choice's name becomes its :class:`~lightning_fedrep.runners.settings.RunnerSettings`)."""
-        self.algorithm: Algorithm = strategy_algorithm(algorithm)
-        epochs = {"head_epochs": head_epochs, "body_epochs": body_epochs, "local_epochs": local_epochs}
-        self.config = federation_config(
-            self.algorithm,
-            phases,
-            epochs,
-            clients_per_round,
-            type(self).__name__,
-            weighting=weighting,
-            client_optimizer_state=client_optimizer_state,
-            first_state=first_state,
-            seed=seed,
-            on_nonfinite=on_nonfinite,
-            on_client_error=on_client_error,
-            privacy=privacy,
-        )
-        self.evaluate_clients, self.predict = evaluate_clients, predict
-        self.head, self.buffers = head, buffers
-        self.allow_frozen, self.headline_metrics = allow_frozen, headline_metrics
-        self.allow_new_federation = allow_new_federation
-        self.federation: Federation | None = None
-        """The federated state and round state machine (created when the module's split is known)."""
-        self.collective: Collective = Collective()
-        """The processes a round's clients are sharded over (one here; several on the DDP strategy)."""
-        self._run: FederatedRun | None = None
-        self._selection = RunnerSelection(self.runner)
-        self._callbacks: list[FederatedCallback] = []
-        self._evaluation = FederatedEvaluation(capture_logs, batch_size_of)
-        self._prediction = Prediction()
-        self._binding = loading.data_binding(self)
-        self._pending: dict[str, Any] | None = None
-        self._restored = False
-        self._checkpoint_path: Any = None
+    def _live_module(self) -> L.LightningModule | None:
+        return self.lightning_module
+
+    def _round_now(self) -> int:
+        return self.lightning_module.trainer.current_epoch
+
+    def _device(self) -> torch.device:
+        return self.root_device
+
+    _registered_as = ("{}", "{}")
+    """How :meth:`register_strategies` names an algorithm's strategy and describes it (from the algorithm's)."""
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register one strategy name per registered algorithm (``"fedrep"``, ``"fedavg"``, ...; on several
+        processes ``"fedrep_ddp"``, ...)."""
+        for name, algorithm in ALGORITHMS.items():
+            key, description = (
+                cls._registered_as[0].format(name),
+                cls._registered_as[1].format(algorithm.description),
+            )
+            if key not in strategy_registry:
+                strategy_registry.register(key, cls, description=description, algorithm=name)
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -196,26 +73,10 @@ class FederatedStrategyMixin(StrategyAPI):
         """Called first in every ``fit``/``validate``/``test``: resolve the body/head split."""
         super().connect(model)
         self._restored = False
-        self._binding = loading.data_binding(self)
+        self._binding = self._new_binding()
         internals.replace_default_progress_bar(model.trainer, FederatedProgressBar)
         if any(True for _ in model.parameters()):  # else the module builds its layers in configure_model
             self._resolve_layout(model)
-
-    def _resolve_layout(self, model: torch.nn.Module) -> None:
-        needs_head = self.algorithm.needs_split or any(p.train != "all" for p in self.config.phases)
-        layout = resolve_layout(
-            model,
-            self.head,
-            shares=self.algorithm.shares,
-            needs_head=needs_head,
-            buffers=self.buffers,
-            allow_frozen=self.allow_frozen,
-        )
-        if self.federation is None or self.federation.layout != layout:
-            self.federation = Federation(self.algorithm, layout, self.config)
-            zero = lambda: torch.zeros((), device=self.root_device, requires_grad=True)  # noqa: E731
-            self._run = FederatedRun(self.federation, None, CallbackBus(), zero)
-            self._selection.install(self._run, self.algorithm, self.collective)
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -225,35 +86,26 @@ class FederatedStrategyMixin(StrategyAPI):
         fit = trainer.state.fn == "fit"
         if trainer.training or fit:
             check_trainer_flags(trainer)
-        if self.federation is None:
-            self._resolve_layout(self.lightning_module)
-        refuse_another_module(
-            self.federation, self.lightning_module, self._restored, str(trainer.state.fn.value)
-        )
+        self._take_module(str(trainer.state.fn.value))
         super().setup(trainer)
-        module, federation = self.lightning_module, self.federation
+        module = self.lightning_module
         if fit:
-            check_optimizers_cover_split(self.optimizers, module, federation.split)
+            check_optimizers_cover_split(self.optimizers, module, self.federation.split)
             check_lr_schedulers(self.lr_scheduler_configs, module.automatic_optimization)
-        federation.attach(module, self.optimizers)
-        self._evaluation.take_state(federation, self.root_device, fit, self._restored)
-        self.algorithm.setup(module, federation.split, trainer.datamodule)
+        self._attach(module, self.optimizers, fit, trainer.datamodule)
         self._evaluation.adaptation = evaluating.setup(self, trainer)
-        federation.collective = self.collective
-        self._callbacks = [c for c in trainer.callbacks if isinstance(c, FederatedCallback)]
-        self._run.bus = CallbackBus(self._callbacks, trainer, module)
-        federation.timing = any(c.needs_client_timing for c in self._callbacks)
-        refuse_manual_loss_terms(fit and not module.automatic_optimization, self.algorithm, self._run.bus)
+        callbacks = [c for c in trainer.callbacks if isinstance(c, FederatedCallback)]
         constraints = constraints_of(trainer, module, self.optimizers)
-        loading.say(
-            self._selection.setup(self._run, constraints, module, self.algorithm, self.collective, fit)
-        )
+        self._start_call(callbacks, trainer, constraints, fit, not module.automatic_optimization)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Called for each data iterable Lightning loads: bind the training ``RoundLoader`` to the run's
         schedule (the first one decides the runner's details); keep, shard and chunk the evaluation loader."""
-        return loading.bind_loader(self, dataloader)
+        trainer, headline = self.lightning_module.trainer, self.headline_metrics
+        probe = lambda: loading.model_probe(trainer, self.lightning_module, self.root_device, headline)  # noqa: E731
+        predicting, smoke = trainer.state.fn == "predict", bool(trainer.fast_dev_run)
+        return self._bind_loader(dataloader, predicting, probe, trainer.datamodule, smoke)
 
     # ------------------------------------------------------------------ rounds
     @override
@@ -298,20 +150,20 @@ class FederatedStrategyMixin(StrategyAPI):
     def on_exception(self, exception: BaseException) -> None:
         """Called when the run stops on an exception: roll the open round back, so the federation holds
         what it held before the round (no client half-updated over an unaggregated body)."""
-        _roll_back(self._run)
+        self._roll_back()
         super().on_exception(exception)
 
     @override
     def on_train_end(self) -> None:
         """Called when training ends: close a round cut short (``max_steps``, a stop request)."""
-        loading.warn(self._run.end_training())
+        self._note(self._run.end_training())
         super().on_train_end()
 
     # ------------------------------------------------------------------ evaluation
     @override
     def on_validation_start(self) -> None:
         """Called before each validation pass (also mid-round): evaluate the global shared part."""
-        evaluating.begin(self, "val")
+        self._begin_pass("val")
         super().on_validation_start()
 
     @override
@@ -324,7 +176,7 @@ class FederatedStrategyMixin(StrategyAPI):
     @override
     def on_test_start(self) -> None:
         """Called before testing: evaluate the global shared part with each client's own part."""
-        evaluating.begin(self, "test")
+        self._begin_pass("test")
         super().on_test_start()
 
     @override
@@ -336,25 +188,53 @@ class FederatedStrategyMixin(StrategyAPI):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Called for each validation batch: run it on the batch's client's personalized model."""
-        return evaluating.step(self, super().validation_step, args, kwargs)
+        return self._evaluation_step(super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Called for each test batch: run it on the batch's client's personalized model."""
-        return evaluating.step(self, super().test_step, args, kwargs)
+        return self._evaluation_step(super().test_step, args, kwargs)
 
     @override
     def on_predict_start(self) -> None:
         """Called before predicting (after the data is loaded): decide whose model predicts (``predict``),
         say it in a log line, and load the model a new client gets (global shared part, initial local part)."""
-        evaluating.begin_prediction(self)
+        self._begin_prediction()
         super().on_predict_start()
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Called for each predicted batch: with ``predict="personalized"`` and a federated data module, on
         the batch's client's own model."""
-        return evaluating.predict(self, super().predict_step, args, kwargs)
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        run_step = lambda: super(FederatedStrategyMixin, self).predict_step(*args, **kwargs)  # noqa: E731
+        return self._prediction.step(batch_idx, self.lightning_module, self.federation, run_step)
+
+    def _begin_pass(self, stage: str) -> None:
+        """Before a pass: the federation evaluates the global shared part with each client's own part (adapted
+        first where the algorithm's evaluation asks for it; never in the sanity check)."""
+        module = self.lightning_module
+        adapt_on = None if module.trainer.sanity_checking else (module.trainer, module)
+        self._evaluation.begin(stage, self.require_federation(), self.headline_metrics, adapt_on)
+
+    def _evaluation_step(self, user_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One evaluation batch, on its client's personalized model (or a chunk of clients, or nothing on an idle
+        step); logs the pass's summaries over clients after its last batch."""
+        batch = args[0] if args else kwargs["batch"]
+        batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
+        module, plugin, trainer = self.lightning_module, self.precision_plugin, self.lightning_module.trainer
+        stage = self._evaluation.current.stage
+        context = plugin.val_step_context if stage == "val" else plugin.test_step_context
+        run_step = lambda: user_step(*args, **kwargs)  # noqa: E731
+        output = self._evaluation.step(batch, batch_idx, module, self.federation, run_step, context)
+        if internals.evaluation_ends_now(trainer):
+            in_fit = stage == "val" and trainer.state.fn == "fit" and not trainer.sanity_checking
+            cut = None if trainer.sanity_checking else evaluating.pass_cut(trainer, stage)
+            for key, (value, options) in self._finish_pass(in_fit, cut).items():
+                # the same value on every process: synced only to spare Lightning's warning
+                sync = self.collective.distributed
+                module.log(key, value, on_step=False, on_epoch=True, batch_size=1, sync_dist=sync, **options)
+        return output
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -374,21 +254,10 @@ class FederatedStrategyMixin(StrategyAPI):
         before that round, and resumes at the round's first step."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        validation_owed = False
-        if (
-            interrupted
-            and self._run is not None
-            and self._run.round_start_loops is not None
-            and _roll_back(self._run)
-        ):
-            checkpoint["loops"] = self._run.round_start_loops
-        elif trainer is not None and "loops" in checkpoint and _round_validation_owed(trainer, self._run):
-            checkpoint["loops"] = internals.loops_state_before_round_validation(checkpoint["loops"])
-            validation_owed = True
-        if self.federation is not None and self.federation.has_state:
-            checkpoint[CHECKPOINT_KEY] = self._run.checkpoint_entry(
-                self.collective, self.optimizers, interrupted, validation_owed
-            )
+        in_fit = trainer is not None and trainer.state.fn == "fit" and not trainer.sanity_checking
+        due = lambda: internals.round_validation_due(trainer)  # noqa: E731
+        before = internals.loops_state_before_round_validation
+        self._write_entry(checkpoint, interrupted, in_fit, due, before, self.optimizers)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -398,47 +267,23 @@ class FederatedStrategyMixin(StrategyAPI):
         checkpoint = read_checkpoint(
             checkpoint_path, lambda: load(checkpoint_path, weights_only=weights_only)
         )
-        self._pending = checkpoint.get(CHECKPOINT_KEY)
-        self._checkpoint_path = checkpoint_path
-        read_federated_entry(checkpoint, checkpoint_path)
-        if self._pending is None:
-            module = self.lightning_module
-            in_fit = module is not None and module._trainer is not None and module.trainer.state.fn == "fit"
-            refuse_plain_checkpoint_in_fit(checkpoint, checkpoint_path, in_fit)
-            rank_zero_info(
-                "The checkpoint has no federated state; every client starts from the module's head."
-            )
+        module = self.lightning_module
+        in_fit = module is not None and module._trainer is not None and module.trainer.state.fn == "fit"
+        self._keep_entry(checkpoint, checkpoint_path, in_fit)
         return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         """Called in every stage, before ``setup``: restore the module, the global state, every client."""
         super().load_model_state_dict(checkpoint, strict=strict)
-        self._restored = True
-        module = self.lightning_module
-        if self.federation is None:
-            self._resolve_layout(module)
-        if self._pending is not None:
-            load_federated_state(self.federation, self._pending, module, module.device, self._checkpoint_path)
+        self._restore_federation(self.lightning_module, self.lightning_module.device)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Called in fit only, after ``setup``: restore the RNG, the runner and an interrupted round."""
         super().load_optimizer_state_dict(checkpoint)
-        state, self._pending = self._pending, None
-        if state is None:
-            return
-        self._selection.checkpoint(self._run, state, self.algorithm, self.collective)
-        state = self._run.restore(state, self.collective, self.optimizers)
-        if not self.federation.round_open and not state.get("validation_owed"):
-            internals.start_next_round_after_restore(
-                self.lightning_module.trainer
-            )  # else its validation first
-
-
-takes_federated_settings = takes_settings_of(FederatedStrategyMixin.__init__)
-"""Give a federated strategy's ``__init__(self, *args, <its own keyword settings>, **kwargs)`` the federated
-settings of :class:`FederatedStrategyMixin` in its signature; applied once, where the class is defined."""
+        if self._restore_run(self.optimizers):
+            internals.start_next_round_after_restore(self.lightning_module.trainer)
 
 
 def _user_training_step(module: L.LightningModule, step: Callable[[], Any]) -> Any:
@@ -454,32 +299,12 @@ def _log_round_loss(module: L.LightningModule, mean: float, samples: int, distri
     module.log("train/loss", mean, on_step=False, on_epoch=True, batch_size=samples, sync_dist=distributed)
 
 
-def _roll_back(run: FederatedRun | None) -> bool:
-    """Roll the open round back (warning that it did); whether a round was open."""
-    note = run.roll_back() if run is not None else None
-    loading.warn(note)
-    return note is not None
-
-
-def _round_validation_owed(trainer: L.Trainer, run: FederatedRun | None) -> bool:
-    """Whether a checkpoint written now falls between the end of a round and the end of its validation
-    (written at its last step, or during validation): resuming from it must run that validation again,
-    or the round's evaluation would be missing from the history."""
-    in_fit = trainer.state.fn == "fit" and not trainer.sanity_checking
-    federation = run.federation if run is not None else None
-    validated = run.validated_round if run is not None else -1
-    missing = in_fit and round_evaluation_missing(federation, validated)
-    return missing and internals.round_validation_due(trainer)
-
-
 class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
     """Personalized federated learning (FedRep and its family) on one device: a whole federated training
     inside one ``Trainer.fit``, one Lightning epoch per communication round.
 
-    Takes every federated setting of :class:`~lightning_fedrep.lightning.strategy.FederatedStrategyMixin` (``head``, ``algorithm``,
-    ``clients_per_round``, ``head_epochs``, ``body_epochs``, ``local_epochs``, ``phases``, ``weighting``,
-    ``client_optimizer_state``, ``first_state``, ``evaluate_clients``, ``buffers``, ``allow_frozen``, ``seed``, ``headline_metrics``,
-    ``on_nonfinite``, ``on_client_error``, ``allow_new_federation``, ``runner``, ``predict``), and:
+    Takes the federated settings (:class:`~lightning_fedrep.session.session.FederatedSession`: ``head``,
+    ``algorithm``, ...), and:
 
     Args:
         device: the device to train on; by default the one the Trainer's accelerator picks.
@@ -496,14 +321,6 @@ class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
         # Lightning fills ``parallel_devices`` from ``Trainer(accelerator=..., devices=...)``; the
         # device then comes from there (SingleDeviceStrategy alone would stay on the CPU).
         self.parallel_devices = [torch.device(device)] if device is not None else None
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register one strategy name per registered algorithm (``"fedrep"``, ``"fedavg"``, ...)."""
-        for name, algorithm in ALGORITHMS.items():
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=algorithm.description, algorithm=name)
 
     @override
     def setup_environment(self) -> None:

@@ -302,6 +302,24 @@ class RunnerSelection:
         what the strategy's ``fit_heads_together`` runs."""
         return fit_heads_together(tuning, clients)
 
+    @property
+    def engine_settings(self) -> dict[str, Any]:
+        """The lockstep engine's decided settings (what the strategy's ``runner_settings`` shows: the widths,
+        one client's estimated bytes, the feature cache, lockstep steps per call, compilation); ``{}``
+        without an engine (the sequential runner)."""
+        engine = self.engine
+        if engine is None:
+            return {}
+        return {
+            "group_width": engine.group_width,
+            "lane_width": engine.lane_width,
+            "client_bytes": engine.client_bytes,
+            "caching": engine.caching,
+            "split": engine.split.how if engine.split is not None else None,
+            "steps_per_call": engine.steps_per_call,
+            "compile": engine.compile,
+        }
+
     def _lr(self) -> float | None:
         groups = self.optimizer.param_groups if self.optimizer is not None else ()
         return groups[0].get("lr") if groups else None
