@@ -549,14 +549,14 @@ class LossNet(TinyNet):
 
 
 def test_the_vectorized_runner_releases_what_the_sequential_runner_releases():
-    """The lockstep engine hands its clients to the same aggregator: under noise and adaptive clipping, its body
+    """The vectorized runner hands its clients to the same aggregator: under noise and adaptive clipping, its body
     and clips equal the sequential runner's (up to float error in the local steps)."""
     runs = {}
     for runner in ("sequential", "vectorized"):
         torch.manual_seed(0)
         mechanism = dp(clip=0.05, noise_multiplier=0.5, adaptive=AdaptiveClipping(count_noise_std=1.0))
         runs[runner] = fit(LossNet(), mechanism, rounds=2, runner=runner)
-    assert runs["vectorized"].runner_report.engine == "vectorized"
+    assert runs["vectorized"].runner_report.runner == "vectorized"
     for name, value in body(runs["sequential"]).items():
         torch.testing.assert_close(body(runs["vectorized"])[name], value, rtol=1e-5, atol=1e-6)
     clips = [[row["privacy/clip"] for row in rows(run)] for run in runs.values()]
