@@ -12,12 +12,7 @@ from typing import Any
 
 import torch
 
-
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Every tensor of a (nested) batch on ``device`` (the default of :attr:`Constraints.to_device`)."""
-    return torch.utils._pytree.tree_map(
-        lambda value: value.to(device) if isinstance(value, torch.Tensor) else value, batch
-    )
+from lightning_fedrep.federation.module.batches import move_to_device  # the default of Constraints.to_device
 
 
 @dataclass(frozen=True)

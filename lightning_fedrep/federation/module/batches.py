@@ -1,5 +1,6 @@
 """A training batch as the runners read it: ``(inputs, targets)`` tensors (the vectorized engine trains the
-declared loss on them, a step rule reads them), with the reason a batch of another form is refused."""
+declared loss on them, a step rule reads them), with the reason a batch of another form is refused; and a
+batch moved to a device without Lightning (:func:`move_to_device`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 
 def is_pair(batch: Any) -> bool:
@@ -31,3 +33,14 @@ def batch_pair(batch: Any, where: str) -> tuple[Tensor, Tensor]:
     if problem is not None:
         raise TypeError(f"{problem}: return (inputs, targets) tensors from the training data set.")
     return batch[0], batch[1]
+
+
+def move_to_device(batch: Any, device: Any) -> Any:
+    """Every tensor of a (nested: lists, tuples, dicts) batch on ``device``, and every other value that has a
+    ``to`` method (as Lightning moves a batch), the rest as it is: for the code that runs without Lightning (the
+    runners' default, the fine-tuning before an evaluation)."""
+    return tree_map(lambda value: value.to(device) if _movable(value) else value, batch)
+
+
+def _movable(value: Any) -> bool:
+    return isinstance(value, Tensor) or (not isinstance(value, type) and callable(getattr(value, "to", None)))
