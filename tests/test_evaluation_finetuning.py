@@ -425,15 +425,15 @@ def test_cached_features_in_the_cpu_chunks_score_as_one_pass(monkeypatch):
     (``feature_chunks.feature_chunk_of`` its inputs): at the smallest chunk, 32 samples, an
     80-sample client takes three passes, and every client scores as with one pass. Catches dropping all but
     the first chunk (the features then miss samples and the scores differ) or ignoring the rule."""
-    from lightning_fedrep.callbacks import evaluation_finetuning
+    from lightning_fedrep.evaluation import finetuning
     from lightning_fedrep.federation.module import feature_chunks
 
     one_pass = fine_tuned_metrics(True, HeadlineNet, "sequential")
     chunks = []
-    rule = evaluation_finetuning.feature_chunk_of
+    rule = finetuning.feature_chunk_of
     monkeypatch.setattr(feature_chunks, "CPU_FEATURE_CHUNK_BYTES", 1)
     monkeypatch.setattr(
-        evaluation_finetuning,
+        finetuning,
         "feature_chunk_of",
         lambda device, inputs: chunks.append(rule(device, inputs)) or chunks[-1],
     )

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FedRepStrategy, FineTunedEvaluation
-from lightning_fedrep.callbacks import evaluation_finetuning
-from lightning_fedrep.evaluation import head_tuning
+from lightning_fedrep.evaluation import finetuning, head_tuning
 from lightning_fedrep.evaluation.head_tuning import ClientHead, HeadFineTuning, NotBatchable
 from lightning_fedrep.federation.module.losses import NAMED_LOSSES
 from lightning_fedrep.runners import selection
@@ -152,7 +151,7 @@ def fine_tuned(model_class, start, monkeypatch, together=True, calls=None, cache
         real = selection.fit_heads_together
         monkeypatch.setattr(selection, "fit_heads_together", lambda *a: calls.append(len(a[1])) or real(*a))
     if budget is not None:
-        monkeypatch.setattr(evaluation_finetuning, "HEADS_TOGETHER_BYTES", budget)
+        monkeypatch.setattr(finetuning, "HEADS_TOGETHER_BYTES", budget)
     callback = FineTunedEvaluation(epochs=3, lr=0.1, start=start, optimizer="sgd", cache_features=cache)
     torch.manual_seed(0)
     strategy = FedRepStrategy(head="classifier", clients_per_round=3, head_epochs=1, body_epochs=1, seed=2)

@@ -112,11 +112,7 @@ RULES: tuple[Rule, ...] = (
 )
 """Group ``source`` must not import group ``forbidden`` (``"lightning"``: the Lightning packages)."""
 
-FACE_TO_CALLBACKS = "issue 39 step 2/3: the face builds concrete callbacks"
-
-PENDING: dict[tuple[str, str], str] = {
-    ("lightning.evaluating", "callbacks.evaluation_finetuning"): FACE_TO_CALLBACKS,
-}
+PENDING: dict[tuple[str, str], str] = {}
 """Known violations ``(module, imported module or "<lightning>")`` with the issue item that fixes each."""
 
 

@@ -16,7 +16,13 @@ from lightning_fedrep.data.labels import (
     string_labels_error,
     unseen_classes_note,
 )
-from lightning_fedrep.data.loaders import ClientData, EvalLoader, RoundLoader, _BatchFetcher
+from lightning_fedrep.data.loaders import (
+    ClientData,
+    EvalLoader,
+    RoundLoader,
+    _BatchFetcher,
+    datasets_are_deterministic,
+)
 from lightning_fedrep.data.partition import Partitioner
 from lightning_fedrep.federation.api.arguments import check_bool, check_int, check_real
 from lightning_fedrep.federation.plan import round_generator
@@ -377,6 +383,16 @@ class FederatedDataModule(L.LightningDataModule):
                 f"The checkpoint was made with data seed {state['seed']} but this data module has seed "
                 f"{self.seed}; the clients' data would differ. Use seed={state['seed']}."
             )
+
+
+def why_batches_vary(datamodule: Any, clients: Sequence[int]) -> str | None:
+    """Why ``datamodule``'s training batches of ``clients`` are not a fixed function of their samples (a data
+    module that draws its own ``client_batches``, a data set with random transforms), or ``None``: the rule for
+    computing a frozen body's features once before an evaluation (``FineTunedEvaluation``,
+    ``EvaluationSpec.adapt``)."""
+    if type(datamodule).client_batches is not FederatedDataModule.client_batches:
+        return f"{type(datamodule).__name__} draws its own batches"
+    return datasets_are_deterministic(datamodule.client_data(c).dataset for c in clients)
 
 
 def _whole(datasets: Sequence[Dataset]) -> list[ClientData]:

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_fedrep.callbacks.evaluation_finetuning import EvaluationAdaptation, FineTunedEvaluation
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_fedrep.data.module import why_batches_vary
+from lightning_fedrep.evaluation.adaptation import EvaluationAdaptation
+from lightning_fedrep.evaluation.finetuning import ClientFineTuning, FineTuningContext
 from lightning_fedrep.evaluation.passes import module_alone_note
 from lightning_fedrep.evaluation.prediction import reads_clients
-from lightning_fedrep.lightning import loading
+from lightning_fedrep.lightning import internals, loading
 from lightning_fedrep.lightning.monitoring import warn_selection_on_test_data
 
 
@@ -26,7 +31,7 @@ def setup(strategy: Any, trainer: Any) -> EvaluationAdaptation | None:
     if trainer.state.fn == "fit":
         warn_selection_on_test_data(trainer)
     spec = federation.evaluation_spec
-    if spec.forward is not None and any(isinstance(c, FineTunedEvaluation) for c in trainer.callbacks):
+    if spec.forward is not None and any(isinstance(c, ClientFineTuning) for c in trainer.callbacks):
         raise ValueError(
             f"FineTunedEvaluation fine-tunes each client's head through the module's own forward, but algorithm "
             f"{algorithm.name!r} scores its clients with its own prediction function "
@@ -35,9 +40,30 @@ def setup(strategy: Any, trainer: Any) -> EvaluationAdaptation | None:
         )
     if spec.adapt is None:
         return None
-    adaptation = EvaluationAdaptation(algorithm.name, spec.adapt, spec.adapt_lr)
-    adaptation.setup(trainer, module, trainer.state.fn)
+    adaptation = EvaluationAdaptation(algorithm.name, spec.adapt, spec.adapt_lr, finetuning_context)
+    adaptation.setup(finetuning_context(trainer, module))
     return adaptation
+
+
+def finetuning_context(trainer: Any, module: Any) -> FineTuningContext:
+    """What fine-tuning clients before an evaluation (``FineTunedEvaluation``, the adaptation) reads of a run."""
+    strategy, plugin, data = trainer.strategy, trainer.precision_plugin, trainer.datamodule
+    return FineTuningContext(
+        module=module,
+        federation=strategy.require_federation(),
+        data=data,
+        evaluated_clients=strategy.evaluated_clients,
+        device=module.device,
+        to_device=lambda batch: move_data_to_device(batch, module.device),
+        optimizers=lambda: list(trainer.optimizers) or internals.configured_optimizers(module),
+        feature_split=strategy.feature_split,
+        fit_heads_together=strategy.fit_heads_together,
+        why_batches_vary=lambda clients: why_batches_vary(data, clients),
+        convert_input=plugin.convert_input,
+        step_context=plugin.train_step_context,
+        smoke=bool(trainer.fast_dev_run),
+        info=rank_zero_info,
+    )
 
 
 def pass_cut(trainer: Any, stage: str) -> tuple[int | None, str]:

@@ -188,14 +188,3 @@ def configured_optimizers(module: L.LightningModule) -> list[Any]:
 
     optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
     return list(optimizers)
-
-
-def configured_learning_rate(module: L.LightningModule) -> float:
-    """The learning rate of the first optimizer ``module.configure_optimizers()`` returns (in any of the
-    forms Lightning accepts), for a call that configures none (validate, test)."""
-    from lightning.pytorch.core.optimizer import _configure_optimizers
-
-    optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
-    if not optimizers:
-        raise ValueError(f"{type(module).__name__}.configure_optimizers() returned no optimizer.")
-    return float(optimizers[0].param_groups[0]["lr"])
