@@ -81,6 +81,10 @@ class RoundResult:
     """The total aggregation weight of the participants (samples, or their count when uniform)."""
     faults: tuple[ClientFault, ...] = ()
     """The clients left out of the round, and why."""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    """The columns the round's close wrote to its history row: the server step's metrics
+    (``Algorithm.aggregate``), the privacy mechanism's (``privacy/epsilon``, ...), the mean of what the clients'
+    ``finish_client`` reported, and ``faults`` (clients left out); the strategy logs them once per round."""
 
 
 @dataclass
@@ -559,11 +563,11 @@ class RoundTransaction:
             gathered = self.ranks.gather_round(self._average, self._local_average, results)
             clients = self.plan(self.round_index).clients
             self._finished = [ClientResult(**gathered[c]) for c in clients if c in gathered]
-        aggregated, weight = False, 0.0
+        aggregated, weight, columns = False, 0.0, {}
         faults = tuple(ClientFault(r.round, r.client, r.steps, r.fault) for r in self._finished if r.fault)
         if self._average is not None and not self._average.empty:
             weight = self._average.weight
-            self._server_step(faults)
+            columns = self._server_step(faults)
             aggregated = True
         elif self._average is not None and faults:
             warnings.warn(
@@ -577,8 +581,10 @@ class RoundTransaction:
             self.state.store.template = self._local_average.mean(self.state.store.template)
         if faults:
             self.state.faults.extend(faults)
-            self.state.history.record(self.round_index, {"faults": float(len(faults))})
-        self._record_client_metrics()
+            columns["faults"] = float(len(faults))
+        columns.update(self._client_metrics())
+        if columns:
+            self.state.history.record(self.round_index, columns)
         plan = self.plan(self.round_index)
         if plan.aggregate:  # a federated round (fine-tuning rounds train every client apart)
             self.state.history.count_participants(plan.clients)
@@ -589,14 +595,14 @@ class RoundTransaction:
         self._before_round = None
         self._starts = {}
         result = RoundResult(
-            self.round_index, self.plan(self.round_index), tuple(self._finished), aggregated, weight, faults
+            self.round_index, plan, tuple(self._finished), aggregated, weight, faults, columns
         )
         self._finished = []
         return result
 
-    def _server_step(self, faults: tuple[ClientFault, ...]) -> None:
-        """``Algorithm.aggregate(server, results, failures)``: new global shared and server tensors, and
-        metrics for the round's history row."""
+    def _server_step(self, faults: tuple[ClientFault, ...]) -> dict[str, float]:
+        """``Algorithm.aggregate(server, results, failures)``: new global shared and server tensors; returns the
+        metrics for the round's history row (the algorithm's, then the privacy mechanism's)."""
         average = self._average
         server = ServerState(
             self.state.global_view(), dict(self.state.server_tensors), len(self.state.require_data())
@@ -627,8 +633,7 @@ class RoundTransaction:
             metrics.update(
                 self.state.config.privacy.after_round(average, self.round_index, server.num_clients)
             )
-        if metrics:
-            self.state.history.record(self.round_index, {k: float(v) for k, v in metrics.items()})
+        return {k: float(v) for k, v in metrics.items()}
 
     def _map_clients(self, client_map: ClientMap) -> None:
         """Apply the server step's ``client_map`` to the declared tensors of every client this process holds
@@ -643,14 +648,13 @@ class RoundTransaction:
             for n, t in zip(store.tensor_names, store.tensor_template)
         ]
 
-    def _record_client_metrics(self) -> None:
+    def _client_metrics(self) -> dict[str, float]:
         """The mean over the round's clients of each metric their ``finish_client`` reported."""
         values: dict[str, list[float]] = {}
         for result in self._finished:
             for key, value in result.metrics.items():
                 values.setdefault(key, []).append(value)
-        if values:
-            self.state.history.record(self.round_index, {k: sum(v) / len(v) for k, v in values.items()})
+        return {k: sum(v) / len(v) for k, v in values.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The round's part of the federation's ``state_dict`` (its ``"round"``): the index and, in an open

@@ -10,7 +10,7 @@ into one call here, handing in what it reads from the Trainer as plain values an
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -253,6 +253,10 @@ class FederatedRun:
         """The last round validated in this fit."""
         self.round_loss: StepLoss | None = None
         """The open round's training loss so far, of the steps whose runner computed it (:meth:`loss`)."""
+        self.log_columns: Callable[[Mapping[str, float]], None] | None = None
+        """Where a closed round's server-side columns go (``RoundResult.metrics``: the server step's metrics,
+        ``privacy/epsilon``, ...), where the host can log during training (the strategy: its loggers); ``None``:
+        the history only."""
 
     # ------------------------------------------------------------------ rounds
     def plan(self, round_index: int) -> RoundPlan:
@@ -331,12 +335,16 @@ class FederatedRun:
         if round_ends():
             self.close_round()
 
-    def close_round(self) -> None:
-        """Hand over the open clients, aggregate, and tell the callbacks."""
+    def close_round(self, log: bool = True) -> None:
+        """Hand over the open clients, aggregate, log the round's server-side columns (``log``: where the host
+        can, :attr:`log_columns`), and tell the callbacks."""
         self.runner.finish()
         result = self.federation.close_round()
-        if result is not None:
-            self.bus.notify("on_round_end", result)
+        if result is None:
+            return
+        if log and result.metrics and self.log_columns is not None:
+            self.log_columns(result.metrics)
+        self.bus.notify("on_round_end", result)
 
     def end_training(self) -> str | None:
         """At the end of training: close a round cut short (returns the warning to show), release phases."""
@@ -344,7 +352,7 @@ class FederatedRun:
         note = None
         if federation.round_open:
             note = f"Training stopped inside round {federation.round_index}; averaging the clients that trained in it."
-            self.close_round()
+            self.close_round(log=False)  # Lightning logs nothing from on_train_end: the history keeps them
         federation.release_phases()
         return note
 

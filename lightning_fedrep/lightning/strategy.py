@@ -10,7 +10,7 @@ relied on beyond the documented hooks lives in :mod:`lightning_fedrep.lightning.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
@@ -97,6 +97,8 @@ class FederatedStrategyMixin(FederatedSession):
         callbacks = [c for c in trainer.callbacks if isinstance(c, FederatedCallback)]
         constraints = constraints_of(trainer, module, self.optimizers)
         self._start_call(callbacks, trainer, constraints, fit, not module.automatic_optimization)
+        distributed = self.collective.distributed
+        self._run.log_columns = lambda columns: _log_round_columns(module, columns, distributed)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -293,10 +295,17 @@ def _user_training_step(module: L.LightningModule, step: Callable[[], Any]) -> A
 
 
 def _log_round_loss(module: L.LightningModule, mean: float, samples: int, distributed: bool) -> None:
-    """Log the round's training loss where the runner computed it (the lockstep engine, a step rule) as
+    """Log the round's training loss where the runner computed it (the vectorized runner, a step rule) as
     ``train/loss``, at the round's last step, as the user's default-timed logs are: once per round, in every
     logger (``samples``: what Lightning weighs it by; every process logs the same total, synchronized)."""
     module.log("train/loss", mean, on_step=False, on_epoch=True, batch_size=samples, sync_dist=distributed)
+
+
+def _log_round_columns(module: L.LightningModule, columns: Mapping[str, float], distributed: bool) -> None:
+    """Log a closed round's server-side columns (the server step's metrics, ``privacy/epsilon``, ``faults``)
+    once per round in every logger, as ``train/loss`` is (the same values on every process)."""
+    for key, value in columns.items():
+        module.log(key, value, on_step=False, on_epoch=True, batch_size=1, sync_dist=distributed)
 
 
 class FederatedStrategy(FederatedStrategyMixin, SingleDeviceStrategy):
