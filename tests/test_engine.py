@@ -278,7 +278,7 @@ def test_round_boundary_checkpoint_moves_between_engines(tmp_path):
     # the other way round, mid-round: a sequential checkpoint does not resume on the engine
     saver = ModelCheckpoint(dirpath=tmp_path / "seq", every_n_train_steps=5, save_top_k=-1, filename="{step}")
     fit("sequential", trainer=dict(enable_checkpointing=True, callbacks=[saver], max_steps=5), **RESUME)
-    with pytest.raises(ValueError, match="by the sequential engine, but this run uses the vectorized one"):
+    with pytest.raises(ValueError, match="by the sequential runner, but this run uses the vectorized one"):
         fit("vectorized", ckpt_path=tmp_path / "seq" / "step=5.ckpt", **RESUME)
 
 

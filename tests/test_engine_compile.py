@@ -153,7 +153,7 @@ def test_the_engine_line_says_what_is_compiled(caplog):
         "compile=True compiles nothing here (no head phase on cached features in the first round)" in lines[1]
     )
     sequential = [
-        r.getMessage() for r in caplog.records if "lightning_fedrep: sequential engine" in r.getMessage()
+        r.getMessage() for r in caplog.records if "lightning_fedrep: sequential runner" in r.getMessage()
     ]
     assert len(sequential) == 1
     assert sequential[0].endswith("compile=True compiles nothing on it (it runs the module's training_step).")

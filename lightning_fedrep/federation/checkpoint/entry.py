@@ -125,7 +125,7 @@ def check_round_runner(state: dict[str, Any], vectorized: bool) -> None:
     running = "vectorized" if vectorized else "sequential"
     if saved != running:
         raise ValueError(
-            f"The checkpoint was saved inside round {state['round']['index']} by the {saved} engine, but "
+            f"The checkpoint was saved inside round {state['round']['index']} by the {saved} runner, but "
             f"this run uses the {running} one. Resume with runner='{saved}', or from a checkpoint written "
             "at the end of a round."
         )
