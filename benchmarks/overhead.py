@@ -3,7 +3,7 @@
 All run the same rounds on the digits federation (same clients, same batches, same optimizer steps).
 Two pairs, each measured in the same run:
 
-* one client step at a time: the strategy's sequential engine vs the fastest straightforward plain
+* one client step at a time: the strategy's sequential runner vs the fastest straightforward plain
   loop (one model, heads swapped in with ``copy_``, a fresh SGD per client per round, tensor-indexed
   batches, no Lightning), and a plain Lightning fit of the same steps;
 * a round's clients in lockstep: the strategy's vectorized runner vs a plain loop doing the engine's

@@ -66,7 +66,7 @@ def fit(model, runner="sequential", rounds=2):
 
 @pytest.mark.parametrize("runner", ["sequential", "vectorized", "auto"])
 def test_a_step_interval_scheduler_is_refused_at_setup_naming_the_fix(runner):
-    """Fails on the code before: the sequential engine trained with it, silently ("auto" fell back to it): in
+    """Fails on the code before: the sequential runner trained with it, silently ("auto" fell back to it): in
     round 0 the first client (3 steps) trained at 0.5, 0.25, 0.125, the second at 0.0625 .. 0.0156, the third
     at 0.0078 .. 0.0020."""
     model = ScheduledNet("step")

@@ -2,7 +2,7 @@
 
 A reduced FedRep workload of ``cifar_round.py`` (the CIFAR CNN, 3 clients x 40 samples, 2 head + 1 body epochs,
 2 rounds) fits on ``--device`` with each engine (``sequential``, ``vectorized``, ``auto``) and on the CPU with
-the sequential engine; then ``trainer.test`` scores every client on both, with and without
+the sequential runner; then ``trainer.test`` scores every client on both, with and without
 ``FineTunedEvaluation`` (on cached features: this CNN's body is a fixed function of its input). Printed: the largest difference of the global body,
 the heads and the per-client test metrics against the CPU's, and a verdict per row (float32 arithmetic, TF32
 turned off, so the devices agree to rounding: tolerance 1e-4 relative).

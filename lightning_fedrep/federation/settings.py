@@ -205,7 +205,7 @@ def refuse_lockstep_settings(
 def check_lr_schedulers(lr_scheduler_configs: Sequence[Any], automatic_optimization: bool) -> None:
     """Refuse an LR scheduler that Lightning steps at every training step (``interval="step"``; of each of the
     ``lr_scheduler_configs`` only its ``interval`` and ``scheduler`` are read): a Lightning step is one client's
-    local step (on the vectorized engine, a step of every client of a group), so the schedule would tick across
+    local step (on the vectorized runner, a step of every client of a group), so the schedule would tick across
     the round's clients, and each client would train at another point of it, by its place in the round. Under
     manual optimization Lightning steps no scheduler (the module does)."""
     stepped = [c for c in lr_scheduler_configs if c.interval == "step"] if automatic_optimization else []

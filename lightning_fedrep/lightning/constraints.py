@@ -21,7 +21,7 @@ MODULE_STEP_HOOKS = (
     "optimizer_step",
     "optimizer_zero_grad",
 )
-"""LightningModule hooks around the optimizer step; the lockstep engine steps its own per-client copies."""
+"""LightningModule hooks around the optimizer step; the vectorized runner steps its own per-client copies."""
 
 PER_BATCH_HOOKS = (
     "on_train_batch_start",

@@ -13,7 +13,7 @@ from lightning_fedrep.lightning.callback import FederatedCallback
 
 class FederatedProgressBar(TQDMProgressBar, FederatedCallback):
     """``Round 3: 45%|... client 4/10 (#17), phase head`` instead of epochs and batches (on the
-    vectorized engine ``clients 1-10/10``: the clients training together).
+    vectorized runner ``clients 1-10/10``: the clients training together).
 
     The federated strategy puts it in place of Lightning's default progress bar by itself. It takes
     the arguments of Lightning's ``TQDMProgressBar``: ``refresh_rate`` (update every that many batches),

@@ -222,12 +222,12 @@ class FederatedSession(Host):
     @property
     def current_client(self) -> int | None:
         """The client whose state the live module holds during training (``None`` between rounds, and
-        on the vectorized engine, where :attr:`current_clients` train together)."""
+        on the vectorized runner, where :attr:`current_clients` train together)."""
         return self.federation.live_client if self.federation is not None else None
 
     @property
     def current_clients(self) -> tuple[int, ...]:
-        """The clients training in the current step: several in lockstep on the vectorized engine, the
+        """The clients training in the current step: several in lockstep on the vectorized runner, the
         live client on the sequential path, none between rounds."""
         return self._run.runner.current_clients if self._run is not None else ()
 
@@ -238,8 +238,8 @@ class FederatedSession(Host):
 
     @property
     def runner_report(self) -> RunnerReport | None:
-        """Which runner runs this fit's training steps (``"lockstep"``, the vectorized engine, or
-        ``"sequential"``: ``RunnerReport.engine``), why, decided when, and how each phase kind runs
+        """Which runner runs this fit's training steps (``RunnerReport.runner``: ``"vectorized"`` or
+        ``"sequential"``), why, decided when, and how each phase kind runs
         (:class:`~lightning_fedrep.runners.runner_report.RunnerReport`); ``None`` before the first fit's ``setup``."""
         return self._selection.report
 

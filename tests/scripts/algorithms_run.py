@@ -4,7 +4,7 @@
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
 share this launch: Lightning's launcher re-runs this script for every extra rank once, at the first ``fit``; the
 later Trainers reuse the processes and the process group. Every fit is ``federated_run.py``'s (its ``Net``, its
-uneven clients, its settings), 2 rounds, sequential engine. Every rank writes ``{algorithm: what it holds}`` to
+uneven clients, its settings), 2 rounds, sequential runner. Every rank writes ``{algorithm: what it holds}`` to
 ``<out>.rank<r>.pt``; :func:`run_algorithms` is also called in the pytest process with ``devices=1`` (the
 reference the N-process run must equal). :func:`shared_runs` does both once per pytest session.
 
