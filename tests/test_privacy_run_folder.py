@@ -261,3 +261,32 @@ def test_the_wandb_run_summary_entries():
         "privacy/epsilon": 2.0,
     }
     assert wandb_summary(privacy_section(None, rows)) == {"privacy/guarantee": "no privacy mechanism"}
+
+
+def test_the_wandb_run_summary_of_a_dp_run_states_its_guarantee(tmp_path, monkeypatch):
+    """A DP fit with an offline ``WandbLogger``: W&B's run file holds the run summary's ``privacy/guarantee``,
+    the statement ``summary.json`` holds. Catches the entries built but never sent."""
+    needs_extra()
+    from lightning.pytorch.loggers import WandbLogger
+
+    from tests.test_run_outputs import wandb_records
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = WandbLogger(save_dir=str(tmp_path), project="privacy", offline=True)
+    strategy = FederatedStrategy(
+        head="classifier",
+        clients_per_round=COHORT,
+        head_epochs=1,
+        seed=3,
+        weighting="uniform",
+        privacy=ClientLevelDP(clip=1.0, noise_multiplier=1.0, delta=DELTA),
+    )
+    summary = RunSummary(str(tmp_path / "run"), print_table=False, figures=False)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=2, logger=logger, callbacks=[summary])
+    trainer.fit(TinyNet(), datamodule=tiny_datamodule(num_clients=CLIENTS, seed=1, batch_size=8))
+    logger.experiment.finish()
+    statement = json.loads((tmp_path / "run" / "summary.json").read_text())["privacy"]["statement"]
+    assert statement.startswith("ClientLevelDP (client-level, clip 1,")
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    records = wandb_records(run_file, b"privacy/guarantee")
+    assert b"privacy/guarantee" in records and statement.encode() in records
