@@ -69,7 +69,7 @@ class RunSummary(FederatedCallback):
     metrics of the last evaluation of each stage (``per_client``, keyed as ``strategy.client_metrics``:
     ``val``, ``test``, and ``finetune/val`` for the fine-tuned models' ``finetune/val/acc`` ...), the
     fine-tuning (``fine_tuning``: ``HeadFineTuning``'s description, or ``None``), the privacy mechanism and the
-    ε it spent (``privacy``: :func:`privacy`; its ``statement`` is printed after the tables and, with a
+    ε it spent (``privacy``: ``callbacks.summary.privacy``; its ``statement`` is printed after the tables and, with a
     ``WandbLogger``, goes to the W&B run summary as ``privacy/guarantee`` with ``privacy/epsilon``), the
     history, faults and the run's configuration (the CLI fills it in); beside it ``history.csv``,
     ``clients.csv`` (per client, per round), ``participation.csv``, ``partition.csv``, ``clients_<stage>.csv`` (see
