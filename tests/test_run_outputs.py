@@ -182,6 +182,8 @@ def test_the_digits_recipe_leaves_one_complete_run_folder(tmp_path, monkeypatch)
         b"val/*" in logged and b"figures/accuracy_vs_round" in logged
     )  # metrics by round, figures as images
     summary = json.loads((run / "summary.json").read_text())
+    assert summary["privacy"]["statement"] == "no privacy mechanism"  # and the W&B run summary says so
+    assert b"no privacy mechanism" in wandb_records(wandb_run, b"privacy/guarantee")
     assert summary["rounds_completed"] == 3 and "sanity" not in summary["per_client"]
     history = rows(run / "history.csv")
     assert [int(r["round"]) for r in history] == [0, 1, 2]

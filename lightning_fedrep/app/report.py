@@ -11,7 +11,8 @@ partition's labels per client, and the neural-collapse metrics (when logged). Se
 vs round (and vs simulated time) of each run in one figure. Fine-tuned models (HeadFineTuning) appear
 under their own name, finetune/val/acc, beside the federated rounds' val/acc. First a line per run: what
 it trained (fedavg + head fine-tuning) and its figures (val/acc of the last federated round, finetune/val/acc
-of the fine-tuned models). Needs matplotlib (``pip install lightning-fedrep[plots]``).
+of the fine-tuned models) and, for a run under a privacy mechanism, the ε it spent (ε 2.31 at δ 1e-05 after
+round 29), with its figures ε vs round and accuracy vs ε. Needs matplotlib (``pip install lightning-fedrep[plots]``).
 
 The figures themselves are :mod:`lightning_fedrep.callbacks.figures` (``RunSummary`` draws the same ones after
 a run); its public names stay importable from here.
@@ -35,6 +36,7 @@ from lightning_fedrep.callbacks.figures import (
     run_labels,
     save,
 )
+from lightning_fedrep.callbacks.privacy_record import report_words, run_privacy
 from lightning_fedrep.callbacks.run_files import HISTORY, read_rows
 
 __all__ = [
@@ -54,17 +56,21 @@ __all__ = [
 
 def figures_line(run: Path, label: str) -> str:
     """One line naming ``run`` (``label``) with its headline figures from ``history.csv``: the last federated
-    round's ``val/acc`` and, after fine-tuning rounds, the fine-tuned models' ``finetune/val/acc`` beside it."""
+    round's ``val/acc`` and, after fine-tuning rounds, the fine-tuned models' ``finetune/val/acc`` beside it;
+    under a privacy mechanism, the ε it spent (``ε 2.31 at δ 1e-05 after round 29``, or that it was not
+    accounted)."""
     history = read_rows(run / HISTORY)
     metric = headline(sorted({k for r in history for k in r}))
+    record = run_privacy(run)
+    privacy = "" if record is None else f"; {report_words(record)}"
     if metric is None:
-        return f"{label}: no {HISTORY} figures"
+        return f"{label}: no {HISTORY} figures{privacy}"
     shown = []
     for name, what in ((metric, "last federated round"), (finetuned(metric), "fine-tuned models")):
         rows = [r for r in history if name in r]
         if rows:
             shown.append(f"{name} {rows[-1][name]:.4g} ({what}, round {int(rows[-1]['round'])})")
-    return f"{label}: " + ", ".join(shown)
+    return f"{label}: " + ", ".join(shown) + privacy
 
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:

@@ -9,7 +9,9 @@ the recipe's header line ``# Seeds table: figure F; paper P; seeds the paper ave
 copied into the run folder as ``recipe.yaml`` by ``--seeds``, else the config file the run recorded):
 ``F_last10`` is ``results["last10"][F]`` of ``summary.json``, ``finetune/F`` is ``results["finetune"]``,
 any other name the last evaluated round (``results["final"]``). The std is the sample standard deviation
-(ddof=1, as the papers' ± over repeats); accuracies are shown in %. Writes ``table.md``, ``table.csv`` and
+(ddof=1, as the papers' ± over repeats); accuracies are shown in %. Where a run trained under a privacy
+mechanism, an ε column shows the ε its runs spent (``summary.json``'s ``privacy``, the last ``privacy/epsilon``
+of ``history.csv``) at their δ. Writes ``table.md``, ``table.csv`` and
 ``accuracy_vs_round.png`` (each row's metric per round: the mean over seeds, with a band of ± one std)
 into ``--out`` (default: the one folder given, else ``./table``).
 """
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_fedrep.callbacks.privacy_record import run_privacy
 from lightning_fedrep.callbacks.run_files import HISTORY, read_rows, write_rows
 
 SUMMARY = "summary.json"
@@ -60,6 +63,18 @@ class Row:
     runs: list[Path] = field(default_factory=list)
     seeds: list[Any] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
+    privacy: list[dict[str, Any] | None] = field(default_factory=list)
+    """Each run's privacy record (``run_privacy``: its mechanism, ε and δ), ``None`` for a run without one."""
+
+    @property
+    def epsilons(self) -> list[float]:
+        """The ε each run spent (runs that accounted one)."""
+        return [p["epsilon"] for p in self.privacy if p and p.get("epsilon") is not None]
+
+    @property
+    def deltas(self) -> list[float]:
+        """The distinct δ the runs' ε are at."""
+        return sorted({p["delta"] for p in self.privacy if p and p.get("delta") is not None})
 
     @property
     def mean(self) -> float:
@@ -165,6 +180,7 @@ def collect(paths: Sequence[Path], paper: str | None = None) -> list[Row]:
         row.runs.append(run)
         row.seeds.append(seed_of(config))
         row.values.append(figure_value(summary.get("results", {}), row.figure))
+        row.privacy.append(run_privacy(run))
     recipes = [row.recipe for row in rows.values()]
     for n, row in enumerate(rows.values(), 1):  # one recipe run with other settings: told apart by folder
         if recipes.count(row.recipe) > 1:
@@ -186,22 +202,48 @@ def cell(row: Row) -> str:
     return f"{_number(row.mean, row.percent)} ± {_number(row.std, row.percent)}{unit}"
 
 
+def private(rows: Sequence[Row]) -> bool:
+    """Whether any run of ``rows`` trained under a privacy mechanism (the table then shows ε)."""
+    return any(p is not None for row in rows for p in row.privacy)
+
+
+def epsilon_cell(row: Row) -> str:
+    """The ε the row's runs spent at their δ (``2.31 (δ 1e-05)``; the range where seeds differ), ``not
+    accounted`` for a mechanism without an accountant, ``—`` without a mechanism."""
+    epsilons = row.epsilons
+    if not epsilons:
+        return "not accounted" if any(p is not None for p in row.privacy) else "—"
+    low, high = min(epsilons), max(epsilons)
+    text = f"{low:.3g}" if f"{low:.3g}" == f"{high:.3g}" else f"{low:.3g}–{high:.3g}"
+    if len(epsilons) < len(row.privacy):
+        text += f" ({len(epsilons)} of {len(row.privacy)} runs)"
+    deltas = row.deltas
+    return text + (f" (δ {', '.join(f'{d:g}' for d in deltas)})" if deltas else "")
+
+
 def markdown(rows: Sequence[Row]) -> str:
-    """The table in Markdown."""
+    """The table in Markdown (with an ε column where a run trained under a privacy mechanism)."""
+    dp = private(rows)
     lines = [
-        "| recipe | figure | seeds | mean ± std (ddof=1) | paper | seeds the paper averaged |",
-        "|---|---|---|---|---|---|",
+        "| recipe | figure | seeds | mean ± std (ddof=1) |"
+        + (" ε |" if dp else "")
+        + " paper | seeds the paper averaged |",
+        "|---|---|---|---|" + ("---|" if dp else "") + "---|---|",
     ]
     for row in rows:
         seeds = ",".join(str(s) for s in row.seeds)
+        epsilon = f" {epsilon_cell(row)} |" if dp else ""
         lines.append(
-            f"| `{row.recipe}` | `{row.figure}` | {len(row.values)} ({seeds}) | {cell(row)} | {row.paper} | {row.paper_seeds} |"
+            f"| `{row.recipe}` | `{row.figure}` | {len(row.values)} ({seeds}) | {cell(row)} |{epsilon}"
+            f" {row.paper} | {row.paper_seeds} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def csv_rows(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """The table as CSV rows (mean, std and values in the figure's own units: accuracies as fractions)."""
+    """The table as CSV rows (mean, std and values in the figure's own units: accuracies as fractions; with a
+    privacy mechanism, each run's ``epsilons`` and the ``deltas``)."""
+    dp = private(rows)
     return [
         {
             "recipe": row.recipe,
@@ -213,6 +255,14 @@ def csv_rows(rows: Sequence[Row]) -> list[dict[str, Any]]:
             "values": " ".join(repr(v) for v in row.values),
             "paper": row.paper,
             "paper_seeds": row.paper_seeds,
+            **(
+                {
+                    "epsilons": " ".join(repr(e) for e in row.epsilons),
+                    "deltas": " ".join(repr(d) for d in row.deltas),
+                }
+                if dp
+                else {}
+            ),
         }
         for row in rows
     ]

@@ -5,9 +5,10 @@ report`` command (:mod:`lightning_fedrep.app.report`) draws again or overlays fo
 One run (:func:`run_figures`): accuracy vs round (client mean, with the band down to the 10th percentile and
 the worst client), accuracy vs simulated time (when ``sim/time`` was recorded), the per-client accuracy
 histogram of the last evaluation, a client x round accuracy heatmap, participation per client, the
-partition's labels per client, and the neural-collapse metrics (when logged). Several runs
-(:func:`overlay_figures`): accuracy vs round (and vs simulated time) of each run in one figure. Needs
-matplotlib (``pip install lightning-fedrep[plots]``).
+partition's labels per client, the neural-collapse metrics (when logged), and under a privacy mechanism with
+an accountant the ε spent per round (``privacy/epsilon``) and accuracy against it. Several runs
+(:func:`overlay_figures`): accuracy vs round (and vs simulated time) of each run in one figure, and the ε
+figures of the runs that spent one. Needs matplotlib (``pip install lightning-fedrep[plots]``).
 
 A run with fine-tuning rounds (``HeadFineTuning``) shows its fine-tuned models under their own names beside
 the federated rounds': the fine-tuning round's ``finetune/val/acc`` as a marker of its own at its round, and
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_fedrep.callbacks.finetuning import FINETUNE_PREFIX
+from lightning_fedrep.callbacks.privacy_record import EPSILON, run_privacy
 from lightning_fedrep.callbacks.run_files import (
     CLIENTS,
     HISTORY,
@@ -229,8 +231,42 @@ def run_figures(run: Path, stage: str | None = None) -> dict[str, Any]:
             ax.plot([r["round"] for r in points], [r[key] for r in points], marker=".", label=key)
         ax.legend(fontsize="small")
         figures["neural_collapse"] = fig
+    figures.update(_privacy_figures(plt, run, history, metric))
     for fig in figures.values():
         fig.tight_layout()
+    return figures
+
+
+def _delta_words(runs: Sequence[Path]) -> str:
+    """`` (δ 1e-05)`` when the runs' summaries name one δ, else nothing."""
+    deltas = {(run_privacy(run) or {}).get("delta") for run in runs} - {None}
+    return f" (δ {deltas.pop():g})" if len(deltas) == 1 else ""
+
+
+def _epsilon_line(ax: Any, rows: list[dict[str, float]], label: str) -> None:
+    """``privacy/epsilon`` against the round, for the rows that hold it."""
+    points = [r for r in rows if EPSILON in r]
+    ax.plot([r["round"] for r in points], [r[EPSILON] for r in points], marker="o", markersize=3, label=label)
+
+
+def _privacy_figures(
+    plt: Any, run: Path, history: list[dict[str, float]], metric: str | None
+) -> dict[str, Any]:
+    """Under a privacy mechanism with an accountant (``privacy/epsilon`` in the history): the ε spent per round
+    (``epsilon_vs_round``) and, with an evaluation, ``<metric>`` against the ε spent (``accuracy_vs_epsilon``);
+    nothing for a run without one."""
+    if not any(EPSILON in r for r in history):
+        return {}
+    delta = _delta_words([run])
+    figures = {}
+    fig, ax = axes(plt, f"Privacy spent{delta}, per round", "round", "ε")
+    _epsilon_line(ax, history, "ε")
+    figures["epsilon_vs_round"] = fig
+    if metric and any(metric in r and EPSILON in r for r in history):
+        fig, ax = axes(plt, f"{metric} vs privacy spent{delta}", "ε", metric)
+        _curve(ax, history, EPSILON, metric, "client mean", band=True)
+        ax.legend()
+        figures["accuracy_vs_epsilon"] = fig
     return figures
 
 
@@ -302,7 +338,9 @@ def _partition_figure(plt: Any, rows: list[dict[str, float]]) -> Any:
 
 
 def overlay_figures(runs: Sequence[Path]) -> dict[str, Any]:
-    """Accuracy vs round (and vs simulated time, if every run has it) of several runs in one figure each."""
+    """Accuracy vs round (and vs simulated time, if every run has it) of several runs in one figure each; the ε
+    spent per round and accuracy vs ε (``epsilon_vs_round``, ``accuracy_vs_epsilon``) of the runs that spent
+    one, when any did."""
     plt = pyplot()
     histories = {run: read_rows(run / HISTORY) for run in runs}
     metric = headline(sorted({k for rows in histories.values() for r in rows for k in r}))
@@ -322,6 +360,32 @@ def overlay_figures(runs: Sequence[Path]) -> dict[str, Any]:
         ax.legend()
         fig.tight_layout()
         figures[stem] = fig
+    figures.update(_overlay_privacy(plt, histories, metric))
+    return figures
+
+
+def _overlay_privacy(plt: Any, histories: dict[Path, list[dict[str, float]]], metric: str) -> dict[str, Any]:
+    """The ε per round and ``metric`` vs ε of each run of ``histories`` that spent an ε (none: ``{}``)."""
+    labels = dict(zip(histories, run_labels(list(histories))))
+    private = {run: rows for run, rows in histories.items() if any(EPSILON in r for r in rows)}
+    if not private:
+        return {}
+    delta = _delta_words(list(private))
+    figures = {}
+    fig, ax = axes(plt, f"Privacy spent{delta}, per round", "round", "ε")
+    for run, rows in private.items():
+        _epsilon_line(ax, rows, labels[run])
+    ax.legend()
+    figures["epsilon_vs_round"] = fig
+    measured = {run: rows for run, rows in private.items() if any(metric in r and EPSILON in r for r in rows)}
+    if measured:
+        fig, ax = axes(plt, f"{metric} (client mean) vs privacy spent{delta}", "ε", metric)
+        for run, rows in measured.items():
+            _curve(ax, rows, EPSILON, metric, labels[run], band=False)
+        ax.legend()
+        figures["accuracy_vs_epsilon"] = fig
+    for fig in figures.values():
+        fig.tight_layout()
     return figures
 
 

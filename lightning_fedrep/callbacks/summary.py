@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lightning_fedrep.callbacks.figures import FIGURES, run_figures, save
 from lightning_fedrep.callbacks.finetuning import HeadFineTuning
+from lightning_fedrep.callbacks.privacy_record import privacy_section, wandb_summary
 from lightning_fedrep.callbacks.run_files import HISTORY, write_run_files, write_stage_files
 from lightning_fedrep.federation.api.arguments import check_bool
 from lightning_fedrep.lightning.callback import FederatedCallback
@@ -36,6 +37,16 @@ def fine_tuning(trainer: L.Trainer) -> dict[str, Any] | None:
     return described[0] if described else None
 
 
+def privacy(strategy: Any) -> dict[str, Any]:
+    """The run's privacy mechanism and the ε it spent (``summary.json``'s ``privacy``,
+    :func:`~lightning_fedrep.callbacks.privacy_record.privacy_section`): the strategy's mechanism as it
+    describes itself (``strategy.config.privacy.describe()``) and the last ``privacy/epsilon`` of the history
+    (every round's row, evaluated or not); ``"no privacy mechanism"`` without ``privacy=``."""
+    mechanism = strategy.config.privacy
+    rows = strategy.federation.history.rows if strategy.federation is not None else []
+    return privacy_section(None if mechanism is None else mechanism.describe(), rows)
+
+
 def stage_keys(per_client: dict[str, Any], stage: str) -> list[str]:
     """The keys of ``per_client`` that hold an evaluation of ``stage``: the stage itself (``"val"``), then the
     same stage under a prefix (``"finetune/val"``, a fine-tuning round's validation)."""
@@ -57,9 +68,11 @@ class RunSummary(FederatedCallback):
     ``summary.json`` holds the final and last-10-round figures (``strategy.results()``), every client's
     metrics of the last evaluation of each stage (``per_client``, keyed as ``strategy.client_metrics``:
     ``val``, ``test``, and ``finetune/val`` for the fine-tuned models' ``finetune/val/acc`` ...), the
-    fine-tuning (``fine_tuning``: ``HeadFineTuning``'s description, or ``None``), the history, faults and
-    the run's configuration (the CLI fills it in); beside it ``history.csv``, ``clients.csv`` (per client,
-    per round), ``participation.csv``, ``partition.csv``, ``clients_<stage>.csv`` (see
+    fine-tuning (``fine_tuning``: ``HeadFineTuning``'s description, or ``None``), the privacy mechanism and the
+    ε it spent (``privacy``: ``callbacks.summary.privacy``; its ``statement`` is printed after the tables and, with a
+    ``WandbLogger``, goes to the W&B run summary as ``privacy/guarantee`` with ``privacy/epsilon``), the
+    history, faults and the run's configuration (the CLI fills it in); beside it ``history.csv``,
+    ``clients.csv`` (per client, per round), ``participation.csv``, ``partition.csv``, ``clients_<stage>.csv`` (see
     ``lightning_fedrep.callbacks.run_files``) and, with matplotlib and ``figures=True``, the PNGs of
     ``lightning_fedrep.callbacks.figures`` under ``figures/`` (``lightning-fedrep report`` draws them again).
     The folder is ``dirpath``, by default the Trainer's run folder (next to ``checkpoints/``). With a
@@ -111,6 +124,7 @@ class RunSummary(FederatedCallback):
         return {
             "algorithm": strategy.algorithm.name,
             "fine_tuning": fine_tuning(trainer),
+            "privacy": privacy(strategy),
             "rounds_completed": trainer.current_epoch,
             "global_step": trainer.global_step,
             "results": strategy.results(),
@@ -158,6 +172,11 @@ class RunSummary(FederatedCallback):
             self._to_wandb(trainer, key, per_client, name)
             if self.print_table:
                 self._print_table(per_client[name], name, figures)
+        if self.print_table:
+            print(f"\nPrivacy: {summary['privacy']['statement']}")
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.experiment.summary.update(wandb_summary(summary["privacy"]))
 
     def _print_table(self, values: dict[int, float], name: str, figures: dict[str, float]) -> None:
         """The per-client values of ``name``, ten clients a line, then the summaries of the same name."""

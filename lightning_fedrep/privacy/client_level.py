@@ -203,6 +203,39 @@ class ClientLevelDP(PrivacyMechanism):
             metrics["privacy/unclipped_fraction"] = fraction
         return metrics
 
+    def describe(self) -> dict[str, Any]:
+        """The mechanism as a run's summary records it (``summary.json``'s ``privacy.mechanism``): the settings
+        given (``clip``, ``target_epsilon``, ``delta``, ``accountant``, ``rounds``, ``adaptive``: its
+        ``target_quantile``, ``learning_rate``, ``count_noise_std`` or ``None``), the noise multiplier the rounds
+        use (``noise_multiplier``: the given one, or the one solved for ``target_epsilon``; ``None`` before the
+        first round then), the clip of the next round (``current_clip``), the rounds ``released`` and the
+        sampling as accounted (``sampling``, ``sample_rate``, ``population``; ``None`` without an accountant or
+        before the first round). No ε: the run's history holds the ε each round spent."""
+        accountant = None if self.budget is None else self.budget.accountant
+        adaptive = self.adaptive
+        return {
+            "mechanism": type(self).__name__,
+            "unit": "client",
+            "clip": self.clip,
+            "adaptive": None
+            if adaptive is None
+            else {
+                "target_quantile": adaptive.target_quantile,
+                "learning_rate": adaptive.learning_rate,
+                "count_noise_std": adaptive.count_noise_std,
+            },
+            "current_clip": self.current_clip,
+            "noise_multiplier": self.current_noise_multiplier,
+            "target_epsilon": self.target_epsilon,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "sampling": None if accountant is None else accountant.sampling,
+            "sample_rate": None if self.budget is None else self.budget.sample_rate,
+            "population": None if accountant is None else accountant.population,
+            "rounds": self.rounds,
+            "released": self.released,
+        }
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "clip": self.current_clip,

@@ -14,6 +14,8 @@ The core never imports :mod:`lightning_fedrep.privacy`. A mechanism given as ``F
   updates its own state (an adaptive clip, its accountant) and returns columns for the round's history row;
 * :meth:`PrivacyMechanism.state_dict` / :meth:`PrivacyMechanism.load_state_dict` with the federation's state
   (checkpoints, including mid-round ones).
+
+Outside the core, ``RunSummary`` reads :meth:`PrivacyMechanism.describe` for the run folder's summary.
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ class PrivacyMechanism:
         round's history row (e.g. ``privacy/clip``, ``privacy/epsilon``). ``round_index``: the round;
         ``num_clients``: the federation's size."""
         return {}
+
+    def describe(self) -> dict[str, Any]:
+        """The mechanism's settings and state as a run's summary records them (``summary.json``'s
+        ``privacy.mechanism``, read by ``RunSummary`` at the end of each call): plain numbers and strings, the
+        ``mechanism``'s name first. The default names the class only; a mechanism adds what its guarantee
+        rests on (clip, noise multiplier, δ, accountant, sampling)."""
+        return {"mechanism": type(self).__name__}
 
     def state_dict(self) -> dict[str, Any]:
         """The mechanism's state across rounds (saved with the federation)."""
