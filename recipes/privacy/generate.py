@@ -260,7 +260,7 @@ def recipe(name: str, method: str) -> tuple[str, str]:
     return path, render(header, recipe_dict)
 
 
-DIGITS_CLIP, DIGITS_EPSILON, DIGITS_ROUNDS = 0.5, 8.0, 30
+DIGITS_CLIP, DIGITS_EPSILON, DIGITS_ROUNDS = 0.1, 8.0, 30
 """The offline pair's clip, budget and rounds (``benchmarks/privacy/digits_tradeoff.py`` sweeps ε)."""
 
 
