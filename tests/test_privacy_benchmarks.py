@@ -26,6 +26,14 @@ def test_digits_tradeoff_small_prints_the_table_and_writes_the_figure(tmp_path, 
         assert 0.0 < float(cell) <= target * (1 + 1e-6)  # the accountant's ε, within the budget
 
 
+def test_digits_tradeoff_runs_the_low_rank_problem_scored_by_mse(tmp_path, capsys):
+    summary = digits_tradeoff.main(["--small", "--data", "low_rank", "--figure", str(tmp_path / "lr.png")])
+    out = capsys.readouterr().out
+    assert (tmp_path / "lr.png").is_file()
+    assert "low-rank linear problem" in out and "test MSE" in out
+    assert all(mean >= 0.0 for per_epsilon in summary.values() for mean, _ in per_epsilon.values())
+
+
 def test_client_level_overhead_small_reports_every_variant_and_its_ratio(capsys):
     tables = client_level_overhead.main(["--small"])
     out = capsys.readouterr().out

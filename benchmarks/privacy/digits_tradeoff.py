@@ -31,10 +31,20 @@ vectorized runner), about 1 s with ``--small`` (1 seed, ε 1 and 8, 5 rounds, 20
 about the median norm of the clients' body updates without noise here (adaptive clipping at quantile 0.5 settles
 near 0.12 over 20 rounds).
 
+``--data low_rank`` runs the same comparison on FedRep's low-rank linear regression (Collins et al. 2021, Sec. 5.1;
+``LowRankLinearDataModule``: d = 20, k = 2, 100 clients of 10 training and 50 test samples, noise 1e-3) with
+``LowRankLinear`` from a random body (the method-of-moments start reads the clients' data unprivatized), every
+client every round for 50 rounds, one full-batch gradient step a phase: DP-FedRep's head is the exact
+least-squares fit on the body (Algorithm 2), DP-FedAvg trains (B, w) jointly, its + FT variant takes 50 gradient
+steps on the head before the test pass, Local Only fits each client's own (B, w). The figure is the mean client
+test MSE (half the squared error, lower is better); about 2.5 minutes for the full run (the exact head keeps the
+sequential runner).
+
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/privacy/digits_tradeoff.py [--seeds 0 1 2] [--figure digits_tradeoff.png]
-    .venv/bin/python benchmarks/privacy/digits_tradeoff.py --small      # a fast smoke run (tests)
+    .venv/bin/python benchmarks/privacy/digits_tradeoff.py --data low_rank   # writes low_rank_tradeoff.png
+    .venv/bin/python benchmarks/privacy/digits_tradeoff.py --small           # a fast smoke run (tests)
 """
 
 from __future__ import annotations
@@ -57,7 +67,8 @@ from benchmarks._common import Stopwatch, format_table, make_trainer, print_foot
 from lightning_fedrep import FederatedStrategy  # noqa: E402
 from lightning_fedrep.callbacks import FineTunedEvaluation  # noqa: E402
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: E402
-from lightning_fedrep.models import MLPClassifier  # noqa: E402
+from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: E402
+from lightning_fedrep.models import LowRankLinear, MLPClassifier  # noqa: E402
 from lightning_fedrep.privacy import ClientLevelDP  # noqa: E402
 
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -91,23 +102,47 @@ class Settings:
     features: int = 16
     batch_size: int = 10
     test_fraction: float = 0.5
+    data: str = "digits"  # or "low_rank"
 
 
 SMALL = Settings(rounds=5, num_clients=20)
 """``--small``: a smoke run of the whole script (tests)."""
+LOW_RANK = Settings(rounds=50, num_clients=100, clip=0.1, data="low_rank")
+"""``--data low_rank``: FedRep's linear problem (d = 20, k = 2, 10 training and 50 test samples per client, noise
+1e-3), every client every round, one full-batch step a phase, the head exact (least squares)."""
+SMALL_LOW_RANK = replace(LOW_RANK, rounds=5, num_clients=20)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """The figure a data set is scored by: a logged name (``val/...``, its ``test/...`` twin after fine-tuning),
+    a scale, and whether higher is better."""
+
+    name: str
+    scale: float
+    higher_is_better: bool
+    label: str
+
+
+METRICS = {
+    "digits": Metric("acc", 100.0, True, "mean client test accuracy (%)"),
+    "low_rank": Metric("mse", 1.0, False, "mean client test MSE (half the squared error)"),
+}
 
 
 @dataclass
 class Run:
-    """One fit's figures: the final round's accuracy (%), and for DP runs σ and the ε spent."""
+    """One fit's figures: the final round's score (accuracy % or MSE), and for DP runs σ and the ε spent."""
 
     accuracy: float
     sigma: float = math.nan
     epsilon: float = math.nan
 
 
-def datamodule(seed: int, s: Settings) -> DigitsDataModule:
-    """One seed's federation (re-split and re-partitioned per seed)."""
+def datamodule(seed: int, s: Settings) -> DigitsDataModule | LowRankLinearDataModule:
+    """One seed's federation (re-split and re-partitioned per seed; the low-rank problem drawn anew)."""
+    if s.data == "low_rank":
+        return LowRankLinearDataModule(num_clients=s.num_clients, samples_per_client=10, seed=seed)
     return DigitsDataModule(
         num_clients=s.num_clients,
         classes_per_client=s.classes_per_client,
@@ -131,11 +166,15 @@ def fit(
     also ``{"ft": Run}``: the test pass after every client fine-tuned a copy of the head."""
     dm = datamodule(seed, s)
     torch.manual_seed(seed)  # the same initial weights for every method of this seed
-    model = MLPClassifier(hidden=s.hidden, features=s.features)
+    if s.data == "low_rank":  # random init: the method-of-moments one reads the clients' data unprivatized
+        model = LowRankLinear(dim=20, rank=2, lr=0.1, exact_head=algorithm == "fedrep", init="random")
+    else:
+        model = MLPClassifier(hidden=s.hidden, features=s.features)
     privacy = None
     if epsilon is not None:
         privacy = ClientLevelDP(clip=s.clip, target_epsilon=epsilon, delta=DELTA, rounds=s.rounds)
-    callbacks = [FineTunedEvaluation(epochs=s.finetune_epochs, stages=("test",))] if fine_tune else []
+    tune_epochs = 50 if s.data == "low_rank" else s.finetune_epochs  # full-batch gradient steps on the head
+    callbacks = [FineTunedEvaluation(epochs=tune_epochs, stages=("test",))] if fine_tune else []
     rounds = strategy_kwargs.pop("rounds", s.rounds)
     strategy = FederatedStrategy(
         algorithm=algorithm,
@@ -149,22 +188,30 @@ def fit(
     trainer.fit(model, datamodule=dm)
     row = strategy.federation.history.rows[-1]
     sigma, spent = row.get("privacy/noise_multiplier", math.nan), row.get("privacy/epsilon", math.nan)
-    out = {"plain": Run(100 * strategy.results()["final"]["val/acc"], sigma, spent)}
+    metric = METRICS[s.data]
+    out = {"plain": Run(metric.scale * strategy.results()["final"][f"val/{metric.name}"], sigma, spent)}
     if fine_tune:
         (tested,) = trainer.test(model, datamodule=dm, verbose=False)
-        out["ft"] = Run(100 * tested["test/acc"], sigma, spent)
+        out["ft"] = Run(metric.scale * tested[f"test/{metric.name}"], sigma, spent)
     return out
 
 
 def run_seed(seed: int, s: Settings, epsilons: Sequence[float]) -> dict[str, dict[float | None, Run]]:
     """Every method on one seed: ``{method: {ε: Run}}`` (ε ``None`` for the methods without DP)."""
     out: dict[str, dict[float | None, Run]] = {m: {} for m in LABELS}
-    fedrep = {"head_epochs": s.head_epochs, "body_epochs": s.body_epochs}
+    if s.data == "low_rank":  # one full-batch step a phase, as FedRep's Algorithm 2 (the exact head first)
+        fedrep: dict = {"phases": [{"train": "head", "steps": 1}, {"train": "body", "steps": 1}]}
+        joint: dict = {"phases": [{"train": "all", "steps": 1}]}
+        local = joint
+    else:
+        fedrep = {"head_epochs": s.head_epochs, "body_epochs": s.body_epochs}
+        joint = {"local_epochs": s.body_epochs}
+        local = {"local_epochs": s.local_only_epochs}
     for epsilon in epsilons:
         out["dp_fedrep"][epsilon] = fit("fedrep", seed, s, epsilon, **fedrep)["plain"]
-        fedavg = fit("fedavg", seed, s, epsilon, fine_tune=True, local_epochs=s.body_epochs)
+        fedavg = fit("fedavg", seed, s, epsilon, fine_tune=True, **joint)
         out["dp_fedavg"][epsilon], out["dp_fedavg_ft"][epsilon] = fedavg["plain"], fedavg["ft"]
-    out["local"][None] = fit("local", seed, s, local_epochs=s.local_only_epochs)["plain"]
+    out["local"][None] = fit("local", seed, s, **local)["plain"]
     out["fedrep"][None] = fit("fedrep", seed, s, **fedrep)["plain"]
     return out
 
@@ -193,14 +240,21 @@ def report(
 ) -> dict[str, dict[float, tuple[float, float]]]:
     """Print the table (mean ± std per method and ε), σ and the ε spent, and DP-FedRep's margins."""
     summary = summarize(per_seed, epsilons)
-    print(
-        f"\nClient-level DP on the digits: {s.num_clients} clients x {s.classes_per_client} classes, every client every "
-        f"round, T={s.rounds} rounds, clip {s.clip}, δ={DELTA:g}; final mean client test accuracy (%), mean ± std over "
-        f"seeds {list(seeds)}\n"
+    metric = METRICS[s.data]
+    federation = (
+        f"the low-rank linear problem (d=20, k=2): {s.num_clients} clients x 10 samples"
+        if s.data == "low_rank"
+        else f"the digits: {s.num_clients} clients x {s.classes_per_client} classes"
     )
+    print(
+        f"\nClient-level DP on {federation}, every client every round, T={s.rounds} rounds, clip {s.clip}, "
+        f"δ={DELTA:g}; final {metric.label}, mean ± std over seeds {list(seeds)}\n"
+    )
+    fmt = ".1f" if metric.higher_is_better else ".3g"
     headers = ["method", *(f"ε = {e:g}" for e in epsilons)]
     rows = [
-        [LABELS[m], *(f"{summary[m][e][0]:.1f} ± {summary[m][e][1]:.1f}" for e in epsilons)] for m in LABELS
+        [LABELS[m], *(f"{summary[m][e][0]:{fmt}} ± {summary[m][e][1]:{fmt}}" for e in epsilons)]
+        for m in LABELS
     ]
     print(format_table(headers, rows))
     first = per_seed[0]
@@ -216,24 +270,29 @@ def report(
             ],
         )
     )
-    print("\nDP-FedRep's margin (percentage points, mean ± std over seeds):\n")
+    unit = "percentage points" if metric.higher_is_better else "the baseline's MSE minus DP-FedRep's"
+    print(f"\nDP-FedRep's margin ({unit}, mean ± std over seeds; positive: DP-FedRep better):\n")
+    sign = 1.0 if metric.higher_is_better else -1.0
     margins = []
     for baseline in ("dp_fedavg", "dp_fedavg_ft", "local"):
         cells = [f"vs {LABELS[baseline]}"]
         for e in epsilons:
             key = e if baseline in PRIVATE else None
-            diffs = [r["dp_fedrep"][e].accuracy - r[baseline][key].accuracy for r in per_seed]
+            diffs = [sign * (r["dp_fedrep"][e].accuracy - r[baseline][key].accuracy) for r in per_seed]
             mean, std = mean_std(diffs)
-            cells.append(f"{mean:+.1f} ± {std:.1f}")
+            cells.append(f"{mean:+{fmt}} ± {std:{fmt}}")
         margins.append(cells)
     print(format_table(["", *(f"ε = {e:g}" for e in epsilons)], margins))
     return summary
 
 
 def write_figure(
-    summary: dict[str, dict[float, tuple[float, float]]], epsilons: Sequence[float], path: str
+    summary: dict[str, dict[float, tuple[float, float]]],
+    epsilons: Sequence[float],
+    path: str,
+    data: str = "digits",
 ) -> None:
-    """Accuracy against ε (log scale): the DP methods with ±1 std error bars, the references as flat lines."""
+    """The score against ε (log scale): the DP methods with ±1 std error bars, the references as flat lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,8 +310,12 @@ def write_figure(
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(epsilons), [f"{e:g}" for e in epsilons])
     ax.set_xlabel("ε (δ = 1e-5)")
-    ax.set_ylabel("mean client test accuracy (%)")
-    ax.set_title("Client-level DP on the digits (2 classes per client)")
+    ax.set_ylabel(METRICS[data].label)
+    if data == "low_rank":
+        ax.set_yscale("log")
+        ax.set_title("Client-level DP on the low-rank linear problem")
+    else:
+        ax.set_title("Client-level DP on the digits (2 classes per client)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -268,11 +331,22 @@ def main(argv: list[str] | None = None) -> dict[str, dict[float, tuple[float, fl
     parser.add_argument(
         "--small", action="store_true", help="1 seed, ε 1 and 8, 5 rounds, 20 clients (tests)"
     )
-    parser.add_argument("--figure", default="digits_tradeoff.png", help="where to write the figure (PNG/PDF)")
+    parser.add_argument(
+        "--data",
+        choices=tuple(METRICS),
+        default="digits",
+        help="the digits, or FedRep's low-rank linear problem",
+    )
+    parser.add_argument(
+        "--figure", default=None, help="where to write the figure (default <data>_tradeoff.png)"
+    )
     args = parser.parse_args(argv)
     quiet()
     watch = Stopwatch()
-    settings = SMALL if args.small else Settings()
+    if args.data == "low_rank":
+        settings = SMALL_LOW_RANK if args.small else LOW_RANK
+    else:
+        settings = SMALL if args.small else Settings()
     settings = replace(
         settings, **{k: v for k, v in (("rounds", args.rounds), ("clip", args.clip)) if v is not None}
     )
@@ -283,8 +357,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[float, tuple[float, fl
         per_seed.append(run_seed(seed, settings, epsilons))
         print(f"seed {seed} done after {watch.elapsed:.0f} s", flush=True)
     summary = report(per_seed, seeds, epsilons, settings)
-    write_figure(summary, epsilons, args.figure)
-    print(f"\nfigure written to {args.figure}")
+    figure = args.figure or f"{args.data}_tradeoff.png"
+    write_figure(summary, epsilons, figure, args.data)
+    print(f"\nfigure written to {figure}")
     print_footer(watch)
     return summary
 
