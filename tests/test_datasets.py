@@ -51,7 +51,7 @@ def write_idx(path: Path, array: np.ndarray) -> None:
 
 
 def write_mnist_like(raw: Path, prefixes: dict[str, str], labels: dict[str, np.ndarray]) -> None:
-    raw.mkdir(parents=True)
+    raw.mkdir(parents=True, exist_ok=True)  # several EMNIST splits may share one raw folder
     for split, prefix in prefixes.items():
         y = labels[split]
         write_idx(raw / f"{prefix}-images-idx3-ubyte", random_images(len(y), (28, 28), len(y)))

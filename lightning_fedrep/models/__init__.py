@@ -1,9 +1,19 @@
 """Reference LightningModules with their head marked (``fedrep_head``)."""
 
+from lightning_fedrep.models.centaur import CENTAURCNN, CENTAURMLP
 from lightning_fedrep.models.cnn import CIFAR10CNN, CIFAR100CNN
 from lightning_fedrep.models.femnist import FEMNISTMLP
 from lightning_fedrep.models.linear import LowRankLinear
 from lightning_fedrep.models.mlp import MLPClassifier
 from lightning_fedrep.models.sent140 import Sent140RNN
 
-__all__ = ["CIFAR100CNN", "CIFAR10CNN", "FEMNISTMLP", "LowRankLinear", "MLPClassifier", "Sent140RNN"]
+__all__ = [
+    "CENTAURCNN",
+    "CENTAURMLP",
+    "CIFAR100CNN",
+    "CIFAR10CNN",
+    "FEMNISTMLP",
+    "LowRankLinear",
+    "MLPClassifier",
+    "Sent140RNN",
+]
