@@ -322,3 +322,35 @@ def test_missing_library_names_the_extra(monkeypatch, kind, sampling, population
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match=rf"needs '{missing}'.*{re.escape(INSTALL_HINT)}"):
         PrivacyAccountant(kind, sampling, population)
+
+
+def test_without_replacement_epsilon_is_the_librarys_own_over_mixed_steps():
+    """Catches the cached per-step RDP curves summed wrongly (a count dropped, a σ's curve reused for another):
+    runs of two noise multipliers against dp-accounting's ``RdpAccountant`` composing the same events itself,
+    asked twice (the second answer comes from the cache)."""
+    dp_accounting = pytest.importorskip("dp_accounting")
+    accountant = PrivacyAccountant("rdp", "without_replacement", 100)
+    accountant.step(noise_multiplier=1.0, sample_rate=0.04, steps=50)
+    first = accountant.epsilon(1e-5)
+    accountant.step(noise_multiplier=2.0, sample_rate=0.04, steps=7)
+    relation = dp_accounting.NeighboringRelation.REPLACE_ONE
+    events = {
+        sigma: dp_accounting.SampledWithoutReplacementDpEvent(
+            100, 4, dp_accounting.GaussianDpEvent(sigma / 2)
+        )
+        for sigma in (1.0, 2.0)
+    }
+    alone = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+    alone.compose(dp_accounting.SelfComposedDpEvent(events[1.0], 50))
+    both = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+    both.compose(
+        dp_accounting.ComposedDpEvent(
+            [
+                dp_accounting.SelfComposedDpEvent(events[1.0], 50),
+                dp_accounting.SelfComposedDpEvent(events[2.0], 7),
+            ]
+        )
+    )
+    assert first == pytest.approx(alone.get_epsilon(1e-5), rel=1e-12)
+    assert accountant.epsilon(1e-5) == pytest.approx(both.get_epsilon(1e-5), rel=1e-12)
+    assert accountant.epsilon(1e-5) == pytest.approx(both.get_epsilon(1e-5), rel=1e-12)
