@@ -131,6 +131,8 @@ def worker(args: argparse.Namespace, devices: int) -> None:
         engine = strategy.runner_report.runner
         report = dict(seconds=clock.seconds, shares=clock.shares, steps=clock.steps, engine=engine)
         Path(args.worker).write_text(json.dumps(report))
+    if torch.distributed.is_initialized():  # gloo's threads left to interpreter exit can abort the process
+        torch.distributed.destroy_process_group()
 
 
 def run_process_count(args: argparse.Namespace, devices: int, folder: Path) -> dict:
