@@ -172,7 +172,8 @@ class RunSummary(FederatedCallback):
             self._to_wandb(trainer, key, per_client, name)
             if self.print_table:
                 self._print_table(per_client[name], name, figures)
-        if self.print_table and summary["privacy"]["mechanism"] is not None:  # a run without one: summary.json says so
+        # a run without a privacy mechanism prints nothing here: its summary.json says so
+        if self.print_table and summary["privacy"]["mechanism"] is not None:
             print(f"\nPrivacy: {summary['privacy']['statement']}")
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
