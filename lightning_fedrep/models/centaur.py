@@ -10,12 +10,8 @@ idempotent); the MLP outputs logits, as the official one.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-from torch.nn import functional as F
-
-from lightning_fedrep.models.classifier import FedRepClassifier
 from lightning_fedrep.models.cnn import _OfficialCIFARCNN
+from lightning_fedrep.models.femnist import _OfficialMLP
 
 __all__ = ["CENTAURCNN", "CENTAURMLP"]
 
@@ -49,7 +45,7 @@ class CENTAURCNN(_OfficialCIFARCNN):
         self.save_hyperparameters()
 
 
-class CENTAURMLP(FedRepClassifier):
+class CENTAURMLP(_OfficialMLP):
     """CENTAUR's EMNIST ``MLP``: flatten (1x28x28 → 784) → ``layer_input`` 784→256 → ReLU → ``layer_hidden1``
     256→128 → ReLU → ``layer_hidden2`` 128→16 → ReLU → ``layer_out`` 16→``num_classes`` (logits).
 
@@ -62,8 +58,6 @@ class CENTAURMLP(FedRepClassifier):
         lr, momentum, weight_decay: as :class:`CENTAURCNN`.
     """
 
-    fedrep_head = "layer_out"
-
     def __init__(
         self,
         in_features: int = 784,
@@ -72,20 +66,5 @@ class CENTAURMLP(FedRepClassifier):
         momentum: float = 0.9,
         weight_decay: float = 1e-4,
     ):
-        super().__init__()
+        super().__init__(in_features, (256, 128, 16), num_classes)
         self.save_hyperparameters()
-        self.layer_input = nn.Linear(in_features, 256)
-        self.layer_hidden1 = nn.Linear(256, 128)
-        self.layer_hidden2 = nn.Linear(128, 16)
-        self.layer_out = nn.Linear(16, num_classes)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """The body's output (the input of ``layer_out``), shape ``(batch, 16)``."""
-        x = x.flatten(1)
-        x = F.relu(self.layer_input(x))
-        x = F.relu(self.layer_hidden1(x))
-        return F.relu(self.layer_hidden2(x))
-
-    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
-        """Logits of shape ``(batch, num_classes)``."""
-        return self.layer_out(features)
