@@ -221,6 +221,8 @@ class RoundTransaction:
     def open_round(self, plan: RoundPlan) -> None:
         """Start training round ``plan.round``."""
         self.state.require_state()
+        if self.state.config.privacy is not None:
+            self.state.config.privacy.open_round(plan)
         aggregator = self._new_aggregator(plan) if plan.aggregate else None
         self._before_round = _RoundStart(
             self.round_index,
@@ -257,13 +259,14 @@ class RoundTransaction:
         return aggregator
 
     def _aggregator(self, round_index: int) -> Aggregator:
-        """A new aggregator for round ``round_index``: the privacy mechanism's where one is set (in place of the
+        """A new aggregator for round ``round_index``: the privacy mechanism's where it has one (in place of the
         algorithm's, :mod:`~lightning_fedrep.federation.api.mechanism`), else ``Algorithm.aggregator``."""
         like = self.state.global_view()
         mechanism = self.state.config.privacy
-        if mechanism is not None:
-            return mechanism.aggregator(like, round_index, self.state.config.seed)
-        return self.state.algorithm.aggregator(like)
+        private = (
+            None if mechanism is None else mechanism.aggregator(like, round_index, self.state.config.seed)
+        )
+        return self.state.algorithm.aggregator(like) if private is None else private
 
     def _new_local_average(self, aggregate: bool) -> WeightedAverage | None:
         """A running average of the local part when untrained clients start from it (``first_state``)."""
@@ -582,6 +585,8 @@ class RoundTransaction:
         if faults:
             self.state.faults.extend(faults)
             columns["faults"] = float(len(faults))
+        if self.state.config.privacy is not None:
+            columns.update(self.state.config.privacy.close_round(self.plan(self.round_index)))
         columns.update(self._client_metrics())
         if columns:
             self.state.history.record(self.round_index, columns)

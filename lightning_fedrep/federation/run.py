@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_fedrep.federation import Federation
 from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.mechanism import PrivacyMechanism
 from lightning_fedrep.federation.api.objective import Objective, StepView, refuse_removed_hooks
 from lightning_fedrep.federation.checkpoint.entry import (
     OptimizerState,
@@ -162,11 +163,15 @@ PHASE_PARTS = ("head", "body", "all")
 """The phase parts an objective is resolved for (a callback's ``configure_round`` may add any)."""
 
 
-def local_objective(algorithm: Algorithm, bus: CallbackBus, phase: str) -> Objective:
+def local_objective(
+    algorithm: Algorithm, bus: CallbackBus, phase: str, privacy: PrivacyMechanism | None = None
+) -> Objective:
     """The local objective of a phase training ``phase``: the algorithm's, then each callback's, every one
-    asked ``objective(phase)`` (resolved once per fit and phase, at its first use)."""
+    asked ``objective(phase)``, then as the ``privacy`` mechanism privatizes it (resolved once per fit and
+    phase, at its first use)."""
     cache = bus.__dict__.setdefault("_objectives", {})
-    if phase not in cache:
+    key = (phase, id(privacy))
+    if key not in cache:
         objective = _objective_of(algorithm, phase)
         for callback in bus.callbacks:
             found = _objective_of(callback, phase)
@@ -177,8 +182,15 @@ def local_objective(algorithm: Algorithm, bus: CallbackBus, phase: str) -> Objec
                     "already computes the step's gradients: at most one objective may set Objective.step."
                 )
             objective = objective + found
-        cache[phase] = objective.for_phase(phase)
-    return cache[phase]
+        objective = objective.for_phase(phase)
+        if privacy is not None:
+            objective = privacy.local_objective(objective, phase)
+            if not isinstance(objective, Objective):
+                raise TypeError(
+                    f"{type(privacy).__name__}.local_objective must return an Objective, got {objective!r}."
+                )
+        cache[key] = objective
+    return cache[key]
 
 
 def _objective_of(owner: Any, phase: str) -> Objective:
@@ -191,18 +203,21 @@ def _objective_of(owner: Any, phase: str) -> Objective:
     return found
 
 
-def has_loss_terms(algorithm: Algorithm, bus: CallbackBus) -> bool:
-    """Whether the algorithm or a callback adds a loss term or a step transform in any phase."""
-    return any(not local_objective(algorithm, bus, phase).empty for phase in PHASE_PARTS)
+def has_loss_terms(algorithm: Algorithm, bus: CallbackBus, privacy: PrivacyMechanism | None = None) -> bool:
+    """Whether the algorithm, a callback or the ``privacy`` mechanism adds a loss term, a step transform or a
+    step rule in any phase."""
+    return any(not local_objective(algorithm, bus, phase, privacy).empty for phase in PHASE_PARTS)
 
 
-def refuse_manual_loss_terms(manual_fit: bool, algorithm: Algorithm, bus: CallbackBus) -> None:
-    """Refuse loss terms (the algorithm's or a callback's) in a fit under manual optimization: they are added
-    to the loss of the automatic-optimization closure."""
-    if manual_fit and has_loss_terms(algorithm, bus):
+def refuse_manual_loss_terms(
+    manual_fit: bool, algorithm: Algorithm, bus: CallbackBus, privacy: PrivacyMechanism | None = None
+) -> None:
+    """Refuse loss terms (the algorithm's, a callback's, a privacy mechanism's step rule) in a fit under manual
+    optimization: they are added to the loss of the automatic-optimization closure."""
+    if manual_fit and has_loss_terms(algorithm, bus, privacy):
         raise RuntimeError(
-            "Loss terms (from the algorithm or a FederatedCallback) need automatic optimization; this module "
-            "uses manual optimization."
+            "Loss terms (from the algorithm, a FederatedCallback or the privacy mechanism) need automatic "
+            "optimization; this module uses manual optimization."
         )
 
 
@@ -224,6 +239,7 @@ def live_view(
         phase=phase,
         round=federation.round_index,
         step=step,
+        client_step=step,
         lr=lr,
         batch=batch,
         batch_idx=batch_idx,

@@ -356,6 +356,8 @@ class FederationState:
         self.client_sizes = tuple(int(n) for n in client_sizes)
         self.batch_size = int(batch_size)
         self.partition = int(partition)
+        if self.config.privacy is not None:
+            self.config.privacy.bind_data(self.client_sizes, self.batch_size)
 
     def adopt_new_federation(self) -> None:
         """Keep the loaded global state and forget the loaded clients (another federation's)."""

@@ -333,7 +333,7 @@ class RunnerSelection:
             else SequentialRunner(
                 run.federation,
                 notify,
-                lambda phase: local_objective(algorithm, run.bus, phase),
+                lambda phase: local_objective(algorithm, run.bus, phase, run.federation.config.privacy),
                 run.bus.module,
                 self._lr,
                 lambda: self.optimizers,
@@ -372,7 +372,8 @@ class RunnerSelection:
         self.evaluation = PER_BATCH_FORWARD if evaluation_spec(algorithm).forward is not None else None
         if fit:
             callbacks = run.bus.callbacks
-            objectives = {phase: local_objective(algorithm, run.bus, phase) for phase in PHASE_PARTS}
+            privacy = run.federation.config.privacy
+            objectives = {phase: local_objective(algorithm, run.bus, phase, privacy) for phase in PHASE_PARTS}
             self.loss_fn = _step_rule_loss(objectives, module)
             decision = build_engine(
                 self.mode,

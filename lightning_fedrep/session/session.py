@@ -503,7 +503,10 @@ class FederatedSession(Host):
         self._callbacks = list(callbacks)
         self._run.bus = bus = CallbackBus(callbacks, trainer, module)
         self.federation.timing = any(c.needs_client_timing for c in callbacks)
-        refuse_manual_loss_terms(fit and manual, self.algorithm, bus)
+        privacy = self.federation.config.privacy
+        if fit and privacy is not None:
+            privacy.check_module(module)
+        refuse_manual_loss_terms(fit and manual, self.algorithm, bus, privacy)
         self._say(self._selection.setup(self._run, constraints, module, self.algorithm, self.collective, fit))
 
     def _bind_loader(

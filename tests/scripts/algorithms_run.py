@@ -1,5 +1,5 @@
 """FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, an algorithm with a
-``start_client`` (``tests/test_start_client.py``) and FedRep under client-level DP, each fitted on 1 or N CPU processes (gloo) in ONE launch.
+``start_client`` (``tests/test_start_client.py``) and FedRep under client-level and sample-level DP, each fitted on 1 or N CPU processes (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
 share this launch: Lightning's launcher re-runs this script for every extra rank once, at the first ``fit``; the
@@ -42,6 +42,7 @@ ALGORITHMS = (
     "fedcp",
     "blend_start",
     "fedrep_dp",
+    "fedrep_sample_dp",
 )
 """Fitted on 2 processes; the 1-process reference also fits ``fedavg`` (FedProx must differ from it)."""
 
@@ -56,6 +57,7 @@ VARIANTS = {
     "fed_mtl": lambda: FedMTL(chunk=None, strength=0.05),
     "blend_start": _blend_start,
     "fedrep_dp": lambda: "fedrep",
+    "fedrep_sample_dp": lambda: "fedrep",
 }
 """Names fitted with another algorithm than the name (``fedrep_dp``: FedRep, with :data:`SETTINGS`) or an algorithm
 object: Fed-MTL's official strength (1e-5 here) moves the weights
@@ -85,9 +87,16 @@ def _client_level_dp() -> dict[
     return {"weighting": "uniform", "privacy": privacy}
 
 
-SETTINGS = {"fedrep_dp": _client_level_dp}
+def _sample_level_dp() -> dict[str, Any]:  # tests/test_privacy_sample_level.py: DP-SGD alike on 2 processes
+    from lightning_fedrep.privacy import SampleLevelDP
+
+    return {"weighting": "uniform", "privacy": SampleLevelDP(clip=0.5, noise_multiplier=1.0, accountant=None)}
+
+
+SETTINGS = {"fedrep_dp": _client_level_dp, "fedrep_sample_dp": _sample_level_dp}
 """Names fitted with other strategy settings (FedRep under client-level DP, whose noise every rank must draw
-alike after the all-reduce of the clipped sums)."""
+alike after the all-reduce of the clipped sums; FedRep under sample-level DP, whose clients' DP-SGD noise must
+not depend on the process that trains them)."""
 
 MODELS = {"fedcp": SplitNet}
 """Names fitted on another module than ``Net``."""

@@ -1,7 +1,9 @@
-"""The server-side privacy mechanism as the federation core sees it: a small protocol, no DP in here.
+"""The privacy mechanism as the federation core sees it: a small protocol, no DP in here.
 
 The core never imports :mod:`lightning_fedrep.privacy`. A mechanism given as ``FederationConfig.privacy``
-(the strategy's ``privacy=``) subclasses :class:`PrivacyMechanism`, and the core calls it at five points:
+(the strategy's ``privacy=``) subclasses :class:`PrivacyMechanism`. A server-side mechanism (client-level DP)
+privatizes each round's aggregate; a client-side one (sample-level DP-SGD) privatizes every local step and
+leaves the aggregation to the algorithm. The core calls it at these points:
 
 * :meth:`PrivacyMechanism.check` when the federation is configured (the strategy's construction and the
   federation's): refuse an algorithm or a setting it cannot make private, naming why;
@@ -12,6 +14,12 @@ The core never imports :mod:`lightning_fedrep.privacy`. A mechanism given as ``F
   ``Algorithm.aggregate`` only post-processes the private ``results.reduced`` (server momentum, FedOpt);
 * :meth:`PrivacyMechanism.after_round` once the server step of a round that aggregated has run: the mechanism
   updates its own state (an adaptive clip, its accountant) and returns columns for the round's history row;
+* :meth:`PrivacyMechanism.bind_data` when the training data is bound (the clients' sizes, the batch size);
+  :meth:`PrivacyMechanism.check_module` at a fit's ``setup``, with the module;
+  :meth:`PrivacyMechanism.local_objective` when a phase's local objective is resolved (the algorithm's and
+  the callbacks' combined), to privatize the local step;
+* :meth:`PrivacyMechanism.open_round` / :meth:`PrivacyMechanism.close_round` around every round that trains
+  (federated or not), with its plan: the local steps to account;
 * :meth:`PrivacyMechanism.state_dict` / :meth:`PrivacyMechanism.load_state_dict` with the federation's state
   (checkpoints, including mid-round ones).
 
@@ -20,19 +28,20 @@ Outside the core, ``RunSummary`` reads :meth:`PrivacyMechanism.describe` for the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
 
 from lightning_fedrep.federation.api.aggregation import Aggregator
 from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.objective import Objective
 
 
 class PrivacyMechanism:
-    """A mechanism the server applies to each aggregating round's uploads (client-level differential
-    privacy: :class:`lightning_fedrep.privacy.ClientLevelDP`). Subclasses implement :meth:`aggregator`; the
-    other hooks have do-nothing defaults."""
+    """A differential privacy mechanism of a federation: the server's on each aggregating round's uploads
+    (:class:`lightning_fedrep.privacy.ClientLevelDP`) or the clients' on each local step
+    (:class:`lightning_fedrep.privacy.SampleLevelDP`). Every hook has a do-nothing default."""
 
     def check(self, algorithm: Algorithm, config: Any) -> None:
         """Refuse (raise, naming the argument or the algorithm and the fix) an ``algorithm`` or a
@@ -45,19 +54,47 @@ class PrivacyMechanism:
         target ε, the accountant's sampling), or refuse a round the budget does not cover. The default does
         nothing."""
 
-    def aggregator(self, like: Mapping[str, Tensor], round_index: int, seed: int) -> Aggregator:
+    def aggregator(self, like: Mapping[str, Tensor], round_index: int, seed: int) -> Aggregator | None:
         """The aggregator of round ``round_index`` (called when it opens, and when a mid-round checkpoint of it
         is resumed; the core then calls ``expect(planned clients)`` or ``load_state_dict``). ``like``: the
         shared tensors' values at the round's start (not copies: read them, never modify them); ``seed``: the
         strategy's seed (draw noise from a generator seeded by ``seed`` and the round, never the global RNG,
-        so that every process and a resumed run draw the same)."""
-        raise NotImplementedError
+        so that every process and a resumed run draw the same). The default returns ``None``: the algorithm's own
+        aggregator (``Algorithm.aggregator``) aggregates."""
+        return None
 
     def after_round(self, aggregator: Aggregator, round_index: int, num_clients: int) -> dict[str, float]:
         """After the server step of a round that aggregated (every process alike): update the mechanism's state
         from what ``aggregator`` (this round's, reduced over processes) released, and return columns for the
         round's history row (e.g. ``privacy/clip``, ``privacy/epsilon``). ``round_index``: the round;
         ``num_clients``: the federation's size."""
+        return {}
+
+    def bind_data(self, client_sizes: Sequence[int], batch_size: int) -> None:
+        """When the training data is bound (every fit, before any round; every process alike): each client's
+        number of training examples and the training batch size. The default does nothing."""
+
+    def check_module(self, module: Any) -> None:
+        """At a fit's ``setup``, with the module: refuse (raise, naming the layer or attribute and the fix) a
+        module the mechanism cannot make private. The default accepts every module."""
+
+    def local_objective(self, objective: Objective, phase: str) -> Objective:
+        """The local objective of a phase training ``phase`` (``"head"``, ``"body"``, ``"all"``), given the
+        algorithm's and the callbacks' combined ``objective``: a client-side mechanism returns it with its step
+        rule (refusing what it cannot privatize, naming it). Resolved once per fit and phase. The default
+        returns ``objective`` unchanged."""
+        return objective
+
+    def open_round(self, plan: Any) -> None:
+        """When a round that trains opens, federated or not (every process alike): its :class:`~lightning_fedrep.federation.plan.RoundPlan` (the clients and
+        their local steps). Refuse a round the budget does not cover here, before it trains. Not called again
+        when a mid-round checkpoint resumes the round (the mechanism's state comes back with it). The default does
+        nothing."""
+
+    def close_round(self, plan: Any) -> dict[str, float]:
+        """When a round closes, federated or not (every process alike, once): account its local steps
+        (``plan``: its :class:`~lightning_fedrep.federation.plan.RoundPlan`) and return columns for its history
+        row. The default returns none."""
         return {}
 
     def describe(self) -> dict[str, Any]:

@@ -62,7 +62,11 @@ class StepView:
             tables with it (``table[client]``), never turn it into a Python number in a vmappable term.
         phase: the part the phase trains (``"head"``, ``"body"``, ``"all"``): Python branches on it are fine.
         round: the round index.
-        step: the client's local step in the round.
+        step: the client's local step in the round on the sequential runner; in lockstep, its step in the
+            phase (the lanes' steps in earlier phases may differ).
+        client_step: the client's local step in the round, counted across its phases, on both runners: an
+            ``int`` on the sequential runner, a 0-dim integer tensor in lockstep (batched under ``vmap``). Key
+            per-step randomness with it (``lightning_fedrep.privacy.noise``).
         lr: the client's learning rate (the optimizer's first param group's, times the client's ``lr_scale``),
             or ``None`` if unknown; in lockstep, where the clients of one step have different ``lr_scale``, a
             0-dim tensor (batched under ``vmap``): use it in tensor arithmetic, not in a Python ``if``.
@@ -93,6 +97,7 @@ class StepView:
     batch: Any = None
     batch_idx: int | None = None
     slot: str = "model"
+    client_step: int | Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -774,15 +774,20 @@ class LockstepEngine:
 
     def _lane_fields(self, device: torch.device) -> dict[str, Tensor]:
         """The :class:`StepView` fields that differ between the lanes, batched by ``vmap`` (each client its own):
-        ``lr`` (a 0-dim tensor) where the lanes' ``lr_scale`` differ, else none."""
+        ``client_step`` (each client's local step in the round: its steps in earlier phases plus this
+        phase's), and ``lr`` (a 0-dim tensor) where the lanes' ``lr_scale`` differ."""
+        key = ("offsets", device)
+        if key not in self._segment_tensors:
+            self._segment_tensors[key] = torch.tensor(self.segment.offsets, device=device)
+        fields = {"client_step": self._segment_tensors[key] + self._step}
         scales, lr = self._lane_scales(), self._lr()
         if len(set(scales)) == 1 or lr is None:
-            return {}
+            return fields
         key = ("lr", lr, device)
         if key not in self._segment_tensors:
             dtype = next(iter(self.group.stacked.values())).dtype
             self._segment_tensors[key] = torch.tensor([lr * s for s in scales], dtype=dtype, device=device)
-        return {"lr": self._segment_tensors[key]}
+        return {**fields, "lr": self._segment_tensors[key]}
 
     def _lane_scales(self) -> tuple[float, ...]:
         """The ``lr_scale`` of each lane of the segment."""
