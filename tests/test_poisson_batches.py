@@ -7,11 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_fedrep import FederatedDataModule, FederatedStrategy
 from lightning_fedrep.data.binding import DataBinding
 from lightning_fedrep.data.loaders import ClientData, RoundLoader, _BatchFetcher
+from lightning_fedrep.federation import WeightedMean
 from lightning_fedrep.federation.api.mechanism import PrivacyMechanism
 from tests.fixtures import TinyNet, quiet_trainer, reference_generator, runner_setting
 
@@ -192,30 +194,50 @@ SIZES, BATCH = [12, 12, 9], 2
 """q = 1/6 and 2/9: some steps draw no sample, some more than the batch size (asserted)."""
 
 
-def poisson_datamodule():
+def poisson_datamodule(cls=PoissonDataModule):
     g = torch.Generator().manual_seed(1)
     clients = []
     for n in SIZES:
         x = torch.randn(n, 6, generator=g)
         clients.append(TensorDataset(x, (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long()))
-    return PoissonDataModule.from_client_datasets(clients, clients, batch_size=BATCH, seed=4)
+    return cls.from_client_datasets(clients, clients, batch_size=BATCH, seed=4)
 
 
-def fit(runner, algorithm, rounds=2, **kwargs):
-    torch.manual_seed(0)
+def strategy_for(runner, algorithm, **kwargs):
     epochs = dict(head_epochs=1, body_epochs=1) if algorithm == "fedrep" else dict(local_epochs=2)
-    strategy = FederatedStrategy(
+    return FederatedStrategy(
         head="classifier",
         algorithm=algorithm,
         clients_per_round=len(SIZES),
         seed=5,
         runner=runner_setting(runner, kwargs),
         **epochs,
+        **kwargs,
     )
-    quiet_trainer(strategy=strategy, max_epochs=rounds, limit_val_batches=0).fit(
-        LossNet(), datamodule=poisson_datamodule()
+
+
+def fit(runner, algorithm, rounds=2, datamodule=PoissonDataModule, trainer=None, **kwargs):
+    torch.manual_seed(0)
+    strategy = strategy_for(runner, algorithm, **kwargs)
+    quiet_trainer(strategy=strategy, max_epochs=rounds, limit_val_batches=0, **(trainer or {})).fit(
+        LossNet(), datamodule=poisson_datamodule(datamodule)
     )
     return strategy
+
+
+def assert_same(a, b, exact=False):
+    def same(x, y, msg):
+        if exact:
+            assert torch.equal(x, y), msg
+        else:
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4, msg=msg)
+
+    for name, value in a.global_tensors().items():
+        same(b.global_tensors()[name], value, name)
+        assert value.isfinite().all()
+    for client in range(len(SIZES)):
+        for name, value in a.client_tensors(client).items():
+            same(b.client_tensors(client)[name], value, f"{client} {name}")
 
 
 def drawn_sizes(rounds, steps_per_client):
@@ -244,14 +266,25 @@ def test_vectorized_equals_sequential_on_poisson_batches(algorithm, settings):
     sequential = fit("sequential", algorithm)
     vectorized = fit("vectorized", algorithm, **dict(settings))
     assert vectorized.runner_report.runner == "vectorized"
-    for name, value in sequential.global_tensors().items():
-        torch.testing.assert_close(vectorized.global_tensors()[name], value, atol=1e-5, rtol=1e-4, msg=name)
-        assert value.isfinite().all()
-    for client in range(len(SIZES)):
-        for name, value in sequential.client_tensors(client).items():
-            torch.testing.assert_close(
-                vectorized.client_tensors(client)[name], value, atol=1e-5, rtol=1e-4, msg=f"{client} {name}"
-            )
+    assert_same(sequential, vectorized)
+
+
+def test_mid_round_resume_on_poisson_batches_is_bit_exact(tmp_path):
+    """The sampling is not checkpointed: the resumed fit's loader draws Poisson batches again (here its data
+    module's; a mechanism's ``batch_sampling`` at bind time) and, batches being a function of the step, the same."""
+    uninterrupted = fit("vectorized", "fedrep", steps_per_call=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)
+    trainer = dict(enable_checkpointing=True, callbacks=[checkpoint], max_steps=5)
+    fit("vectorized", "fedrep", trainer=trainer, steps_per_call=1)
+    saved = tmp_path / "epoch=0-step=5.ckpt"
+    assert saved.exists(), sorted(p.name for p in tmp_path.iterdir())
+    assert torch.load(saved, weights_only=True)["lightning_fedrep"]["round"]["open"]
+    torch.manual_seed(0)
+    resumed = strategy_for("vectorized", "fedrep", steps_per_call=1)
+    quiet_trainer(strategy=resumed, max_epochs=2, limit_val_batches=0).fit(
+        LossNet(), datamodule=poisson_datamodule(), ckpt_path=saved
+    )
+    assert_same(uninterrupted, resumed, exact=True)
 
 
 # ----------------------------------------------------------------------------- binding
@@ -288,6 +321,23 @@ def test_a_loader_that_draws_its_own_batches_is_refused():
     ):
         DataBinding.use_mechanism_sampling(loader, federation_with(NeedsPoisson()))
     assert loader.sampling == "shuffle"
+
+
+class PoissonPassThrough(NeedsPoisson):
+    """No privacy: the default weighted mean, Poisson batches (what a sample-level mechanism's clients draw)."""
+
+    def aggregator(self, like, round_index, seed):
+        return WeightedMean(like)
+
+
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_fit_with_the_mechanism_trains_on_poisson_batches(runner):
+    with_mechanism = fit(runner, "fedrep", datamodule=FederatedDataModule, privacy=PoissonPassThrough())
+    assert_same(fit(runner, "fedrep"), with_mechanism, exact=runner == "sequential")
+    shuffled = fit(runner, "fedrep", datamodule=FederatedDataModule)
+    assert not torch.equal(
+        shuffled.client_tensors(0)["classifier.weight"], with_mechanism.client_tensors(0)["classifier.weight"]
+    )
 
 
 def test_bind_training_applies_the_mechanisms_sampling(monkeypatch):
