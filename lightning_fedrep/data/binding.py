@@ -78,11 +78,30 @@ class DataBinding:
         self.labels_checked = set()
 
     def bind_training(self, loader: RoundLoader, federation: Federation, probe: ModelProbe) -> None:
-        """Check the training labels, give the federation the clients' sizes, and refuse another federation's
-        data (or settings) than a restored checkpoint's."""
+        """Draw the batches the privacy mechanism's accounting needs (:meth:`use_mechanism_sampling`), check the
+        training labels, give the federation the clients' sizes, and refuse another federation's data (or
+        settings) than a restored checkpoint's."""
+        self.use_mechanism_sampling(loader, federation)
         self.check_labels(loader, probe)
         federation.bind_data(loader.client_sizes(), loader.batch_size, loader.partition_checksum())
         self.check_same_federation(federation, federation.federation_changes())
+
+    @staticmethod
+    def use_mechanism_sampling(loader: RoundLoader, federation: Federation) -> None:
+        """Switch ``loader`` to the batch sampling the federation's privacy mechanism needs inside clients
+        (``PrivacyMechanism.batch_sampling``: ``"poisson"`` for sample-level DP-SGD, whose accounting assumes
+        Poisson batches); a loader that draws its own batches is refused (naming it and the fix)."""
+        mechanism = federation.config.privacy
+        sampling = getattr(mechanism, "batch_sampling", None)
+        if sampling is None:
+            return
+        try:
+            loader.use_sampling(sampling)
+        except ValueError as error:
+            raise ValueError(
+                f"The privacy mechanism {type(mechanism).__name__} needs {sampling!r} batches inside the clients "
+                f"(its privacy accounting assumes them), but the training loader refuses them: {error}"
+            ) from error
 
     def bind_evaluation(
         self,
@@ -169,11 +188,7 @@ class DataBinding:
             return
         self.labels_checked.add(split)
         with untouched_random_state():  # fetching a probe batch may draw from the global generators
-            batch = (
-                next(iter(loader.client_batches(0, 0, 0, 1)), None)
-                if isinstance(loader, RoundLoader)
-                else loader.first_batch()
-            )
+            batch = loader.probe_batch(0) if isinstance(loader, RoundLoader) else loader.first_batch()
         first = "client 0" if isinstance(loader, RoundLoader) else "the first client"
         if isinstance(batch, list | tuple) and len(batch) == 2 and has_string_labels(batch[1]):
             raise string_labels_error(f"The {split} data of {first}", batch[1][0])

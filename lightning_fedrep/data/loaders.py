@@ -13,14 +13,33 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
+from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_fedrep.federation.plan import RoundPlan, round_generator, steps_per_epoch
 from lightning_fedrep.federation.sharding import IDLE_STEP, evaluation_shards
+
+Sampling = Literal["shuffle", "poisson"]
+"""How a :class:`RoundLoader` draws a client's training batches (see the class)."""
+
+POISSON_KEY = -1
+"""The key of a Poisson step's generator, ``(seed, round, client, POISSON_KEY, step)``: no shuffled pass's
+generator, ``(seed, round, client, pass)`` with ``pass >= 0``, has it."""
+
+
+def check_sampling(sampling: Any) -> Sampling:
+    """``sampling`` if it names a batch sampling, else a ``ValueError`` naming the choices."""
+    if sampling not in get_args(Sampling):
+        raise ValueError(
+            f"sampling must be one of {', '.join(map(repr, get_args(Sampling)))}, got {sampling!r}: 'shuffle' "
+            "draws fixed-size batches from reshuffled passes, 'poisson' includes each sample in each step "
+            "independently (what sample-level DP-SGD's accounting assumes)."
+        )
+    return sampling
 
 
 @dataclass(frozen=True)
@@ -49,33 +68,68 @@ class _BatchFetcher:
         self.collate_fn = collate_fn or default_collate
 
     def batches(self, dataset: Dataset, index_batches: Sequence[torch.Tensor]) -> Iterator[Any]:
+        """The collated batches of ``index_batches``, in order. An empty index batch (a Poisson batch that
+        drew no sample) gives a batch of 0 rows with the structure of the others."""
         if isinstance(dataset, TensorDataset) and self.collate_fn is default_collate:
             for idx in index_batches:
                 yield [t[idx] for t in dataset.tensors]
             return
-        loader = DataLoader(
-            dataset,
-            batch_sampler=[idx.tolist() for idx in index_batches],
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            collate_fn=self.collate_fn,
+        if all(len(idx) for idx in index_batches):
+            yield from self._loaded(dataset, index_batches)
+            return
+        full = [idx for idx in index_batches if len(idx)]
+        loaded = self._loaded(dataset, full) if full else iter(())
+        for idx in index_batches:
+            yield next(loaded) if len(idx) else self._empty_batch(dataset)
+
+    def _loaded(self, dataset: Dataset, index_batches: Sequence[torch.Tensor]) -> Iterator[Any]:
+        return iter(
+            DataLoader(
+                dataset,
+                batch_sampler=[idx.tolist() for idx in index_batches],
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                collate_fn=self.collate_fn,
+            )
         )
-        yield from loader
+
+    def _empty_batch(self, dataset: Dataset) -> Any:
+        """A batch of 0 rows: one sample collated, every tensor in it cut to its first 0 rows (other
+        leaves, e.g. a list of file names, as collated)."""
+        if len(dataset) == 0:  # type: ignore[arg-type]
+            raise ValueError("An empty training batch needs a data set with at least one sample to shape it.")
+        one = self.collate_fn([dataset[0]])
+        return tree_map(lambda leaf: leaf[:0] if isinstance(leaf, torch.Tensor) and leaf.dim() else leaf, one)
 
 
 class RoundLoader:
     """The training iterable of one round: the planned clients' batches, one per optimizer step.
 
     The strategy binds a plan provider (``bind``) when Lightning hands it this object; the loader
-    then yields, for each planned step, a batch of the step's client. A client's batches in a round
-    are consecutive passes over its data, each pass reshuffled by a generator seeded with
-    ``(seed, round, client, pass)``, so data order is reproducible and independent of other clients.
+    then yields, for each planned step, a batch of the step's client. How a client's batches are drawn
+    (``sampling``):
+
+    * ``"shuffle"`` (default): consecutive passes over its data, each pass reshuffled by a generator
+      seeded with ``(seed, round, client, pass)``; every batch has ``batch_size`` samples (a pass's last
+      one may have fewer).
+    * ``"poisson"``: each step's batch is a Poisson sample of the client's data: every sample joins the
+      step independently with probability ``q = min(1, batch_size / n)`` (:meth:`sample_rate`), drawn by
+      a generator seeded with ``(seed, round, client, POISSON_KEY, step)``. Batches vary in size (``q * n``
+      on average, possibly 0, possibly above ``batch_size``). This is the sampling that sample-level DP-SGD's
+      accounting (the RDP of the Poisson-subsampled Gaussian) assumes; a privacy mechanism that needs it
+      sets it at bind time (:meth:`use_sampling`).
+
+    Either way the number of steps per epoch is ``ceil(n / batch_size)``, and batches are a pure function
+    of ``(seed, round, client, step)``: reproducible, independent of other clients, and the same from any
+    first step (a mid-round resume). The sampling is a setting, not state: it is not checkpointed; a
+    resumed fit's strategy sets it again when it binds the loader.
 
     Args:
         clients: every client's training samples, by client id.
-        batch_size: the training batch size.
+        batch_size: the training batch size (under ``"poisson"``: the expected batch size).
         seed: the seed of the data order.
         fetcher: how batches are loaded and collated (workers, pinned memory; the data module's).
+        sampling: ``"shuffle"`` or ``"poisson"`` (see above).
     """
 
     def __init__(
@@ -84,6 +138,7 @@ class RoundLoader:
         batch_size: int,
         seed: int = 0,
         fetcher: _BatchFetcher | None = None,
+        sampling: Sampling = "shuffle",
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
@@ -91,6 +146,7 @@ class RoundLoader:
         self.batch_size = batch_size
         self.seed = seed
         self.fetcher = fetcher or _BatchFetcher()
+        self.sampling: Sampling = check_sampling(sampling)
         self._plan_provider: Callable[[], RoundPlan] | None = None
         self._checksum: int | None = None
         self._resume_position = 0
@@ -129,11 +185,64 @@ class RoundLoader:
     def __len__(self) -> int:
         return self._plan().length
 
+    def use_sampling(self, sampling: Sampling) -> None:
+        """Draw batches by ``sampling`` (``"shuffle"`` or ``"poisson"``, see the class); called by the strategy
+        when it binds the loader (a privacy mechanism whose accounting needs Poisson batches), before any
+        batch is drawn. Refuses a loader that draws its own batches (it overrides ``client_batches``): it
+        would not draw the batches asked for."""
+        sampling = check_sampling(sampling)
+        if sampling != "shuffle" and self.draws_own_batches():
+            raise ValueError(
+                f"{type(self).__name__} draws its own batches (it overrides RoundLoader.client_batches), so it "
+                f"cannot draw {sampling!r} batches. Use a RoundLoader that draws its batches with "
+                "client_index_batches (which follows the sampling), or draw Poisson batches in client_batches "
+                "and leave sampling as is."
+            )
+        self.sampling = sampling
+
+    def draws_own_batches(self) -> bool:
+        """Whether a subclass overrides ``client_batches`` (its batches need not follow :attr:`sampling`)."""
+        return type(self).client_batches is not RoundLoader.client_batches
+
+    def sample_rate(self, client: int) -> float:
+        """The probability ``q = min(1, batch_size / n)`` with which each of ``client``'s ``n`` samples joins a
+        step under Poisson sampling (1.0 for a client without samples)."""
+        size = len(self.clients[client])
+        return min(1.0, self.batch_size / size) if size else 1.0
+
     def client_positions(
         self, client: int, round_index: int, first_step: int, num_steps: int
     ) -> list[torch.Tensor]:
-        """Positions (into the client's own samples) of its steps ``first_step ..`` in a round: each pass
-        over its data reshuffled by a generator seeded with ``(seed, round, client, pass)``."""
+        """Positions (into the client's own samples) of its steps ``first_step ..`` in a round. Shuffled: each
+        pass over its data reshuffled by a generator seeded with ``(seed, round, client, pass)``. Poisson: each
+        step's positions (ascending) a Poisson sample (:meth:`poisson_positions`)."""
+        if self.sampling == "poisson":
+            return self.poisson_positions(client, round_index, first_step, num_steps)
+        return self.shuffled_positions(client, round_index, first_step, num_steps)
+
+    def poisson_positions(
+        self, client: int, round_index: int, first_step: int, num_steps: int
+    ) -> list[torch.Tensor]:
+        """Each step's Poisson sample of ``client``'s positions: every position included independently with
+        probability :meth:`sample_rate`, by a generator seeded with ``(seed, round, client, POISSON_KEY, step)``
+        (a pure function of the step: the same from any ``first_step``)."""
+        size = len(self.clients[client])
+        rate = self.sample_rate(client)
+        batches = []
+        for step in range(first_step, first_step + num_steps):
+            if rate >= 1.0:
+                batches.append(torch.arange(size))
+                continue
+            generator = round_generator(self.seed, round_index, client, POISSON_KEY, step)
+            drawn = torch.rand(size, generator=generator, dtype=torch.float64)
+            batches.append(torch.nonzero(drawn < rate).flatten())
+        return batches
+
+    def shuffled_positions(
+        self, client: int, round_index: int, first_step: int, num_steps: int
+    ) -> list[torch.Tensor]:
+        """The shuffled sampling's positions of ``client``'s steps ``first_step ..`` (whatever :attr:`sampling`
+        is): each pass over its data reshuffled by a generator seeded with ``(seed, round, client, pass)``."""
         size = len(self.clients[client])
         per_epoch = steps_per_epoch(size, self.batch_size)
         batches, perm, perm_pass = [], None, -1
@@ -202,10 +311,20 @@ class RoundLoader:
         index_batches = self.client_index_batches(client, round_index, first_step, num_steps)
         return self.fetcher.batches(self.clients[client].dataset, index_batches)
 
+    def probe_batch(self, client: int, round_index: int = 0, step: int = 0) -> Any | None:
+        """One training batch of ``client`` for the checks and sizing done before training (labels, the
+        vectorized runner's probes and memory bound), never trained on: its step's batch under shuffled
+        sampling; under Poisson sampling the shuffled one instead (``min(batch_size, n)`` samples, never an
+        empty draw)."""
+        if self.sampling == "shuffle":
+            return next(iter(self.client_batches(client, round_index, step, 1)), None)
+        indices = self.clients[client].indices[self.shuffled_positions(client, round_index, step, 1)[0]]
+        return next(iter(self.fetcher.batches(self.clients[client].dataset, [indices])))
+
     def random_batches(self) -> str | None:
         """``None`` if every training batch is a pure function of its sample indices, else why not (the
         rule for computing a frozen body's features once: the vectorized runner's head phases)."""
-        if type(self).client_batches is not RoundLoader.client_batches:
+        if self.draws_own_batches():
             return f"{type(self).__name__} draws its own batches"
         return datasets_are_deterministic(data.dataset for data in self.clients)
 

@@ -232,7 +232,7 @@ def _vectorize_problem(
             return head(tensors, features(tensors, x))
 
     with untouched_random_state():
-        batch = next(iter(loader.client_batches(plan.work[0].client, plan.round, 0, 1)))
+        batch = loader.probe_batch(plan.work[0].client, plan.round, 0)
     batch = engine.to_device(engine.convert_input(batch), device)
     cached = engine.split if engine.caching else None
     module, loss_fn = engine.module, engine.loss_fn

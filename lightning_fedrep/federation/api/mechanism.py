@@ -43,6 +43,12 @@ class PrivacyMechanism:
     (:class:`lightning_fedrep.privacy.ClientLevelDP`) or the clients' on each local step
     (:class:`lightning_fedrep.privacy.SampleLevelDP`). Every hook has a do-nothing default."""
 
+    batch_sampling: str | None = None
+    """How the clients' training batches must be drawn for the mechanism's guarantee: ``"poisson"`` when its
+    accounting needs Poisson batches inside the clients (sample-level DP-SGD: every sample joins each local
+    step independently; the strategy then calls ``RoundLoader.use_sampling("poisson")`` when it binds the
+    training data, and refuses a loader that draws its own batches); ``None``: the loader's own sampling."""
+
     def check(self, algorithm: Algorithm, config: Any) -> None:
         """Refuse (raise, naming the argument or the algorithm and the fix) an ``algorithm`` or a
         ``config`` (the :class:`~lightning_fedrep.federation.state.FederationConfig`) the mechanism cannot make

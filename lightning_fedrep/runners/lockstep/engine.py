@@ -228,7 +228,7 @@ class LockstepEngine:
 
         def batch(client: int, step: int) -> Any:
             with untouched_random_state():
-                fetched = next(iter(loader.client_batches(client, 0, step, 1)))
+                fetched = loader.probe_batch(client, 0, step)
             return self._as_stepped(fetched, device)
 
         return [
@@ -348,10 +348,12 @@ class LockstepEngine:
     def _memory_width(self, plan: RoundPlan, device: torch.device, memory: int | None) -> int:
         loader, module = self._loader, self.module
         with untouched_random_state():
-            first = next(iter(loader.client_batches(plan.work[0].client, plan.round, 0, 1)))
+            first = loader.probe_batch(plan.work[0].client, plan.round, 0)
         x, y = self._as_stepped(first, device)
         loss_fn = self.loss_fn
         activations = sizing.activation_bytes(lambda: loss_fn(module(x), y).sum())
+        if getattr(loader, "sampling", "shuffle") == "poisson":
+            activations = int(activations * sizing.poisson_width_factor(loader.batch_size))
         features = 0
         if self.caching:
             with torch.no_grad():

@@ -18,6 +18,9 @@ class ClientBatches(Protocol):
     function of their sample indices."""
 
     batch_size: int
+    sampling: str
+    """``"shuffle"`` (batches of at most ``batch_size``) or ``"poisson"`` (batches of any size, ``batch_size`` on
+    average: the schedule pads each step to its largest batch)."""
 
     @property
     def num_clients(self) -> int: ...
@@ -31,6 +34,8 @@ class ClientBatches(Protocol):
     def client_positions(
         self, client: int, round_index: int, first_step: int, num_steps: int
     ) -> list[Tensor]: ...
+
+    def probe_batch(self, client: int, round_index: int = 0, step: int = 0) -> Any: ...
 
     def client_samples(self, client: int, chunk: int) -> Iterator[Any]: ...
 

@@ -214,7 +214,10 @@ def lockstep_plan(
 def _segment_batches(
     loader: ClientBatches, round_index: int, segment: Segment, first: int, stop: int | None = None
 ) -> Iterator[dict[str, Any]]:
-    """The stacked batches of ``segment``'s steps ``first .. stop - 1`` (``None``: to its end)."""
+    """The stacked batches of ``segment``'s steps ``first .. stop - 1`` (``None``: to its end). Each step's
+    batches are padded to ``batch_size``, or to the step's largest batch where one is larger (Poisson
+    sampling: a batch is never cut, the privacy accounting counts every sample drawn); ``mask`` marks the
+    real rows. A cached segment's steps share one width (the largest over the steps drawn at once)."""
     k = len(segment.clients)
     batch_size = loader.batch_size
     stop = segment.length if stop is None else stop
@@ -230,33 +233,47 @@ def _segment_batches(
     ]
     for step in range(first, stop):
         active = [step < n for n in segment.steps]
-        mask = torch.zeros(k, batch_size)
         pairs = [next(sources[i]) if active[i] else None for i in range(k)]
-        yield {**_stack_pairs(pairs, batch_size, mask), "mask": mask}
+        width = max([batch_size, *(_rows(p) for p in pairs if p is not None)])
+        mask = torch.zeros(k, width)
+        yield {**_stack_pairs(pairs, width, mask), "mask": mask}
+
+
+def _rows(pair: Any) -> int:
+    """The samples in a client's ``(x, y)`` batch (0 for anything else: :func:`_stack_pairs` refuses it)."""
+    if isinstance(pair, list | tuple) and pair and isinstance(pair[0], Tensor) and pair[0].dim():
+        return pair[0].shape[0]
+    return 0
 
 
 def _cached_positions(
     loader: ClientBatches, round_index: int, segment: Segment, first: int, steps: int, remaining: list[int]
 ) -> tuple[Tensor, Tensor]:
-    """Every step's batch positions ``[steps, K, batch_size]`` (zero-padded) of a cached segment's steps
-    ``first ..`` and their mask, built per client at once instead of per step."""
-    k, batch_size = len(segment.clients), loader.batch_size
+    """Every step's batch positions ``[steps, K, width]`` (zero-padded) of a cached segment's steps ``first ..``
+    and their mask, built per client at once instead of per step; ``width`` is ``batch_size``, or the largest
+    batch of these steps where one is larger (Poisson sampling)."""
+    k = len(segment.clients)
+    taken = {
+        i: loader.client_positions(client, round_index, offset + first, count)
+        for i, (client, offset, count) in enumerate(zip(segment.clients, segment.offsets, remaining))
+        if count
+    }
+    batch_size = max([loader.batch_size, *(len(t) for ts in taken.values() for t in ts)])
     rows = torch.zeros(steps, k, batch_size, dtype=torch.long)
     mask = torch.zeros(steps, k, batch_size)
     width = torch.arange(batch_size)
-    for i, (client, offset, count) in enumerate(zip(segment.clients, segment.offsets, remaining)):
-        if not count:
-            continue
-        taken = loader.client_positions(client, round_index, offset + first, count)
-        padded = torch.nn.utils.rnn.pad_sequence(taken, batch_first=True)
+    for i, positions in taken.items():
+        count = len(positions)
+        padded = torch.nn.utils.rnn.pad_sequence(positions, batch_first=True)
         rows[:count, i, : padded.shape[1]] = padded
-        lengths = torch.tensor([len(t) for t in taken])
+        lengths = torch.tensor([len(t) for t in positions])
         mask[:count, i] = (width < lengths[:, None]).to(mask.dtype)
     return rows, mask
 
 
 def _stack_pairs(pairs: list[Any], batch_size: int, mask: Tensor) -> dict[str, Tensor]:
-    """Stack per-client ``(x, y)`` batches into ``[K, batch_size, ...]``, zero-padded; fills ``mask``."""
+    """Stack per-client ``(x, y)`` batches into ``[K, batch_size, ...]`` (``batch_size``: the step's width, at
+    least its largest batch), zero-padded; fills ``mask``."""
     template = next(p for p in pairs if p is not None)
     if not (
         isinstance(template, list | tuple)

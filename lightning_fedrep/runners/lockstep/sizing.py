@@ -59,6 +59,19 @@ def client_bytes(trainable: Iterable[Tensor], activations: int, cached_features:
     return tensor_bytes(trainable) * (2 + OPTIMIZER_SLOTS) + activations + cached_features
 
 
+POISSON_SIGMAS = 4
+"""Standard deviations above the mean batch size that :func:`poisson_width_factor` allows for."""
+
+
+def poisson_width_factor(batch_size: int) -> float:
+    """How much wider than ``batch_size`` a lockstep step's padded batches are assumed to be under Poisson
+    sampling (each lane's batch a binomial draw of mean ``batch_size``, every lane padded to the step's largest):
+    the expected batch size plus :data:`POISSON_SIGMAS` standard deviations (at most ``sqrt(batch_size)``), plus
+    one sample, over ``batch_size``. An estimate for the memory bound: a step wider than that still runs (a
+    batch is never cut), only with more memory than assumed."""
+    return (batch_size + POISSON_SIGMAS * batch_size**0.5 + 1) / batch_size
+
+
 def group_width(budget: int, per_client: int) -> int:
     """How many clients fit in ``budget`` bytes (at least one)."""
     return max(1, budget // max(1, per_client))
