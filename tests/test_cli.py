@@ -98,7 +98,7 @@ def test_digits_fedrep_recipe_runs_as_shipped(tmp_path, monkeypatch, capsys):
     ),
 )
 def test_every_digits_recipe_smoke(recipe, tmp_path, monkeypatch):
-    if recipe.startswith("digits/dp_"):  # client-level DP accounts with the privacy extra
+    if recipe.startswith("digits/dp_"):  # DP (client-level, sample-level) accounts with the privacy extra
         pytest.importorskip("opacus")
         pytest.importorskip("dp_accounting")
     monkeypatch.chdir(tmp_path)

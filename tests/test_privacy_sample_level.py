@@ -350,3 +350,18 @@ def test_a_loss_term_reading_the_features_is_refused():
 def test_bad_settings_are_refused_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SampleLevelDP(**kwargs)
+
+
+def test_the_clients_batches_are_poisson_samples_under_the_mechanism():
+    """The strategy switches the round loader to Poisson batches (what the accounting assumes): the loader
+    Lightning iterated samples that way, at each client's rate ``min(1, B / n)``."""
+    strategy = FederatedStrategy(
+        head="classifier", head_epochs=1, weighting="uniform", privacy=dp(clip=1.0, noise_multiplier=1.0)
+    )
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0)
+    datamodule = tiny_datamodule(num_clients=8, seed=1, batch_size=8)
+    trainer.fit(LossNet(), datamodule=datamodule)
+    loader = trainer.train_dataloader
+    assert loader.sampling == "poisson"
+    sizes = loader.client_sizes()
+    assert [loader.sample_rate(c) for c in range(8)] == [min(1.0, 8 / n) for n in sizes]

@@ -45,9 +45,10 @@ class SampleLevelDP(PrivacyMechanism):
     Accounting: client ``c``'s ε is that of its local steps so far, each a sampled Gaussian mechanism at rate
     ``q_c`` (Opacus's RDP), counted for every round that plans the client; the history gets ``privacy/epsilon``
     (the worst client's) every round, ``privacy/epsilon_median`` and the clip and noise multiplier. With
-    ``target_epsilon`` the noise multiplier is solved at the first round so that every client stays within it
-    after ``rounds`` rounds of every client training (conservative under partial participation); a round that
-    would take a client beyond it is refused before it trains.
+    ``target_epsilon`` the noise multiplier is solved when the training data is bound (before any step), so that
+    every client stays within it after ``rounds`` rounds of the strategy's phases with every client training
+    (conservative under partial participation); a round that would take a client beyond it is refused before it
+    trains.
 
     Refused: at construction, nothing but bad values; when the federation is configured,
     ``weighting="samples"`` (a client's example count would move the aggregate without noise); at ``setup``, a
@@ -190,7 +191,9 @@ class SampleLevelDP(PrivacyMechanism):
 
     def _step(self, loss: Any, view: Any, x: Tensor, y: Tensor, terms: Sequence[Any] = ()) -> Any:
         if self.current_noise_multiplier is None:
-            raise RuntimeError("SampleLevelDP: the noise multiplier is solved when the first round opens.")
+            raise RuntimeError(
+                "SampleLevelDP: the noise multiplier is solved when the training data is bound."
+            )
         return dp_sgd_step(
             loss,
             view,
@@ -212,16 +215,21 @@ class SampleLevelDP(PrivacyMechanism):
         )
         if self.budget is not None:
             self.budget.bind(self.client_sizes, self.batch_size)
+            if self.current_noise_multiplier is None:
+                self.current_noise_multiplier = self._solve(self.phases)
+
+    def _solve(self, phases: Sequence[Any]) -> float:
+        """The noise multiplier for ``target_epsilon``: every client training ``phases`` in each of ``rounds``."""
+        clients = range(len(self.client_sizes))
+        everyone = plan_round(0, clients, phases, self.client_sizes, self.batch_size)
+        return self.budget.solve({work.client: work.steps for work in everyone.work})
 
     def open_round(self, plan: RoundPlan) -> None:
-        """Solve the noise for ``target_epsilon`` (first round); refuse a round the budget does not cover."""
+        """Refuse a round the budget does not cover (the noise was solved when the data was bound)."""
         if self.budget is None:
             return
         if self.current_noise_multiplier is None:
-            everyone = plan_round(
-                0, range(len(self.client_sizes)), plan.spec.phases, self.client_sizes, self.batch_size
-            )
-            self.current_noise_multiplier = self.budget.solve({w.client: w.steps for w in everyone.work})
+            self.current_noise_multiplier = self._solve(plan.spec.phases)
         self.budget.refuse_beyond(self.current_noise_multiplier, _planned_steps(plan))
 
     def close_round(self, plan: RoundPlan) -> dict[str, float]:
