@@ -30,7 +30,9 @@ def needs_extra() -> None:
     pytest.importorskip("opacus")
 
 
-def fit_into(folder: Path, privacy=None, name: str = "run") -> tuple[FederatedStrategy, Path, str]:
+def fit_into(
+    folder: Path, privacy=None, name: str = "run", model=None
+) -> tuple[FederatedStrategy, Path, str]:
     """A FedRep fit of ``ROUNDS`` rounds, ``COHORT`` of ``CLIENTS`` clients, validated every round, with a
     ``RunSummary`` into ``folder/name`` (its config naming a recipe with a table header); the strategy, the run
     folder and what the summary printed."""
@@ -53,7 +55,10 @@ def fit_into(folder: Path, privacy=None, name: str = "run") -> tuple[FederatedSt
     trainer = quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=1.0, callbacks=[summary])
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        trainer.fit(TinyNet(), datamodule=tiny_datamodule(num_clients=CLIENTS, seed=1, batch_size=8))
+        trainer.fit(
+            model if model is not None else TinyNet(),
+            datamodule=tiny_datamodule(num_clients=CLIENTS, seed=1, batch_size=8),
+        )
     return strategy, run, printed.getvalue()
 
 
@@ -290,3 +295,31 @@ def test_the_wandb_run_summary_of_a_dp_run_states_its_guarantee(tmp_path, monkey
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     records = wandb_records(run_file, b"privacy/guarantee")
     assert b"privacy/guarantee" in records and statement.encode() in records
+
+
+class LossNet(TinyNet):
+    fedrep_loss = "cross_entropy"
+
+
+def test_a_sample_level_run_records_the_worst_clients_epsilon(tmp_path):
+    """Under ``SampleLevelDP`` each client has its own ε: the summary's ε is the history's last
+    ``privacy/epsilon`` (the worst client's, read with the csv module), the mechanism names that client and the
+    clients' Poisson rates, and the statement says whose ε it is."""
+    needs_extra()
+    from lightning_fedrep.privacy import SampleLevelDP
+
+    strategy, run, printed = fit_into(
+        tmp_path, SampleLevelDP(clip=1.0, noise_multiplier=1.0), model=LossNet()
+    )
+    section = json.loads((run / "summary.json").read_text())["privacy"]
+    last_round, last_epsilon = column(run, "privacy/epsilon")[-1]
+    assert section["epsilon"] == pytest.approx(last_epsilon, rel=1e-9) and last_round == ROUNDS - 1
+    mechanism = section["mechanism"]
+    epsilons = strategy.federation.config.privacy.last_epsilons
+    assert mechanism["unit"] == "example" and mechanism["worst_epsilon"] == pytest.approx(
+        max(epsilons.values())
+    )
+    assert epsilons[mechanism["worst_client"]] == max(epsilons.values())
+    assert mechanism["sample_rate_max"] <= 1.0 and mechanism["batch_size"] == 8
+    assert f"the worst client's ε {last_epsilon:.4g}" in section["statement"]
+    assert section["statement"] in printed

@@ -64,7 +64,11 @@ def statement(description: Mapping[str, Any], epsilon: float | None, round_index
     settings = ", ".join(settings_words(description))
     head = f"{name} ({settings})" if settings else str(name)
     if epsilon is not None:
-        return f"{head}: {epsilon_words(epsilon, description.get('delta'), round_index)}"
+        words = epsilon_words(epsilon, description.get("delta"), round_index)
+        if description.get("unit") == "example":  # one guarantee per client: the history holds the worst
+            worst = description.get("worst_client")
+            words = f"the worst client's {words}" + ("" if worst is None else f" (client {worst})")
+        return f"{head}: {words}"
     if "accountant" in description and description["accountant"] is None:
         return f"{head}: not accounted (accountant=None), no ε"
     if description.get("released") == 0:
@@ -115,8 +119,13 @@ def settings_words(description: Mapping[str, Any]) -> list[str]:
 
 def sampling_words(description: Mapping[str, Any]) -> str | None:
     """How the accountant counted the sampling: ``4 of 8 clients per round without replacement``, ``every client
-    every round``, ``Poisson sampling at rate 0.04``; ``None`` where it is not known."""
+    every round``, ``Poisson sampling at rate 0.04``, under sample-level DP ``Poisson batches of 10 examples
+    expected, rates 0.1 to 0.2`` (each client's rate); ``None`` where it is not known."""
     sampling, rate = description.get("sampling"), description.get("sample_rate")
+    if description.get("unit") == "example" and description.get("batch_size"):
+        low, high = description.get("sample_rate_min"), description.get("sample_rate_max")
+        rates = "" if low is None else f", rates {low:.3g} to {high:.3g}"
+        return f"Poisson batches of {description['batch_size']} examples expected{rates}"
     if sampling is None or rate is None:
         return None
     unit = description.get("unit") or "unit"

@@ -113,11 +113,11 @@ class RoundLoader:
       seeded with ``(seed, round, client, pass)``; every batch has ``batch_size`` samples (a pass's last
       one may have fewer).
     * ``"poisson"``: each step's batch is a Poisson sample of the client's data: every sample joins the
-      step independently with probability ``q = min(1, batch_size / n)`` (:meth:`sample_rate`), drawn by
+      step independently with probability ``q = min(1, batch_size / n)`` (``sample_rate``), drawn by
       a generator seeded with ``(seed, round, client, POISSON_KEY, step)``. Batches vary in size (``q * n``
       on average, possibly 0, possibly above ``batch_size``). This is the sampling that sample-level DP-SGD's
       accounting (the RDP of the Poisson-subsampled Gaussian) assumes; a privacy mechanism that needs it
-      sets it at bind time (:meth:`use_sampling`).
+      sets it at bind time (``use_sampling``).
 
     Either way the number of steps per epoch is ``ceil(n / batch_size)``, and batches are a pure function
     of ``(seed, round, client, step)``: reproducible, independent of other clients, and the same from any
@@ -224,7 +224,7 @@ class RoundLoader:
         self, client: int, round_index: int, first_step: int, num_steps: int
     ) -> list[torch.Tensor]:
         """Each step's Poisson sample of ``client``'s positions: every position included independently with
-        probability :meth:`sample_rate`, by a generator seeded with ``(seed, round, client, POISSON_KEY, step)``
+        probability ``sample_rate``, by a generator seeded with ``(seed, round, client, POISSON_KEY, step)``
         (a pure function of the step: the same from any ``first_step``)."""
         size = len(self.clients[client])
         rate = self.sample_rate(client)

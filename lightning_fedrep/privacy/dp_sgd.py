@@ -87,8 +87,12 @@ def dp_sgd_step(
     seed: int,
     terms: Sequence[LossTerm] = (),
 ) -> StepOutcome:
-    """One DP-SGD step of a client (the module docstring's formula): ``expected_batch`` is each client's
-    expected batch size (indexed by ``view.client``), ``terms`` the parameter-only loss terms added after."""
+    """One DP-SGD step of a client (the module docstring's formula), a step rule's function: ``loss`` the
+    module's pure declared loss, ``view`` the step's view (its ``trained`` tensors are differentiated, its
+    ``mask`` marks real rows), ``(x, y)`` the Poisson batch, ``clip`` the per-example norm bound C,
+    ``noise_multiplier`` z, ``expected_batch`` each client's expected batch size (indexed by ``view.client``),
+    ``seed`` the strategy's seed (the noise's key), ``terms`` the parameter-only loss terms added after the
+    noise."""
     per_example, losses = per_example_gradients(loss, view, x, y)
     summed = clipped_sum(per_example, clip, view.mask)
     names = sorted(summed)

@@ -78,7 +78,7 @@ def noise_key(seed: int, *parts: int | Tensor) -> Tensor:
 
 def keyed_normal(key: Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """Standard normal noise of ``shape``, a pure function of ``key`` (an int64 0-dim tensor from
-    :func:`noise_key`) and each element's position: computed in float64, returned as ``dtype``, on ``key``'s
+    ``noise_key``) and each element's position: computed in float64, returned as ``dtype``, on ``key``'s
     device. Runs inside ``torch.func.vmap`` with a batched ``key``."""
     numel = 1
     for size in shape:

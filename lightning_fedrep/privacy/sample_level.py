@@ -208,7 +208,8 @@ class SampleLevelDP(PrivacyMechanism):
 
     # ------------------------------------------------------------------ rounds
     def bind_data(self, client_sizes: Sequence[int], batch_size: int) -> None:
-        """Each client's expected batch size and sampling rate."""
+        """Each client's expected batch size and sampling rate from ``client_sizes`` (its examples) and
+        ``batch_size``; the noise multiplier for ``target_epsilon``."""
         self.client_sizes, self.batch_size = tuple(int(n) for n in client_sizes), int(batch_size)
         self.expected_batch = torch.tensor(
             [float(max(1, min(batch_size, n))) for n in self.client_sizes], dtype=torch.float64
@@ -225,7 +226,8 @@ class SampleLevelDP(PrivacyMechanism):
         return self.budget.solve({work.client: work.steps for work in everyone.work})
 
     def open_round(self, plan: RoundPlan) -> None:
-        """Refuse a round the budget does not cover (the noise was solved when the data was bound)."""
+        """Refuse a round (``plan``: its clients' local steps) the budget does not cover (the noise was solved
+        when the data was bound)."""
         if self.budget is None:
             return
         if self.current_noise_multiplier is None:

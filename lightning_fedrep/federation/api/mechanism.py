@@ -77,8 +77,9 @@ class PrivacyMechanism:
         return {}
 
     def bind_data(self, client_sizes: Sequence[int], batch_size: int) -> None:
-        """When the training data is bound (every fit, before any round; every process alike): each client's
-        number of training examples and the training batch size. The default does nothing."""
+        """When the training data is bound (every fit, before any round; every process alike): ``client_sizes``,
+        each client's number of training examples, and ``batch_size``, the training batch size. The default does
+        nothing."""
 
     def check_module(self, module: Any) -> None:
         """At a fit's ``setup``, with the module: refuse (raise, naming the layer or attribute and the fix) a
@@ -92,7 +93,7 @@ class PrivacyMechanism:
         return objective
 
     def open_round(self, plan: Any) -> None:
-        """When a round that trains opens, federated or not (every process alike): its :class:`~lightning_fedrep.federation.plan.RoundPlan` (the clients and
+        """When a round that trains opens, federated or not (every process alike): ``plan``, its :class:`~lightning_fedrep.federation.plan.RoundPlan` (the clients and
         their local steps). Refuse a round the budget does not cover here, before it trains. Not called again
         when a mid-round checkpoint resumes the round (the mechanism's state comes back with it). The default does
         nothing."""
