@@ -142,16 +142,16 @@ class FedMTL(Algorithm):
     def _regularizer(self, view: StepView) -> Tensor | None:
         _, m, tables = self._round_tables(view)
         client = view.client.clamp(max=tables["index"].numel() - 1)
-        k = tables["index"][client]
+        k = _row(tables["index"], client)
         w = torch.cat([view.trained[n].reshape(-1) for n in self._names])
         d = w.numel()
         rows, diagonal, off = self._rows(d), (1 - 1 / m) ** 2, 1 / m**2
-        others = tables["others"][k]
-        square = w.square().sum() + tables["square"][k]
-        block = w[:rows].square().sum() + tables["block"][k]
+        others = _row(tables["others"], k)
+        square = w.square().sum() + _row(tables["square"], k)
+        block = w[:rows].square().sum() + _row(tables["block"], k)
         trace = (diagonal - off) * block + off * (w[:rows] + others[:rows]).square().sum()
         strength = 10.0 ** -(int(math.log10(d) + 1) + 1) if self.strength is None else self.strength
-        return tables["member"][client] * strength * (square + trace)
+        return _row(tables["member"], client) * strength * (square + trace)
 
     def objective(self, phase: str) -> Objective:
         """The regularizer, in the phases that train everything."""
@@ -191,3 +191,9 @@ class FedMTL(Algorithm):
 
 
 register_algorithm(FedMTL())
+
+
+def _row(table: Tensor, index: Tensor) -> Tensor:
+    """``table[index]`` for a 0-dim integer ``index`` computed inside ``vmap`` and ``torch.func.grad`` (sample-level
+    DP differentiates the term so), where plain indexing with it is refused as data-dependent."""
+    return table.index_select(0, index.reshape(1))[0]
