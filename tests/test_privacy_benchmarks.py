@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("opacus")  # client-level DP accounts with the privacy extra
 pytest.importorskip("dp_accounting")
 
-from benchmarks.privacy import client_level_overhead, digits_tradeoff  # noqa: E402
+from benchmarks.privacy import client_level_overhead, digits_tradeoff, sample_level_speed  # noqa: E402
 
 
 def test_digits_tradeoff_small_prints_the_table_and_writes_the_figure(tmp_path, capsys):
@@ -42,3 +42,18 @@ def test_client_level_overhead_small_reports_every_variant_and_its_ratio(capsys)
         assert [row[0] for row in rows] == list(client_level_overhead.VARIANTS)
         assert rows[0][2] == "1.000x"  # the baseline against itself
     assert out.count("per-repeat ratios") == 2 * (len(client_level_overhead.VARIANTS) - 1)
+
+
+def test_sample_level_speed_small_times_every_variant_and_shows_the_same_epsilon(capsys):
+    tables = sample_level_speed.main(["--small"])
+    out = capsys.readouterr().out
+    variants = [*sample_level_speed.VARIANTS, sample_level_speed.OPACUS, sample_level_speed.OPACUS_BARE]
+    assert list(tables) == list(sample_level_speed.WORKLOADS)
+    for rows in tables.values():
+        assert [row[0] for row in rows] == variants
+        assert rows[variants.index(sample_level_speed.OPACUS)][2] == "1.00x"  # the baseline against itself
+        assert all(float(row[1]) > 0 for row in rows)
+    assert "| variant | a round, best (ms) | Opacus / this (best) |" in out
+    assert out.count("per-repeat") == 4 * len(tables)
+    gaps = [line.rsplit(" ", 1)[-1] for line in out.splitlines() if "largest difference" in line]
+    assert len(gaps) == len(tables) and all(float(gap) < 1e-9 for gap in gaps)  # Opacus's ε is ours
