@@ -51,6 +51,12 @@ full)
     run auto_choice 100 benchmarks/engine/auto_choice.py --models cnn --runs 3 --device cuda
     run auto_choice_mlp 110 benchmarks/engine/auto_choice.py --models mlp --runs 3 --mlp-rounds 11 --device cuda
     run first_round 90 benchmarks/engine/first_round.py --runs 3 --device cuda
+    # sample-level DP-SGD against Opacus (pure Python: put a copy on PYTHONPATH where the machine lacks it)
+    if "$py" -c "import opacus" 2>/dev/null; then
+        run sample_level_speed 300 benchmarks/privacy/sample_level_speed.py --repeats 3 --device cuda
+    else
+        echo "=== sample_level_speed skipped: opacus is not importable (copy it to a folder on PYTHONPATH)"
+    fi
     ;;
 *)
     echo "usage: bash benchmarks/gpu.sh smoke|full [OUT_DIR]" >&2

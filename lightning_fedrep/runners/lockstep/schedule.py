@@ -215,11 +215,12 @@ def _segment_batches(
     loader: ClientBatches, round_index: int, segment: Segment, first: int, stop: int | None = None
 ) -> Iterator[dict[str, Any]]:
     """The stacked batches of ``segment``'s steps ``first .. stop - 1`` (``None``: to its end). Each step's
-    batches are padded to ``batch_size``, or to the step's largest batch where one is larger (Poisson
-    sampling: a batch is never cut, the privacy accounting counts every sample drawn); ``mask`` marks the
-    real rows. A cached segment's steps share one width (the largest over the steps drawn at once)."""
+    batches are padded to ``batch_size`` (shuffled batches), or under Poisson sampling to the step's largest
+    batch (a batch is never cut: the privacy accounting counts every sample drawn; nor padded beyond what the
+    step needs); ``mask`` marks the real rows. A cached segment's steps share one width (the largest over the steps drawn at once)."""
     k = len(segment.clients)
     batch_size = loader.batch_size
+    poisson = getattr(loader, "sampling", "shuffle") == "poisson"  # sizes vary: pad to the step's largest only
     stop = segment.length if stop is None else stop
     remaining = [max(0, min(n, stop) - first) for n in segment.steps]
     if segment.cached:
@@ -234,7 +235,8 @@ def _segment_batches(
     for step in range(first, stop):
         active = [step < n for n in segment.steps]
         pairs = [next(sources[i]) if active[i] else None for i in range(k)]
-        width = max([batch_size, *(_rows(p) for p in pairs if p is not None)])
+        largest = max([1, *(_rows(p) for p in pairs if p is not None)])
+        width = largest if poisson else max(batch_size, largest)
         mask = torch.zeros(k, width)
         yield {**_stack_pairs(pairs, width, mask), "mask": mask}
 
