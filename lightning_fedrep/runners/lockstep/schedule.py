@@ -220,7 +220,8 @@ def _segment_batches(
     step needs); ``mask`` marks the real rows. A cached segment's steps share one width (the largest over the steps drawn at once)."""
     k = len(segment.clients)
     batch_size = loader.batch_size
-    poisson = getattr(loader, "sampling", "shuffle") == "poisson"  # sizes vary: pad to the step's largest only
+    # Poisson batches vary in size: pad each step to its largest batch only
+    poisson = getattr(loader, "sampling", "shuffle") == "poisson"
     stop = segment.length if stop is None else stop
     remaining = [max(0, min(n, stop) - first) for n in segment.steps]
     if segment.cached:
