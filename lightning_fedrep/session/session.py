@@ -115,7 +115,8 @@ class FederatedSession(Host):
             ``None``: every client. The official ``main_local.py`` (Local Only) scores the first
             ``min(100, n)`` clients with an unweighted mean (``val/acc``).
         buffers: ``"shared"``: buffers (BatchNorm statistics) follow the body, averaged when the
-            algorithm shares the body; ``"local"`` keeps them per client for every algorithm (FedBN).
+            algorithm shares the body; ``"local"`` keeps them per client for every algorithm (PFLlib's
+            FedBN, whose buffers never travel; ``FedBN`` keeps its BatchNorm layers local by itself).
         allow_frozen: keep parameters that are frozen at setup fixed, instead of raising.
         seed: seeds client sampling (data order is seeded by the data module).
         headline_metrics: compute ``val/acc`` and ``val/loss`` (``test/``...) from ``model(x)`` on
@@ -471,6 +472,8 @@ class FederatedSession(Host):
             needs_head=needs_head,
             buffers=self.buffers,
             allow_frozen=self.allow_frozen,
+            keep_local=self.algorithm.keep_local(model),
+            owner=type(self.algorithm).__name__,
         )
         if self.federation is None or self.federation.layout != layout:
             self.federation = Federation(self.algorithm, layout, self.config)

@@ -11,6 +11,7 @@ The strategy never checks an algorithm's name. It asks the algorithm object:
 * :meth:`Algorithm.aggregate` — the server step: the new server state from the round's results;
 * :meth:`Algorithm.objective` — the local objective of a phase: loss terms added to every local
   training loss (e.g. FedProx's proximal term) and step transforms (``federation.objective``);
+* :meth:`Algorithm.keep_local` — tensors every client keeps whatever ``shares`` says (FedBN's BatchNorm layers);
 * :meth:`Algorithm.state_dict` — server state the algorithm keeps across rounds (saved in checkpoints).
 
 A new algorithm is a subclass (or an instance) passed as ``FederatedStrategy(algorithm=...)``, or
@@ -22,7 +23,7 @@ FedPer, LG-FedAvg, FedAvg, Local Only) are such subclasses, one module each in
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -294,6 +295,15 @@ class Algorithm:
         :meth:`aggregate` through the round's :meth:`aggregator`.
         """
         return ClientOutcome(upload=end.shared())
+
+    def keep_local(self, module: nn.Module) -> Collection[str]:
+        """Names of ``module``'s tensors (parameters and buffers) every client keeps to itself whatever
+        :attr:`shares` and the strategy's ``buffers=`` say: never uploaded nor averaged, trained, stored,
+        checkpointed and scored per client like the local part of the split (FedBN's BatchNorm layers, chosen
+        by module type). Called when the strategy resolves the module's layout (when it connects to the
+        module, and at ``setup``), before :meth:`setup`; must depend on the module only. A name that is not a
+        trainable parameter or buffer of the module is refused there. The default keeps nothing more."""
+        return ()
 
     def setup(self, module: nn.Module, split: ParameterSplit, datamodule: Any) -> None:
         """Called at the strategy's ``setup`` (every stage, every process), once the head/body split is resolved

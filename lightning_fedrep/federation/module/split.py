@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from torch import nn, optim
@@ -189,12 +189,16 @@ def resolve_layout(
     needs_head: bool,
     buffers: str = "shared",
     allow_frozen: bool = False,
+    keep_local: Collection[str] = (),
+    owner: str = "the algorithm",
 ) -> TensorLayout:
     """Resolve the split and the shared/local tensor names for an algorithm sharing ``shares``.
 
     The head must be marked when ``needs_head`` (the algorithm shares one group only, or a phase
     trains only one) or when the user marked one anyway; otherwise everything trainable is body.
-    Buffers follow the body (shared when the body is) unless ``buffers="local"``.
+    Buffers follow the body (shared when the body is) unless ``buffers="local"``. ``keep_local`` names
+    tensors (parameters or buffers) that stay local whatever ``shares`` and ``buffers`` say (what
+    ``Algorithm.keep_local`` returns: FedBN's BatchNorm layers); ``owner`` names it in errors.
     """
     marked = head is not None or _spec_from_module(module) is not None
     if needs_head or marked:
@@ -207,4 +211,28 @@ def resolve_layout(
     state_names = module.state_dict().keys()
     buffer_names = [n for n, _ in module.named_buffers() if n in state_names]
     (shared if buffers == "shared" and "body" in shares else local).extend(buffer_names)
-    return TensorLayout(split, tuple(shared), tuple(local))
+    kept = _kept_local(keep_local, split, names, buffer_names, owner)
+    local = [n for n in [*names, *buffer_names] if n in kept or n in local]
+    return TensorLayout(split, tuple(n for n in shared if n not in kept), tuple(local))
+
+
+def _kept_local(
+    keep_local: Collection[str], split: ParameterSplit, names: list[str], buffer_names: list[str], owner: str
+) -> set[str]:
+    """``keep_local`` as a set, checked: each a trainable parameter or a buffer of the module."""
+    if isinstance(keep_local, str) or not isinstance(keep_local, Collection):
+        raise TypeError(f"{owner}.keep_local must return a collection of tensor names, got {keep_local!r}.")
+    kept = set(keep_local)
+    unknown = sorted(kept - set(names) - set(buffer_names))
+    frozen = sorted(kept & set(split.frozen))
+    if unknown or frozen:
+        what = (
+            f"{unknown[:4]} which are no parameter or buffer of the module"
+            if unknown
+            else f"{frozen[:4]} which are frozen (never trained, nothing to keep)"
+        )
+        raise ValueError(
+            f"{owner}.keep_local named {what}; return names among the module's parameters and buffers "
+            f"(named_parameters(), named_buffers()), e.g. {(names + buffer_names)[:3]}."
+        )
+    return kept

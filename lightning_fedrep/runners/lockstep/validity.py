@@ -67,7 +67,7 @@ def module_reasons(module: nn.Module, layout: TensorLayout, constraints: Constra
         )
     buffers = {n for n, _ in module.named_buffers()}
     if buffers & set(layout.local):
-        reasons.append("buffers kept per client (buffers='local')")
+        reasons.append("buffers kept per client (buffers='local', or the algorithm's keep_local)")
     return reasons
 
 
