@@ -3,7 +3,7 @@
 :class:`FedPer`, :class:`LGFedAvg`, :class:`FedAvg`, :class:`Local`) and the acceptance examples of the
 algorithm API (:class:`Ditto`, :class:`FedProx`, :class:`Scaffold`) and the baselines on its step rules and
 evaluation specs (:class:`APFL`, :class:`PerFedAvg`, :class:`HFMAML`), on the server step's client map
-(:class:`L2GD`), and today's baselines (:class:`FedBN`).
+(:class:`L2GD`), and today's baselines (:class:`FedBABU`, :class:`FedBN`).
 
 Importing this package registers them all by name, in this order (the order of ``StrategyRegistry`` and the
 command's help); ``import lightning_fedrep`` does so.
@@ -26,6 +26,7 @@ from lightning_fedrep.federation.algorithms.l2gd import L2GD
 from lightning_fedrep.federation.algorithms.fed_mtl import FedMTL
 from lightning_fedrep.federation.algorithms.fedrod import FedRoD
 from lightning_fedrep.federation.algorithms.fedcp import FedCP
+from lightning_fedrep.federation.algorithms.fedbabu import FedBABU
 from lightning_fedrep.federation.algorithms.fedbn import FedBN
 
 # isort: on
@@ -34,6 +35,7 @@ __all__ = [
     "APFL",
     "Ditto",
     "FedAvg",
+    "FedBABU",
     "FedBN",
     "FedMTL",
     "FedPer",
