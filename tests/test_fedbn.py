@@ -207,3 +207,38 @@ def test_keep_local_naming_no_tensor_is_refused_at_setup():
     algorithm, the name and real names, before any step."""
     with pytest.raises(ValueError, match=r"KeepsUnknown.keep_local named \['body.9.weight'\].*body.0.weight"):
         fit(KeepsUnknown("keeps_unknown", {"body", "head"}, "x"), TinyNet(), unequal_datamodule())
+
+
+def test_a_run_resumed_mid_round_keeps_every_clients_batch_norm(tmp_path):
+    """Resumed from a mid-round checkpoint, FedBN ends with the uninterrupted run's global tensors and every
+    client's BatchNorm layer, bit for bit (the kept-local tensors are saved and restored with the client)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.test_resume import assert_same_federation
+
+    def run(root, ckpt_path=None, callbacks=()):
+        torch.manual_seed(0)
+        strategy = FederatedStrategy(
+            algorithm=FedBN(), clients_per_round=PER_ROUND, seed=SEED, local_epochs=1
+        )
+        trainer = quiet_trainer(
+            strategy=strategy,
+            max_epochs=ROUNDS,
+            limit_val_batches=0,
+            callbacks=list(callbacks),
+            enable_checkpointing=bool(callbacks),
+            default_root_dir=root,
+        )
+        trainer.fit(BatchNormTinyNet(), datamodule=unequal_datamodule(), ckpt_path=ckpt_path)
+        return strategy
+
+    full = run(tmp_path / "full")
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    first = run(tmp_path / "a", callbacks=[saver])
+    ends = set(torch.tensor([first.round_plan(r).length for r in range(ROUNDS)]).cumsum(0).tolist())
+    steps = sorted(int(p.stem.split("=")[1]) for p in (tmp_path / "ck").glob("step=*.ckpt"))
+    mid = [s for s in steps if s not in ends and s > first.round_plan(0).length]
+    assert mid, (steps, ends)
+    resumed = run(tmp_path / "b", ckpt_path=tmp_path / "ck" / f"step={mid[0]}.ckpt")
+    assert set(resumed.federation.layout.local) == BN
+    assert_same_federation(full, resumed)
