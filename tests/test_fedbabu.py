@@ -193,3 +193,16 @@ def test_a_phase_training_the_head_is_refused():
 def test_bad_settings_name_the_argument(kwargs, error, argument):
     with pytest.raises(error, match=argument):
         FedBABU(**kwargs)
+
+
+def test_fedbabu_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """FedBABU (``tests/scripts/algorithms_run.py``), 2 rounds, every client: the global body, every client's
+    (initial) head and the fine-tuned validation accuracy on 2 processes equal the 1-process run bit for bit."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch shared with other test files
+    single = singles["fedbabu"]
+    for held in (rank["fedbabu"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held)

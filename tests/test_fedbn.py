@@ -242,3 +242,19 @@ def test_a_run_resumed_mid_round_keeps_every_clients_batch_norm(tmp_path):
     resumed = run(tmp_path / "b", ckpt_path=tmp_path / "ck" / f"step={mid[0]}.ckpt")
     assert set(resumed.federation.layout.local) == BN
     assert_same_federation(full, resumed)
+
+
+def test_fedbn_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """FedBN (``tests/scripts/algorithms_run.py``, its ``NormNet``), 2 rounds, every client: the global tensors,
+    every client's BatchNorm layer and the validation accuracy on 2 processes equal the 1-process run bit for
+    bit. Fails when a client's kept-local tensors do not travel with it between processes."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch shared with other test files
+    single = singles["fedbn"]
+    assert not any("norm.1" in name for name in single["global"])  # kept local
+    assert any("norm.1.running_mean" in name for name in single["clients"][0])
+    for held in (rank["fedbn"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held)

@@ -1,4 +1,4 @@
-"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, an algorithm with a
+"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, an algorithm with a
 ``start_client`` (``tests/test_start_client.py``) and FedRep under client-level and sample-level DP, each fitted on 1 or N CPU processes (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPOSITORY))  # the repository, when run from a checkout
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 from lightning_fedrep import FederatedDDPStrategy, FederatedStrategy, FedMTL  # noqa: E402
 from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
@@ -40,6 +41,8 @@ ALGORITHMS = (
     "fedrod",
     "fed_mtl",
     "fedcp",
+    "fedbabu",
+    "fedbn",
     "blend_start",
     "fedrep_dp",
     "fedrep_sample_dp",
@@ -98,7 +101,19 @@ SETTINGS = {"fedrep_dp": _client_level_dp, "fedrep_sample_dp": _sample_level_dp}
 alike after the all-reduce of the clipped sums; FedRep under sample-level DP, whose clients' DP-SGD noise must
 not depend on the process that trains them)."""
 
-MODELS = {"fedcp": SplitNet}
+
+class NormNet(Net):
+    """``Net`` with a BatchNorm layer first (over 2 channels of 3 values: a batch of one sample still trains)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Sequential(nn.Unflatten(1, (2, 3)), nn.BatchNorm1d(2), nn.Flatten())
+
+    def forward(self, x):
+        return self.classifier(self.body(self.norm(x)))
+
+
+MODELS = {"fedcp": SplitNet, "fedbn": NormNet}
 """Names fitted on another module than ``Net``."""
 TIMEOUT = 600  # seconds for the whole 2-process launch; ~15 s on 2 idle cores
 
