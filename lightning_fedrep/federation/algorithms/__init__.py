@@ -26,6 +26,7 @@ from lightning_fedrep.federation.algorithms.l2gd import L2GD
 from lightning_fedrep.federation.algorithms.fed_mtl import FedMTL
 from lightning_fedrep.federation.algorithms.fedrod import FedRoD
 from lightning_fedrep.federation.algorithms.fedcp import FedCP
+from lightning_fedrep.federation.algorithms.feddbe import FedDBE
 
 # isort: on
 
@@ -38,6 +39,7 @@ __all__ = [
     "FedProx",
     "FedRep",
     "FedCP",
+    "FedDBE",
     "FedRoD",
     "HFMAML",
     "L2GD",
