@@ -245,3 +245,58 @@ def test_feddbe_by_name():
     algorithm = ALGORITHMS["feddbe"]
     assert isinstance(algorithm, FedDBE) and (algorithm.momentum, algorithm.kappa) == (0.1, 0.0)
     assert algorithm.shares == {"body", "head"}
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    """Fit two rounds (the initialization pass and one FedDBE round), save, resume to three: the global model,
+    ``r_bar``, the initialization flag and every client's bias equal the three-round run's. Fails if the resumed
+    run plans its first round as an initialization pass again (the flag not checkpointed)."""
+    full = fit(FedDBE(momentum=MOMENTUM, kappa=KAPPA), runner="sequential")[0]
+    trainer = fit(FedDBE(momentum=MOMENTUM, kappa=KAPPA), runner="sequential", rounds=2)[3]
+    path = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(path)
+    torch.manual_seed(0)
+    strategy = FederatedStrategy(
+        algorithm=FedDBE(momentum=MOMENTUM, kappa=KAPPA),
+        clients_per_round=PER_ROUND,
+        local_epochs=LOCAL_EPOCHS,
+        head="classifier",
+        seed=SEED,
+        runner="sequential",
+    )
+    quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0).fit(
+        DeclaredNet(lr=LR), datamodule=datamodule(), ckpt_path=path
+    )
+    assert strategy.round_plan(2).clients == full.round_plan(2).clients
+    for name, value in full.federation.server_tensors.items():
+        torch.testing.assert_close(strategy.federation.server_tensors[name], value, rtol=0, atol=0, msg=name)
+    for name, value in full.global_tensors().items():
+        torch.testing.assert_close(strategy.global_tensors()[name], value, rtol=0, atol=0, msg=name)
+    for client in range(NUM_CLIENTS):
+        torch.testing.assert_close(
+            strategy.federation.store.client_state(client)["bias"],
+            full.federation.store.client_state(client)["bias"],
+            rtol=0,
+            atol=0,
+        )
+
+
+def test_feddbe_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """FedDBE (``tests/scripts/algorithms_run.py``: ``momentum=0.5, kappa=5``, the initialization pass and one
+    round, every client) on 2 processes equals the 1-process run: the global model, ``r_bar`` (the running means
+    of both processes' clients in one weighted mean), every client's bias and running mean, the validation
+    accuracy scored through FedDBE's forward. Fails when a process's clients are left out of ``r_bar``."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)
+    single = singles["feddbe"]
+    assert float(single["server"]["initialized"]) == 1.0 and single["server"]["global_mean"].abs().max() > 0
+    for held in (rank["feddbe"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held, atol=1e-6)
+        for name, value in single["server"].items():
+            torch.testing.assert_close(held["server"][name], value, rtol=1e-6, atol=1e-7)
+        for client, tensors in single["declared"].items():
+            for name, value in tensors.items():
+                torch.testing.assert_close(held["declared"][client][name], value, rtol=1e-6, atol=1e-7)
