@@ -131,6 +131,8 @@ def test_feddbe_equals_a_plain_loop(m, kappa):
     strategy, init, dm, trainer, model = fit(FedDBE(momentum=m, kappa=kappa), runner="sequential")
     expected = plain_feddbe(init, dm, m, kappa)
     assert sum(bool((b != 0).any()) for b in expected[1].values()) >= 2  # the biases trained
+    assert strategy.round_plan(0).clients == list(range(NUM_CLIENTS))  # planned again: still every client
+    assert [len(strategy.round_plan(r).clients) for r in (1, 2)] == [PER_ROUND, PER_ROUND]
     _assert_equal(strategy, *expected)
 
 

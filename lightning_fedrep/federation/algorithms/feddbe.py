@@ -165,8 +165,9 @@ class FedDBE(Algorithm):
         self._forward.head = found.head_module or ""
 
     def configure_round(self, plan: Any, server: Any) -> Any:
-        """Every client in the initialization pass (the first federated round); later rounds unchanged."""
-        if plan.federated and not bool(server.tensors[READY]):
+        """Every client in the initialization pass (the first federated round); later rounds unchanged. Round 0
+        is named too: a past round planned again (``strategy.round_plan(0)``) sees the current server state."""
+        if plan.federated and (plan.round == 0 or not bool(server.tensors[READY])):
             return plan.replace(clients=range(server.num_clients))
         return plan
 
