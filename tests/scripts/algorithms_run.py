@@ -1,4 +1,4 @@
-"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, an algorithm with a
+"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, FedDBE, an algorithm with a
 ``start_client`` (``tests/test_start_client.py``) and FedRep under client-level and sample-level DP, each fitted on 1 or N CPU processes (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
@@ -26,7 +26,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_fedrep import FederatedDDPStrategy, FederatedStrategy, FedMTL  # noqa: E402
+from lightning_fedrep import FedDBE, FederatedDDPStrategy, FederatedStrategy, FedMTL  # noqa: E402
 from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
 from tests.scripts.federated_run import Net, client_data, holdings  # noqa: E402
 from tests.scripts.launcher import run_script  # noqa: E402
@@ -43,6 +43,7 @@ ALGORITHMS = (
     "fedcp",
     "fedbabu",
     "fedbn",
+    "feddbe",
     "blend_start",
     "fedrep_dp",
     "fedrep_sample_dp",
@@ -59,6 +60,7 @@ def _blend_start():  # tests/test_start_client.py's algorithm: Algorithm.start_c
 VARIANTS = {
     "fed_mtl": lambda: FedMTL(chunk=None, strength=0.05),
     "blend_start": _blend_start,
+    "feddbe": lambda: FedDBE(momentum=0.5, kappa=5.0),
     "fedrep_dp": lambda: "fedrep",
     "fedrep_sample_dp": lambda: "fedrep",
 }
@@ -113,7 +115,7 @@ class NormNet(Net):
         return self.classifier(self.body(self.norm(x)))
 
 
-MODELS = {"fedcp": SplitNet, "fedbn": NormNet}
+MODELS = {"fedcp": SplitNet, "fedbn": NormNet, "feddbe": SplitNet}
 """Names fitted on another module than ``Net``."""
 TIMEOUT = 600  # seconds for the whole 2-process launch; ~15 s on 2 idle cores
 

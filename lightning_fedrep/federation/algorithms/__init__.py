@@ -28,6 +28,7 @@ from lightning_fedrep.federation.algorithms.fedrod import FedRoD
 from lightning_fedrep.federation.algorithms.fedcp import FedCP
 from lightning_fedrep.federation.algorithms.fedbabu import FedBABU
 from lightning_fedrep.federation.algorithms.fedbn import FedBN
+from lightning_fedrep.federation.algorithms.feddbe import FedDBE
 
 # isort: on
 
@@ -42,6 +43,7 @@ __all__ = [
     "FedProx",
     "FedRep",
     "FedCP",
+    "FedDBE",
     "FedRoD",
     "HFMAML",
     "L2GD",
