@@ -26,12 +26,14 @@ from lightning_fedrep.federation.algorithms.l2gd import L2GD
 from lightning_fedrep.federation.algorithms.fed_mtl import FedMTL
 from lightning_fedrep.federation.algorithms.fedrod import FedRoD
 from lightning_fedrep.federation.algorithms.fedcp import FedCP
+from lightning_fedrep.federation.algorithms.fedala import FedALA
 
 # isort: on
 
 __all__ = [
     "APFL",
     "Ditto",
+    "FedALA",
     "FedAvg",
     "FedMTL",
     "FedPer",
