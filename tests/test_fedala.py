@@ -223,3 +223,13 @@ def test_fedala_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
         for client, tensors in single["declared"].items():
             for name, value in tensors.items():
                 torch.testing.assert_close(held["declared"][client][name], value, rtol=0, atol=0)
+
+
+def test_evaluation_scores_each_clients_kept_model():
+    """The scored model of a client is its model after its last training (the ``kept`` slot), not the global one."""
+    strategy, _, _ = fit("sequential", rounds=2)
+    state = strategy.federation.store.client_state(0)
+    scored = dict(strategy.client_model(0).named_parameters())
+    for name, value in scored.items():
+        torch.testing.assert_close(value.detach(), state[f"kept.{name}"], rtol=0, atol=0)
+    assert any(not torch.equal(strategy.global_tensors()[n], v.detach()) for n, v in scored.items())
