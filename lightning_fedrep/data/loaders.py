@@ -283,6 +283,13 @@ class RoundLoader:
         """How many training samples a client has."""
         return len(self.clients[client])
 
+    def batches_at(self, client: int, round_index: int, positions: Sequence[torch.Tensor]) -> Iterator[Any]:
+        """``client``'s training samples of round ``round_index`` at each tensor of ``positions`` (into its own
+        samples), one collated batch each: what ``ClientStart.data`` reads (a loader whose clients draw other
+        samples each round overrides it with :meth:`client_batches`)."""
+        indices = self.clients[client].indices
+        return self.fetcher.batches(self.clients[client].dataset, [indices[p] for p in positions])
+
     def __iter__(self) -> Iterator[Any]:
         plan = self._plan()
         start, self._resume_position = self._resume_position, 0

@@ -13,7 +13,7 @@ Algorithm 2's method-of-moments initialisation and the principal-angle distance 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +181,10 @@ class FreshSampleRoundLoader(RoundLoader):
         """The client's batches from its round samples (in place of its fixed data set)."""
         index_batches = self.client_index_batches(client, round_index, first_step, num_steps)
         return self.fetcher.batches(self.round_samples(client, round_index), index_batches)
+
+    def batches_at(self, client: int, round_index: int, positions: Sequence[torch.Tensor]) -> Iterator[Any]:
+        """The client's round samples at ``positions`` (in place of its fixed data set)."""
+        return self.fetcher.batches(self.round_samples(client, round_index), list(positions))
 
 
 class LowRankLinearDataModule(FederatedDataModule):

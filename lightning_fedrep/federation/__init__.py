@@ -203,6 +203,8 @@ class Federation:
     put_live_state = _Part("rounds")
     put_step_state = _Part("rounds")
     begin_client = _Part("rounds")
+    bind_samples = _Part("rounds")
+    client_samples = _Part("rounds")
     start_tensors = _Part("rounds")
     store_client = _Part("rounds")
     weight_of = _Part("rounds")

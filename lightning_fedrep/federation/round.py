@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Collection, Mapping
+import zlib
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,18 +24,33 @@ from lightning_fedrep.federation.api.exchange import (
     ClientEnd,
     ClientMap,
     ClientOutcome,
+    ClientSamples,
     ClientStart,
     RoundResults,
     ServerState,
     StartOutcome,
 )
-from lightning_fedrep.federation.plan import RoundPlan, StepLocation, plan_round, sample_clients
+from lightning_fedrep.federation.plan import (
+    RoundPlan,
+    StepLocation,
+    plan_round,
+    round_generator,
+    sample_clients,
+)
 from lightning_fedrep.federation.store import OptimizerState
 
 if TYPE_CHECKING:
     from lightning_fedrep.federation.live import LiveModule
     from lightning_fedrep.federation.ranks import RankTransfer
     from lightning_fedrep.federation.state import FederationState
+
+ReadSamples = Callable[[int, int, Sequence[Tensor]], Iterator[Any]]
+"""``read(client, round, positions)``: the client's training samples at each tensor of ``positions`` (into its own
+samples), one batch each, as the training step receives them (what ``ClientStart.data`` reads)."""
+
+START_DATA_KEY = 0x57A7
+"""A key of ``ClientSamples.generator``'s seed ``(seed, round, START_DATA_KEY, client, crc32(key))``: no other
+generator of the package (plans, batch orders) is seeded with it after the round."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +164,8 @@ class RoundTransaction:
         """The open round's started clients not yet finished: the starting values ``start_client`` changed."""
         self._client: _LiveClient | None = None
         self._before_round: _RoundStart | None = None
+        self._read_samples: ReadSamples | None = None
+        """How ``ClientStart.data`` reads a client's training samples (:meth:`bind_samples`)."""
 
     @property
     def live_client(self) -> int | None:
@@ -158,6 +176,31 @@ class RoundTransaction:
     def finished(self) -> tuple[ClientResult, ...]:
         """The clients that finished in the open round (in this process)."""
         return tuple(self._finished)
+
+    def bind_samples(self, read: ReadSamples | None) -> None:
+        """Where ``ClientStart.data`` reads a client's training samples: ``read(client, round, positions)``, one
+        batch per tensor of positions into the client's own samples, as the training step receives them (the
+        strategy binds the round's training loader; ``None``: no data, ``ClientStart.data`` is ``None``)."""
+        self._read_samples = read
+
+    def client_samples(self, client: int) -> ClientSamples | None:
+        """``client``'s training samples in the open round, as ``Algorithm.start_client`` reads them."""
+        read, round_index = self._read_samples, self.round_index
+        if read is None:
+            return None
+        seed, privacy = self.state.config.seed, self.state.config.privacy
+        if getattr(privacy, "batch_sampling", None) is not None:
+            read = _refused_under(privacy)
+        return ClientSamples(
+            client=client,
+            round=round_index,
+            num_samples=int(self.state.require_data()[client]),
+            batch_size=int(self.state.batch_size),
+            read=lambda positions: read(client, round_index, positions),
+            seeded=lambda key: round_generator(
+                seed, round_index, START_DATA_KEY, client, zlib.crc32(key.encode())
+            ),
+        )
 
     def forget_plans(self) -> None:
         """Plan every round anew (the clients' data changed)."""
@@ -405,6 +448,7 @@ class RoundTransaction:
             client_state=self.state.store.client_state(client),
             server=self.state.server_tensors,
             shared_names=self.state.shared_names,
+            data=self.client_samples(client),
         )
         outcome = self.state.algorithm.start_client(start)
         hook = f"{type(self.state.algorithm).__name__}.start_client()"
@@ -802,6 +846,20 @@ def _checked_map(
             f"declared tensors {sorted(tensors)}, got {changed if not isinstance(changed, Mapping) else sorted(changed)}."
         )
     return changed
+
+
+def _refused_under(privacy: Any) -> ReadSamples:
+    """A reader that refuses: a mechanism privatizing the local steps does not account for a start reading data."""
+
+    def read(client: int, round_index: int, positions: Sequence[Tensor]) -> Iterator[Any]:
+        raise ValueError(
+            f"{type(privacy).__name__} privatizes the local steps' batches only: a start_client reading client "
+            f"{client}'s training samples (ClientStart.data) in round {round_index} uses them outside the privacy "
+            "accounting. Use an algorithm whose start_client reads no data with it, or client-level DP "
+            "(ClientLevelDP, which covers everything a client computes)."
+        )
+
+    return read
 
 
 def _checked_values(

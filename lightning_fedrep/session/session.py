@@ -206,6 +206,8 @@ class FederatedSession(Host):
         """The processes a round's clients are sharded over (one here; several on the DDP strategy)."""
         self._run: FederatedRun | None = None
         self._selection = RunnerSelection(self.runner)
+        self._constraints = Constraints()
+        """The host's facts of the current call (how a training batch is converted and moved to the device)."""
         self._callbacks: list[Any] = []
         self._evaluation = FederatedEvaluation(self._capture, self._batch_size)
         self._prediction = Prediction()
@@ -503,6 +505,7 @@ class FederatedSession(Host):
         ``constraints`` (``manual``: the module optimizes manually)."""
         module = self._live_module()
         self.federation.collective = self.collective
+        self._constraints = constraints
         self._callbacks = list(callbacks)
         self._run.bus = bus = CallbackBus(callbacks, trainer, module)
         self.federation.timing = any(c.needs_client_timing for c in callbacks)
@@ -546,7 +549,19 @@ class FederatedSession(Host):
             self._selection.first_loader(run, loader, plan, device, smoke, self.algorithm, self.collective)
         )
         loader.bind(lambda: self._run.schedule(self._round_now()))
+        self._bind_samples(loader, device)
         return loader
+
+    def _bind_samples(self, loader: RoundLoader, device: torch.device) -> None:
+        """What ``ClientStart.data`` reads: the loader's samples of a client, as the training step receives them
+        (the host's conversion, on ``device``)."""
+        convert, to_device = self._constraints.convert_input, self._constraints.to_device
+
+        def read(client: int, round_index: int, positions: Sequence[Tensor]) -> Any:
+            for batch in loader.batches_at(client, round_index, positions):
+                yield to_device(convert(batch), device)
+
+        self.require_federation().bind_samples(read)
 
     def _bind_evaluation(
         self, loader: EvalLoader, probe: ModelProbe, smoke: bool, fingerprint: Callable[[], Any]

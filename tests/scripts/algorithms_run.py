@@ -1,5 +1,6 @@
-"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, FedDBE, an algorithm with a
-``start_client`` (``tests/test_start_client.py``) and FedRep under client-level and sample-level DP, each fitted on 1 or N CPU processes (gloo) in ONE launch.
+"""FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, FedDBE, an algorithm
+with a ``start_client`` (``tests/test_start_client.py``), FedALA (whose start reads the client's training data) and
+FedRep under client-level and sample-level DP, each fitted on 1 or N CPU processes (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
 share this launch: Lightning's launcher re-runs this script for every extra rank once, at the first ``fit``; the
@@ -45,6 +46,7 @@ ALGORITHMS = (
     "fedbn",
     "feddbe",
     "blend_start",
+    "fedala",
     "fedrep_dp",
     "fedrep_sample_dp",
 )

@@ -29,12 +29,14 @@ from lightning_fedrep.federation.algorithms.fedcp import FedCP
 from lightning_fedrep.federation.algorithms.fedbabu import FedBABU
 from lightning_fedrep.federation.algorithms.fedbn import FedBN
 from lightning_fedrep.federation.algorithms.feddbe import FedDBE
+from lightning_fedrep.federation.algorithms.fedala import FedALA
 
 # isort: on
 
 __all__ = [
     "APFL",
     "Ditto",
+    "FedALA",
     "FedAvg",
     "FedBABU",
     "FedBN",

@@ -284,7 +284,8 @@ class Algorithm:
         clients finished earlier in the round. What it changes is undone with the client when the client is
         left out of the round or the round is rolled back; a round resumed from a mid-round checkpoint does not
         call it again for a client that had started. ``ClientEnd.start`` then holds the values it returned.
-        ``start`` carries no training batches yet (see :class:`~lightning_fedrep.federation.api.exchange.ClientStart`).
+        ``start.data`` reads the client's training samples
+        (:class:`~lightning_fedrep.federation.api.exchange.ClientSamples`).
         """
         return StartOutcome()
 

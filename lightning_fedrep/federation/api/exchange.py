@@ -12,10 +12,11 @@ round's history row. No Lightning here (the core).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -25,11 +26,67 @@ __all__ = [
     "ClientEnd",
     "ClientMap",
     "ClientOutcome",
+    "ClientSamples",
     "ClientStart",
     "RoundResults",
     "ServerState",
     "StartOutcome",
 ]
+
+
+@dataclass(frozen=True)
+class ClientSamples:
+    """A client's training samples, as ``Algorithm.start_client`` reads them (``ClientStart.data``): the samples
+    of the round's training loader (the data module's collate, the training step's precision, on the module's
+    device), by position into the client's own ``num_samples`` samples (position order is the data module's
+    order of the client's samples). Nothing is read until :meth:`batches` is iterated.
+
+    Draw any randomness (an offset, a shuffled order) from :meth:`generator`, never the global RNG: it is a pure
+    function of the strategy's seed, the round, the client and a key, so both runners, every process and a
+    resumed run read the same samples.
+    """
+
+    client: int
+    round: int
+    num_samples: int
+    batch_size: int
+    """The round's training batch size (the data module's)."""
+    read: Callable[[Sequence[Tensor]], Iterator[Any]] = field(repr=False)
+    """``read(positions)``: one collated batch per tensor of positions (the federation binds it)."""
+    seeded: Callable[[str], torch.Generator] = field(repr=False)
+    """``seeded(key)``: the generator :meth:`generator` returns (the federation binds it)."""
+
+    def generator(self, key: str) -> torch.Generator:
+        """A CPU generator seeded from the strategy's seed, the round, the client and ``key`` (another key,
+        an independent stream)."""
+        return self.seeded(key)
+
+    def batches(
+        self, positions: Tensor | None = None, batch_size: int | None = None, drop_last: bool = False
+    ) -> Iterator[Any]:
+        """The samples at ``positions`` (a 1-D tensor of positions in ``[0, num_samples)``; ``None``: all, in
+        order), in consecutive batches of ``batch_size`` (``None``: the round's) as the training step receives
+        them; the last batch may be smaller unless ``drop_last``. A shuffled pass is
+        ``batches(torch.randperm(n, generator=data.generator("key")))``; a contiguous slice
+        ``batches(torch.arange(a, b))``."""
+        size = self.batch_size if batch_size is None else int(batch_size)
+        if size < 1:
+            raise ValueError(f"ClientSamples.batches(batch_size=...) must be >= 1, got {batch_size}.")
+        if positions is None:
+            positions = torch.arange(self.num_samples)
+        positions = torch.as_tensor(positions, dtype=torch.long).flatten()
+        if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= self.num_samples):
+            raise IndexError(
+                f"ClientSamples.batches(positions=...): client {self.client} has {self.num_samples} training "
+                f"samples, positions must be in [0, {self.num_samples}), got [{int(positions.min())}, "
+                f"{int(positions.max())}]."
+            )
+        chunks = list(positions.split(size))
+        if drop_last and chunks and len(chunks[-1]) < size:
+            chunks = chunks[:-1]
+        if not chunks:
+            return iter(())
+        return self.read(chunks)
 
 
 @dataclass(frozen=True)
@@ -42,9 +99,9 @@ class ClientStart:
     ``client_state`` holds its declared client tensors as they are before the round (slots such as Ditto's
     ``"personal.<name>"`` included), ``server`` the declared server tensors.
 
-    No training data: a hook that needs the client's batches (FedALA's learned blend weights, FedAS's
-    alignment, FedPAC's statistics on the new body) waits for a later issue, which adds them as a new optional
-    field here (the core holds no data loaders, and each runner reads a client's samples its own way).
+    ``data`` reads the client's training samples (:class:`ClientSamples`: FedALA's learned blend weights, FedAS's
+    alignment, FedPAC's statistics on the new body); ``None`` only for a federation driven without a training
+    loader (no strategy).
     """
 
     client: int
@@ -56,6 +113,8 @@ class ClientStart:
     server: Mapping[str, Tensor]
     shared_names: tuple[str, ...] = ()
     """The names of ``start`` the server shares (the others are the client's local part)."""
+    data: ClientSamples | None = None
+    """The client's training samples (:class:`ClientSamples`), on the process that trains it."""
 
     def shared(self) -> dict[str, Tensor]:
         """The round's global values of the shared tensors."""
