@@ -47,13 +47,17 @@ from lightning_fedrep.federation.algorithms import (  # registers every algorith
     HFMAML,
     L2GD,
     Ditto,
+    FedAdagrad,
+    FedAdam,
     FedAvg,
     FedCP,
     FedMTL,
+    FedOpt,
     FedPer,
     FedProx,
     FedRep,
     FedRoD,
+    FedYogi,
     LGFedAvg,
     Local,
     PerFedAvg,
@@ -71,6 +75,7 @@ from lightning_fedrep.federation.api.objective import (
 )
 from lightning_fedrep.federation.api.registry import ALGORITHMS, on_register, register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
+from lightning_fedrep.federation.api.server_optimizer import ServerOptimizer
 from lightning_fedrep.federation.checkpoint.entry import CHECKPOINT_KEY
 from lightning_fedrep.federation.checkpoint.export import personalized_state_dict
 from lightning_fedrep.federation.module.split import ParameterSplit, SplitError, resolve_split
@@ -97,9 +102,13 @@ __all__ = [
     "Ditto",
     "DynamicExponential",
     "EvaluationSpec",
+    "FedAdagrad",
+    "FedAdam",
     "FedAvg",
     "FedCP",
     "FedMTL",
+    "FedOpt",
+    "FedYogi",
     "FedPer",
     "FedProx",
     "Scaffold",
@@ -141,6 +150,7 @@ __all__ = [
     "RunnerReport",
     "RunnerSettings",
     "RunSummary",
+    "ServerOptimizer",
     "ShardPartitioner",
     "SplitError",
     "StepLocation",

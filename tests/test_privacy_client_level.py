@@ -305,11 +305,16 @@ ACCEPTED = {
     "per_fedavg",
     "hf_maml",
     "fedrod",
+    "fedadam",
+    "fedyogi",
+    "fedadagrad",
 }
 """Built-ins whose server step reads only ``results.reduced`` with the default aggregator: FedRep, FedPer (body),
 FedAvg (everything), LG-FedAvg (head) upload their shared tensors' end values; FedProx adds a local proximal
 term; Ditto and APFL keep their personal model in a client slot and upload the global model's shared tensors;
-Per-FedAvg and HF-MAML change only the local steps; FedRoD's personal head is a client tensor (never uploaded)."""
+Per-FedAvg and HF-MAML change only the local steps; FedRoD's personal head is a client tensor (never uploaded);
+FedAdam, FedYogi and FedAdagrad are FedAvg whose server optimizer steps from the private mean
+(``tests/test_fedopt.py``)."""
 
 REFUSED = {
     "local": "shares nothing",  # nothing to privatize

@@ -3,7 +3,8 @@
 :class:`FedPer`, :class:`LGFedAvg`, :class:`FedAvg`, :class:`Local`) and the acceptance examples of the
 algorithm API (:class:`Ditto`, :class:`FedProx`, :class:`Scaffold`) and the baselines on its step rules and
 evaluation specs (:class:`APFL`, :class:`PerFedAvg`, :class:`HFMAML`) and on the server step's client map
-(:class:`L2GD`).
+(:class:`L2GD`), and the FedOpt server optimizers (:class:`FedAdam`, :class:`FedYogi`, :class:`FedAdagrad`: any
+algorithm's ``with_server_optimizer``; FedAvg with each by name).
 
 Importing this package registers them all by name, in this order (the order of ``StrategyRegistry`` and the
 command's help); ``import lightning_fedrep`` does so.
@@ -26,14 +27,18 @@ from lightning_fedrep.federation.algorithms.l2gd import L2GD
 from lightning_fedrep.federation.algorithms.fed_mtl import FedMTL
 from lightning_fedrep.federation.algorithms.fedrod import FedRoD
 from lightning_fedrep.federation.algorithms.fedcp import FedCP
+from lightning_fedrep.federation.algorithms.fedopt import FedAdagrad, FedAdam, FedOpt, FedYogi
 
 # isort: on
 
 __all__ = [
     "APFL",
     "Ditto",
+    "FedAdagrad",
+    "FedAdam",
     "FedAvg",
     "FedMTL",
+    "FedOpt",
     "FedPer",
     "FedProx",
     "FedRep",
@@ -45,4 +50,5 @@ __all__ = [
     "Local",
     "PerFedAvg",
     "Scaffold",
+    "FedYogi",
 ]
