@@ -352,3 +352,21 @@ def test_with_server_optimizer_keeps_the_algorithm_and_refuses_bad_input():
 def test_bad_settings_are_refused_naming_the_argument(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         FedAdam(**kwargs)
+
+
+def test_fedadam_under_client_level_dp_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """FedAdam under client-level DP (``tests/scripts/algorithms_run.py``'s ``fedadam_dp``), 2 rounds: the model,
+    every client and the optimizer's m, v and step count on 2 processes equal the 1-process run bit for bit. Fails
+    if the step ran on one rank's partial sums or its state diverged between ranks."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)
+    single = singles["fedadam_dp"]
+    assert int(single["server"]["fedopt_steps"]) == 2
+    for held in (rank["fedadam_dp"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held)
+        assert held["server"].keys() == single["server"].keys()
+        for name, value in single["server"].items():
+            assert torch.equal(held["server"][name], value), name

@@ -349,7 +349,7 @@ class Algorithm:
                 f"{optimizer!r} declares server tensors named {sorted(taken)}, which {self.name!r} declares too: "
                 "rename the optimizer's."
             )
-        copied = copy.copy(self)
+        copied = copy.deepcopy(self)
         copied.name = name if name is not None else f"{self.name}_{optimizer.name}"
         copied.description = description if description is not None else f"{self.description} + {optimizer!r}"
         copied.server_tensors = (*self.server_tensors, *declared)
