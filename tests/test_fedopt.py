@@ -29,6 +29,7 @@ from lightning_fedrep import (
     ServerOptimizer,
 )
 from lightning_fedrep.federation.api.declared import ServerTensors
+from lightning_fedrep.federation.api.exchange import ServerState
 from lightning_fedrep.privacy import ClientLevelDP
 from tests.fixtures import quiet_trainer, reference_clients, tiny_datamodule
 from tests.test_engine_equivalence import LossNet
@@ -333,10 +334,23 @@ def test_with_server_optimizer_keeps_the_algorithm_and_refuses_bad_input():
         def server_tensors(self):
             return (ServerTensors("fedopt_m", like="shared"),)
 
+    colliding = FedAvg()
+    colliding.server_tensors = (ServerTensors("fedopt_m", like="shared"),)
     with pytest.raises(ValueError, match=r"declares server tensors named \['fedopt_m'\]"):
-        composed_twice = FedAvg()
-        composed_twice.server_tensors = (ServerTensors("fedopt_m", like="shared"),)
-        composed_twice.with_server_optimizer(Momentum())
+        colliding.with_server_optimizer(Momentum())
+
+
+class ForgetfulStep(ServerOptimizer):
+    """A server optimizer whose step drops the shared tensors."""
+
+    def step(self, server, new):
+        return ServerState(shared={}, tensors=new.tensors, num_clients=new.num_clients), {}
+
+
+def test_a_step_that_drops_tensors_is_refused_naming_it():
+    """The round checks the optimizer's return as it checks ``aggregate``'s, naming the optimizer."""
+    with pytest.raises(KeyError, match=r"ForgetfulStep\.step returned shared tensors \[\]"):
+        fit(FedAvg().with_server_optimizer(ForgetfulStep()), rounds=1)
 
 
 @pytest.mark.parametrize(
