@@ -48,16 +48,20 @@ from lightning_fedrep.federation.algorithms import (  # registers every algorith
     L2GD,
     Ditto,
     FedALA,
+    FedAdagrad,
+    FedAdam,
     FedAvg,
     FedBABU,
     FedBN,
     FedCP,
     FedDBE,
     FedMTL,
+    FedOpt,
     FedPer,
     FedProx,
     FedRep,
     FedRoD,
+    FedYogi,
     LGFedAvg,
     Local,
     PerFedAvg,
@@ -75,6 +79,7 @@ from lightning_fedrep.federation.api.objective import (
 )
 from lightning_fedrep.federation.api.registry import ALGORITHMS, on_register, register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
+from lightning_fedrep.federation.api.server_optimizer import ServerOptimizer
 from lightning_fedrep.federation.checkpoint.entry import CHECKPOINT_KEY
 from lightning_fedrep.federation.checkpoint.export import personalized_state_dict
 from lightning_fedrep.federation.module.split import ParameterSplit, SplitError, resolve_split
@@ -102,12 +107,16 @@ __all__ = [
     "DynamicExponential",
     "EvaluationSpec",
     "FedALA",
+    "FedAdagrad",
+    "FedAdam",
     "FedAvg",
     "FedBABU",
     "FedBN",
     "FedCP",
     "FedDBE",
     "FedMTL",
+    "FedOpt",
+    "FedYogi",
     "FedPer",
     "FedProx",
     "Scaffold",
@@ -149,6 +158,7 @@ __all__ = [
     "RunnerReport",
     "RunnerSettings",
     "RunSummary",
+    "ServerOptimizer",
     "ShardPartitioner",
     "SplitError",
     "StepLocation",

@@ -323,6 +323,7 @@ ALGORITHM_API = frozenset(
         "federation.api.objective",
         "federation.api.registry",
         "federation.api.scoring",
+        "federation.api.server_optimizer",
         "federation.module.feature_split",
     }
 )

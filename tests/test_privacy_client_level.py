@@ -308,13 +308,18 @@ ACCEPTED = {
     "fedbabu",
     "fedbn",
     "fedala",
+    "fedadam",
+    "fedyogi",
+    "fedadagrad",
 }
 """Built-ins whose server step reads only ``results.reduced`` with the default aggregator: FedRep, FedPer (body),
 FedAvg (everything), LG-FedAvg (head) upload their shared tensors' end values; FedProx adds a local proximal
 term; Ditto and APFL keep their personal model in a client slot and upload the global model's shared tensors;
 Per-FedAvg and HF-MAML change only the local steps; FedRoD's personal head is a client tensor (never uploaded);
 FedBABU uploads its body (trained with the head frozen); FedBN everything but its BatchNorm layers (kept local);
-FedALA uploads its end model (its blend of the global model into the client's start is the client's own work)."""
+FedALA uploads its end model (its blend of the global model into the client's start is the client's own work);
+FedAdam, FedYogi and FedAdagrad are FedAvg whose server optimizer steps from the private mean
+(``tests/test_fedopt.py``)."""
 
 REFUSED = {
     "local": "shares nothing",  # nothing to privatize

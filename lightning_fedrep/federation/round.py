@@ -667,14 +667,12 @@ class RoundTransaction:
             )
         new, metrics = answer
         metrics = dict(metrics)
-        for label, names, given in (
-            ("shared", list(self.state.shared_names), list(new.shared)),
-            ("server", list(self.state.server_tensors), list(new.tensors)),
-        ):
-            if sorted(given) != sorted(names):
-                raise KeyError(
-                    f"{name}.aggregate returned {label} tensors {sorted(given)}, expected {sorted(names)}."
-                )
+        self._check_server_names(new, f"{name}.aggregate")
+        optimizer = self.state.algorithm.server_optimizer
+        if optimizer is not None:  # steps from what aggregate returned (after any privacy mechanism's mean)
+            new, stepped = optimizer.step(server, new)
+            self._check_server_names(new, f"{type(optimizer).__name__}.step")
+            metrics.update(stepped)
         if new.client_map is not None:
             self._map_clients(new.client_map)
         self.state.set_server_state(new.shared, new.tensors)
@@ -683,6 +681,15 @@ class RoundTransaction:
                 self.state.config.privacy.after_round(average, self.round_index, server.num_clients)
             )
         return {k: float(v) for k, v in metrics.items()}
+
+    def _check_server_names(self, new: ServerState, owner: str) -> None:
+        """Refuse a server step that did not return every shared and declared server tensor, by name."""
+        for label, names, given in (
+            ("shared", list(self.state.shared_names), list(new.shared)),
+            ("server", list(self.state.server_tensors), list(new.tensors)),
+        ):
+            if sorted(given) != sorted(names):
+                raise KeyError(f"{owner} returned {label} tensors {sorted(given)}, expected {sorted(names)}.")
 
     def _map_clients(self, client_map: ClientMap) -> None:
         """Apply the server step's ``client_map`` to the declared tensors of every client this process holds

@@ -1,6 +1,7 @@
 """FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, FedDBE, an algorithm
-with a ``start_client`` (``tests/test_start_client.py``), FedALA (whose start reads the client's training data) and
-FedRep under client-level and sample-level DP, each fitted on 1 or N CPU processes (gloo) in ONE launch.
+with a ``start_client`` (``tests/test_start_client.py``), FedALA (whose start reads the client's training data),
+FedRep under client-level and sample-level DP and FedAdam under client-level DP, each fitted on 1 or N CPU processes
+(gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
 share this launch: Lightning's launcher re-runs this script for every extra rank once, at the first ``fit``; the
@@ -49,6 +50,7 @@ ALGORITHMS = (
     "fedala",
     "fedrep_dp",
     "fedrep_sample_dp",
+    "fedadam_dp",
 )
 """Fitted on 2 processes; the 1-process reference also fits ``fedavg`` (FedProx must differ from it)."""
 
@@ -65,6 +67,7 @@ VARIANTS = {
     "feddbe": lambda: FedDBE(momentum=0.5, kappa=5.0),
     "fedrep_dp": lambda: "fedrep",
     "fedrep_sample_dp": lambda: "fedrep",
+    "fedadam_dp": lambda: "fedadam",
 }
 """Names fitted with another algorithm than the name (``fedrep_dp``: FedRep, with :data:`SETTINGS`) or an algorithm
 object: Fed-MTL's official strength (1e-5 here) moves the weights
@@ -100,10 +103,15 @@ def _sample_level_dp() -> dict[str, Any]:  # tests/test_privacy_sample_level.py:
     return {"weighting": "uniform", "privacy": SampleLevelDP(clip=0.5, noise_multiplier=1.0, accountant=None)}
 
 
-SETTINGS = {"fedrep_dp": _client_level_dp, "fedrep_sample_dp": _sample_level_dp}
+SETTINGS = {
+    "fedrep_dp": _client_level_dp,
+    "fedrep_sample_dp": _sample_level_dp,
+    "fedadam_dp": _client_level_dp,
+}
 """Names fitted with other strategy settings (FedRep under client-level DP, whose noise every rank must draw
 alike after the all-reduce of the clipped sums; FedRep under sample-level DP, whose clients' DP-SGD noise must
-not depend on the process that trains them)."""
+not depend on the process that trains them; FedAdam stepping from that private mean, its m and v alike on every
+rank)."""
 
 
 class NormNet(Net):

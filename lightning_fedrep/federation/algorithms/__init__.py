@@ -3,7 +3,9 @@
 :class:`FedPer`, :class:`LGFedAvg`, :class:`FedAvg`, :class:`Local`) and the acceptance examples of the
 algorithm API (:class:`Ditto`, :class:`FedProx`, :class:`Scaffold`) and the baselines on its step rules and
 evaluation specs (:class:`APFL`, :class:`PerFedAvg`, :class:`HFMAML`), on the server step's client map
-(:class:`L2GD`), and today's baselines (:class:`FedBABU`, :class:`FedBN`).
+(:class:`L2GD`), today's baselines (:class:`FedBABU`, :class:`FedBN`, :class:`FedDBE`, :class:`FedALA`), and the FedOpt
+server optimizers (:class:`FedAdam`, :class:`FedYogi`, :class:`FedAdagrad`: any algorithm's ``with_server_optimizer``;
+FedAvg with each by name).
 
 Importing this package registers them all by name, in this order (the order of ``StrategyRegistry`` and the
 command's help); ``import lightning_fedrep`` does so.
@@ -30,6 +32,7 @@ from lightning_fedrep.federation.algorithms.fedbabu import FedBABU
 from lightning_fedrep.federation.algorithms.fedbn import FedBN
 from lightning_fedrep.federation.algorithms.feddbe import FedDBE
 from lightning_fedrep.federation.algorithms.fedala import FedALA
+from lightning_fedrep.federation.algorithms.fedopt import FedAdagrad, FedAdam, FedOpt, FedYogi
 
 # isort: on
 
@@ -37,10 +40,13 @@ __all__ = [
     "APFL",
     "Ditto",
     "FedALA",
+    "FedAdagrad",
+    "FedAdam",
     "FedAvg",
     "FedBABU",
     "FedBN",
     "FedMTL",
+    "FedOpt",
     "FedPer",
     "FedProx",
     "FedRep",
@@ -53,4 +59,5 @@ __all__ = [
     "Local",
     "PerFedAvg",
     "Scaffold",
+    "FedYogi",
 ]

@@ -9,6 +9,8 @@ The strategy never checks an algorithm's name. It asks the algorithm object:
 * :meth:`Algorithm.aggregator` — what reduces the round's per-client updates (a streaming
   ``WeightedMean`` by default; ``Stacked`` keeps every client's update, for median or trimmed mean);
 * :meth:`Algorithm.aggregate` — the server step: the new server state from the round's results;
+* :meth:`Algorithm.with_server_optimizer` — the same algorithm with a server optimizer (FedAdam, ...) stepping
+  from what ``aggregate`` returns;
 * :meth:`Algorithm.objective` — the local objective of a phase: loss terms added to every local
   training loss (e.g. FedProx's proximal term) and step transforms (``federation.objective``);
 * :meth:`Algorithm.keep_local` — tensors every client keeps whatever ``shares`` says (FedBN's BatchNorm layers);
@@ -22,6 +24,7 @@ FedPer, LG-FedAvg, FedAvg, Local Only) are such subclasses, one module each in
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ from lightning_fedrep.federation.api.exchange import (
 )
 from lightning_fedrep.federation.api.objective import Objective, refuse_removed_hooks
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
+from lightning_fedrep.federation.api.server_optimizer import ServerOptimizer
 from lightning_fedrep.federation.module.split import ParameterSplit
 
 Part = Literal["head", "body", "all"]
@@ -311,6 +315,57 @@ class Algorithm:
         and before any step: check the module (raise naming what to change) or read the data (``datamodule``:
         the Trainer's data module, or ``None``). The default does nothing; FedRoD checks its head and reads the
         clients' label counts here."""
+
+    @property
+    def server_optimizer(self) -> ServerOptimizer | None:
+        """The server optimizer that steps after :meth:`aggregate` (``None``: none); set by
+        :meth:`with_server_optimizer`."""
+        return getattr(self, "_server_optimizer", None)
+
+    def with_server_optimizer(
+        self, optimizer: ServerOptimizer, name: str | None = None, description: str | None = None
+    ) -> Algorithm:
+        """A copy of this algorithm whose server step continues with ``optimizer`` (e.g. ``FedAdam()``): at
+        each round's close the federation runs :meth:`aggregate`, then ``optimizer.step(server, new)``, which
+        treats ``Δ = new.shared - server.shared`` (over the round's surviving clients) as a pseudo-gradient and
+        steps the shared tensors from the round's start. The optimizer's state is added to
+        :attr:`server_tensors` (checkpointed, mid-round too). Local work, uploads, evaluation and the
+        aggregator are the algorithm's own, so it composes with every algorithm that shares something, and
+        with ``privacy=ClientLevelDP(...)`` (it steps from the private mean).
+
+        Args:
+            optimizer: the :class:`~.server_optimizer.ServerOptimizer`.
+            name: the copy's name (default ``"<name>_<optimizer.name>"``, e.g. ``"fedrep_fedadam"``).
+            description: the copy's one-line description (default: this one's, naming the optimizer).
+        """
+        if not isinstance(optimizer, ServerOptimizer):
+            raise TypeError(
+                f"with_server_optimizer(optimizer=...) takes a ServerOptimizer such as FedAdam(), got "
+                f"{type(optimizer).__name__} ({optimizer!r})."
+            )
+        if self.server_optimizer is not None:
+            raise ValueError(
+                f"{self.name!r} already steps with {self.server_optimizer!r}: attach one server optimizer, to the "
+                "algorithm without one."
+            )
+        if not self.shares:
+            raise ValueError(
+                f"{self.name!r} shares nothing with the server, so a server optimizer has nothing to step: "
+                "use an algorithm that shares the body, the head or both."
+            )
+        declared = tuple(optimizer.server_tensors())
+        taken = {spec.name for spec in self.server_tensors} & {spec.name for spec in declared}
+        if taken:
+            raise ValueError(
+                f"{optimizer!r} declares server tensors named {sorted(taken)}, which {self.name!r} declares too: "
+                "rename the optimizer's."
+            )
+        copied = copy.deepcopy(self)
+        copied.name = name if name is not None else f"{self.name}_{optimizer.name}"
+        copied.description = description if description is not None else f"{self.description} + {optimizer!r}"
+        copied.server_tensors = (*self.server_tensors, *declared)
+        copied._server_optimizer = optimizer
+        return copied
 
     def state_dict(self) -> dict[str, Any]:
         """Server state kept across rounds (e.g. server momentum); saved with the federation."""

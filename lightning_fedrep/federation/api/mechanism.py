@@ -11,7 +11,8 @@ leaves the aggregation to the algorithm. The core calls it at these points:
   round's planned cohort;
 * :meth:`PrivacyMechanism.aggregator` when an aggregating round opens (and when a mid-round checkpoint is
   resumed), **in place of** ``Algorithm.aggregator``: the aggregator that privatizes the uploads, so
-  ``Algorithm.aggregate`` only post-processes the private ``results.reduced`` (server momentum, FedOpt);
+  ``Algorithm.aggregate`` and its server optimizer (``Algorithm.with_server_optimizer``: FedOpt) only
+  post-process the private ``results.reduced`` (server momentum, FedAdam);
 * :meth:`PrivacyMechanism.after_round` once the server step of a round that aggregated has run: the mechanism
   updates its own state (an adaptive clip, its accountant) and returns columns for the round's history row;
 * :meth:`PrivacyMechanism.bind_data` when the training data is bound (the clients' sizes, the batch size);
