@@ -44,6 +44,7 @@ from lightning_fedrep.federation import (
 )
 from lightning_fedrep.federation.algorithms import (  # registers every algorithm module, in order
     APFL,
+    GPFL,
     HFMAML,
     L2GD,
     Ditto,
@@ -123,6 +124,7 @@ __all__ = [
     "FedRep",
     "FedRepStrategy",
     "FedRoD",
+    "GPFL",
     "FederatedCallback",
     "FederatedDDPStrategy",
     "FederatedDataModule",

@@ -1,5 +1,5 @@
 """FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, FedDBE, an algorithm
-with a ``start_client`` (``tests/test_start_client.py``), FedALA (whose start reads the client's training data),
+with a ``start_client`` (``tests/test_start_client.py``), FedALA (whose start reads the client's training data), GPFL,
 FedRep under client-level and sample-level DP and FedAdam under client-level DP, each fitted on 1 or N CPU processes
 (gloo) in ONE launch.
 
@@ -28,7 +28,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_fedrep import FedDBE, FederatedDDPStrategy, FederatedStrategy, FedMTL  # noqa: E402
+from lightning_fedrep import GPFL, FedDBE, FederatedDDPStrategy, FederatedStrategy, FedMTL  # noqa: E402
 from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
 from tests.scripts.federated_run import Net, client_data, holdings  # noqa: E402
 from tests.scripts.launcher import run_script  # noqa: E402
@@ -48,6 +48,7 @@ ALGORITHMS = (
     "feddbe",
     "blend_start",
     "fedala",
+    "gpfl",
     "fedrep_dp",
     "fedrep_sample_dp",
     "fedadam_dp",
@@ -65,6 +66,7 @@ VARIANTS = {
     "fed_mtl": lambda: FedMTL(chunk=None, strength=0.05),
     "blend_start": _blend_start,
     "feddbe": lambda: FedDBE(momentum=0.5, kappa=5.0),
+    "gpfl": lambda: GPFL(lamda=0.5, mu=0.1),
     "fedrep_dp": lambda: "fedrep",
     "fedrep_sample_dp": lambda: "fedrep",
     "fedadam_dp": lambda: "fedadam",
@@ -125,7 +127,7 @@ class NormNet(Net):
         return self.classifier(self.body(self.norm(x)))
 
 
-MODELS = {"fedcp": SplitNet, "fedbn": NormNet, "feddbe": SplitNet}
+MODELS = {"fedcp": SplitNet, "fedbn": NormNet, "feddbe": SplitNet, "gpfl": SplitNet}
 """Names fitted on another module than ``Net``."""
 TIMEOUT = 600  # seconds for the whole 2-process launch; ~15 s on 2 idle cores
 
