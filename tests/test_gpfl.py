@@ -372,3 +372,30 @@ def test_gpfl_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
         for client, tensors in single["declared"].items():
             for name, value in tensors.items():
                 torch.testing.assert_close(held["declared"][client][name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_sample_level_dp_is_refused_naming_the_step_rule():
+    """Sample-level DP computes every local step as DP-SGD: GPFL's step rule is refused, naming it (its start would
+    also read the client's labels outside the accounting)."""
+    from lightning_fedrep.privacy import SampleLevelDP
+
+    privacy = SampleLevelDP(clip=1.0, noise_multiplier=1.0, accountant=None)
+    with pytest.raises(ValueError, match="SampleLevelDP.*step rule 'GPFL"):
+        fit(GPFL(), runner="sequential", rounds=1, weighting="uniform", privacy=privacy)
+
+
+class ThreeClasses(DeclaredNet):
+    """A head of 3 outputs on 4-class data."""
+
+    def __init__(self):
+        super().__init__(lr=LR)
+        self.classifier = nn.Linear(8, 3)
+
+
+def test_labels_the_head_cannot_embed_are_refused_before_a_step():
+    """The strategy's label check refuses them at set-up; without it (``headline_metrics=False``) GPFL's count of the
+    client's labels does, at the client's start (before its first step)."""
+    with pytest.raises(ValueError, match="has label 3, but the model outputs 3 classes"):
+        fit(GPFL(), runner="sequential", model=ThreeClasses(), callbacks=[RefuseAtStep()])
+    with pytest.raises(ValueError, match="GPFL embeds the head's 3 classes.*labels outside 0..2"):
+        fit(GPFL(), runner="sequential", model=ThreeClasses(), headline_metrics=False)
