@@ -65,6 +65,7 @@ from lightning_fedrep.federation.algorithms import (  # registers every algorith
     LGFedAvg,
     Local,
     PerFedAvg,
+    PFedMe,
     Scaffold,
 )
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
@@ -148,6 +149,7 @@ __all__ = [
     "ParameterSplit",
     "Partitioner",
     "PerFedAvg",
+    "PFedMe",
     "Phase",
     "StepOutcome",
     "StepRule",
