@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.func import functional_call
 from torch.nn import functional as F
@@ -112,16 +113,22 @@ def plain_fedcac(init, dm, tau=TAU, beta=BETA, first=True, broken=""):
     return x, models, masks, groups
 
 
-def fit(algorithm, runner="sequential"):
+def fit(algorithm, runner="sequential", callbacks=(), ckpt_path=None):
     torch.manual_seed(0)
     init = LossNet()
     dm = datamodule()
     strategy = FederatedStrategy(
         algorithm=algorithm, clients_per_round=PER_ROUND, runner=runner, seed=SEED, local_epochs=LOCAL_EPOCHS
     )
-    trainer = quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0)
+    trainer = quiet_trainer(
+        strategy=strategy,
+        max_epochs=ROUNDS,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+        enable_checkpointing=bool(callbacks),
+    )
     model = copy.deepcopy(init)
-    trainer.fit(model, datamodule=dm)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     dm.setup()
     return strategy, init, dm, trainer, model
 
@@ -218,3 +225,21 @@ def test_fedcac_by_name_has_flings_cifar10_defaults():
 def test_bad_arguments_are_refused_naming_them(kwargs, error, match):
     with pytest.raises(error, match=match):
         FedCAC(**kwargs)
+
+
+def test_a_run_resumed_mid_round_equals_the_uninterrupted_one(tmp_path):
+    """Checkpoints after every step; the run resumed from one inside a client's round (its declared tensors half
+    written) ends with the uninterrupted run's global model and every client's declared tensors, exactly."""
+    whole = fit(FedCAC(tau=TAU, beta=BETA))[0]
+    first = fit(
+        FedCAC(tau=TAU, beta=BETA),
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)],
+    )[0]
+    step = first.round_plan(0).length + 3  # inside round 1
+    (ckpt,) = tmp_path.glob(f"*step={step}.ckpt")
+    resumed = fit(FedCAC(tau=TAU, beta=BETA), ckpt_path=ckpt)[0]
+    for name, value in whole.global_tensors().items():
+        assert torch.equal(resumed.global_tensors()[name], value), name
+    for client in range(NUM_CLIENTS):
+        for name, value in whole.federation.store.client_state(client).items():
+            assert torch.equal(resumed.federation.store.client_state(client)[name], value), (client, name)

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.func import functional_call
 from torch.nn import functional as F
@@ -74,16 +75,22 @@ def plain_pfedme(init, dm, broken=""):
     return x, locals_, thetas
 
 
-def fit(algorithm, runner="sequential", rounds=ROUNDS):
+def fit(algorithm, runner="sequential", rounds=ROUNDS, callbacks=(), ckpt_path=None):
     torch.manual_seed(0)
     init = net()
     dm = datamodule(BATCH)
     strategy = FederatedStrategy(
         algorithm=algorithm, clients_per_round=PER_ROUND, runner=runner, seed=SEED, local_epochs=LOCAL_EPOCHS
     )
-    trainer = quiet_trainer(strategy=strategy, max_epochs=rounds, limit_val_batches=0)
+    trainer = quiet_trainer(
+        strategy=strategy,
+        max_epochs=rounds,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+        enable_checkpointing=bool(callbacks),
+    )
     model = copy.deepcopy(init)
-    trainer.fit(model, datamodule=dm)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     dm.setup()
     return strategy, init, dm, trainer, model
 
@@ -173,3 +180,20 @@ def test_pfedme_by_name_has_the_papers_defaults():
 def test_bad_arguments_are_refused_naming_them(kwargs, error, match):
     with pytest.raises(error, match=match):
         PFedMe(**kwargs)
+
+
+def test_a_run_resumed_mid_round_equals_the_uninterrupted_one(tmp_path):
+    """Checkpoints after every step; the run resumed from one inside a client's round (its declared tensors half
+    written) ends with the uninterrupted run's global model and every client's declared tensors, exactly."""
+    whole = fit(PFedMe(**RULE))[0]
+    first = fit(
+        PFedMe(**RULE), callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)]
+    )[0]
+    step = first.round_plan(0).length + 3  # inside round 1
+    (ckpt,) = tmp_path.glob(f"*step={step}.ckpt")
+    resumed = fit(PFedMe(**RULE), ckpt_path=ckpt)[0]
+    for name, value in whole.global_tensors().items():
+        assert torch.equal(resumed.global_tensors()[name], value), name
+    for client in range(NUM_CLIENTS):
+        for name, value in whole.federation.store.client_state(client).items():
+            assert torch.equal(resumed.federation.store.client_state(client)[name], value), (client, name)
