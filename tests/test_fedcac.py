@@ -243,3 +243,21 @@ def test_a_run_resumed_mid_round_equals_the_uninterrupted_one(tmp_path):
     for client in range(NUM_CLIENTS):
         for name, value in whole.federation.store.client_state(client).items():
             assert torch.equal(resumed.federation.store.client_state(client)[name], value), (client, name)
+
+
+def test_fedcac_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """FedCAC (``tests/scripts/algorithms_run.py``), 2 rounds, every client: the global model, every client's model,
+    masks and index on 2 processes equal the 1-process run. Fails when the server step sees only its rank's
+    uploads or re-mixes only the clients its rank trained."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch shared with other test files
+    single = singles["fedcac"]
+    assert all(float(t["id"]) == c + 1 for c, t in single["declared"].items())
+    for held in (rank["fedcac"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held)
+        for client, tensors in single["declared"].items():
+            for name, value in tensors.items():
+                torch.testing.assert_close(held["declared"][client][name], value, rtol=0, atol=0)

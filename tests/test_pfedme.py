@@ -197,3 +197,20 @@ def test_a_run_resumed_mid_round_equals_the_uninterrupted_one(tmp_path):
     for client in range(NUM_CLIENTS):
         for name, value in whole.federation.store.client_state(client).items():
             assert torch.equal(resumed.federation.store.client_state(client)[name], value), (client, name)
+
+
+def test_pfedme_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """pFedMe (``tests/scripts/algorithms_run.py``), 2 rounds, every client: the global model, every client's
+    tensors and personalized slot on 2 processes equal the 1-process run. Fails when a client's slot stays on the
+    rank that trained it."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch shared with other test files
+    single = singles["pfedme"]
+    for held in (rank["pfedme"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held)
+        for client, tensors in single["declared"].items():
+            for name, value in tensors.items():
+                torch.testing.assert_close(held["declared"][client][name], value, rtol=0, atol=0)
