@@ -54,6 +54,7 @@ from lightning_fedrep.federation.algorithms import (  # registers every algorith
     FedAvg,
     FedBABU,
     FedBN,
+    FedCAC,
     FedCP,
     FedDBE,
     FedMTL,
@@ -66,6 +67,7 @@ from lightning_fedrep.federation.algorithms import (  # registers every algorith
     LGFedAvg,
     Local,
     PerFedAvg,
+    PFedMe,
     Scaffold,
 )
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
@@ -113,6 +115,7 @@ __all__ = [
     "FedAvg",
     "FedBABU",
     "FedBN",
+    "FedCAC",
     "FedCP",
     "FedDBE",
     "FedMTL",
@@ -150,6 +153,7 @@ __all__ = [
     "ParameterSplit",
     "Partitioner",
     "PerFedAvg",
+    "PFedMe",
     "Phase",
     "StepOutcome",
     "StepRule",

@@ -311,6 +311,7 @@ ACCEPTED = {
     "fedadam",
     "fedyogi",
     "fedadagrad",
+    "pfedme",
 }
 """Built-ins whose server step reads only ``results.reduced`` with the default aggregator: FedRep, FedPer (body),
 FedAvg (everything), LG-FedAvg (head) upload their shared tensors' end values; FedProx adds a local proximal
@@ -319,7 +320,8 @@ Per-FedAvg and HF-MAML change only the local steps; FedRoD's personal head is a 
 FedBABU uploads its body (trained with the head frozen); FedBN everything but its BatchNorm layers (kept local);
 FedALA uploads its end model (its blend of the global model into the client's start is the client's own work);
 FedAdam, FedYogi and FedAdagrad are FedAvg whose server optimizer steps from the private mean
-(``tests/test_fedopt.py``)."""
+(``tests/test_fedopt.py``); pFedMe keeps its personalized model in a client slot, uploads its local model and
+mixes the (private) mean into the previous global model."""
 
 REFUSED = {
     "local": "shares nothing",  # nothing to privatize
@@ -329,6 +331,7 @@ REFUSED = {
     "gpfl": "chooses its own aggregator",  # uploads its GCE and CoV beside the body
     "l2gd": "chooses its own aggregator",  # an unweighted mean of its personal slot's values of its own
     "fed_mtl": "chooses its own aggregator",  # Stacked: every client's flattened weights kept apart
+    "fedcac": "chooses its own aggregator",  # Stacked: every client's model and critical masks kept apart
 }
 """Built-ins the mechanism refuses, and why (from reading each module's ``aggregator`` and ``finish_client``)."""
 

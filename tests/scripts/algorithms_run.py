@@ -1,6 +1,6 @@
 """FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, FedDBE, an algorithm
 with a ``start_client`` (``tests/test_start_client.py``), FedALA (whose start reads the client's training data), GPFL,
-FedRep under client-level and sample-level DP and FedAdam under client-level DP, each fitted on 1 or N CPU processes
+FedRep under client-level and sample-level DP, FedAdam under client-level DP, pFedMe and FedCAC, each fitted on 1 or N CPU processes
 (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
@@ -28,7 +28,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_fedrep import GPFL, FedDBE, FederatedDDPStrategy, FederatedStrategy, FedMTL  # noqa: E402
+from lightning_fedrep import GPFL, FedCAC, FedDBE, FederatedDDPStrategy, FederatedStrategy, FedMTL, PFedMe  # noqa: E402
 from lightning_fedrep.federation.api.epochs import epoch_settings  # noqa: E402
 from tests.scripts.federated_run import Net, client_data, holdings  # noqa: E402
 from tests.scripts.launcher import run_script  # noqa: E402
@@ -52,6 +52,8 @@ ALGORITHMS = (
     "fedrep_dp",
     "fedrep_sample_dp",
     "fedadam_dp",
+    "pfedme",
+    "fedcac",
 )
 """Fitted on 2 processes; the 1-process reference also fits ``fedavg`` (FedProx must differ from it)."""
 
@@ -70,12 +72,15 @@ VARIANTS = {
     "fedrep_dp": lambda: "fedrep",
     "fedrep_sample_dp": lambda: "fedrep",
     "fedadam_dp": lambda: "fedadam",
+    "pfedme": lambda: PFedMe(lam=2.0, inner_steps=3, personal_lr=0.05, beta=0.7),
+    "fedcac": lambda: FedCAC(tau=0.5, beta=2.0),
 }
 """Names fitted with another algorithm than the name (``fedrep_dp``: FedRep, with :data:`SETTINGS`) or an algorithm
 object: Fed-MTL's official strength (1e-5 here) moves the weights
 by less than the comparison's tolerance, and its 4000-row blocks drop every row of this small model (the
 trace, which reads the other clients' columns, would vanish): a regularizer reading the wrong columns would pass
-unseen."""
+unseen. pFedMe's and FedCAC's settings make the inner steps, the mixing and the customization groups matter within
+2 rounds."""
 ROUNDS = 2
 
 
