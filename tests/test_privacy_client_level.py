@@ -326,6 +326,7 @@ REFUSED = {
     "scaffold": "chooses its own aggregator",  # uploads control-variate changes dc.* beside the model
     "fedcp": "chooses its own aggregator",  # uploads its CPN and a blend of the global head (hg.*)
     "feddbe": "chooses its own aggregator",  # uploads each client's feature running mean (r_bar's source)
+    "fedas": "chooses its own aggregator",  # weights each client by its Fisher trace, uploaded beside the body
     "l2gd": "chooses its own aggregator",  # an unweighted mean of its personal slot's values of its own
     "fed_mtl": "chooses its own aggregator",  # Stacked: every client's flattened weights kept apart
 }
