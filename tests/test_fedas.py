@@ -215,3 +215,24 @@ def test_alignment_epochs_zero_starts_from_the_global_body():
     for n, p in model.named_parameters():
         torch.testing.assert_close(scored[n], p.detach(), rtol=0, atol=1e-6)
     assert isinstance(model, nn.Module)
+
+
+def test_fedas_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """FedAS (``tests/scripts/algorithms_run.py``), 2 rounds, every client: each rank reads the prototypes, the
+    alignment and the Fisher pass from the samples of the clients it trains, and the Fisher-weighted sums cross the
+    processes. The global body, every client's own body and head, and the mean Fisher trace on 2 processes equal the
+    1-process run. Fails when a rank reads another client's samples or the weights stay per process."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)  # one 2-process launch shared with other test files
+    single = singles["fedas"]
+    assert all(row["fedas/fisher_trace"] > 0 for row in single["history"])
+    for held in (rank["fedas"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held)
+        for client, tensors in single["declared"].items():
+            for name, value in tensors.items():
+                torch.testing.assert_close(held["declared"][client][name], value, rtol=1e-5, atol=1e-6)
+        for got, expected in zip(held["history"], single["history"]):
+            assert got["fedas/fisher_trace"] == pytest.approx(expected["fedas/fisher_trace"], rel=1e-5)

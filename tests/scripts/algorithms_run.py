@@ -1,5 +1,7 @@
 """FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, FedDBE, an algorithm
-with a ``start_client`` (``tests/test_start_client.py``), FedALA (whose start reads the client's training data),
+with a ``start_client`` (``tests/test_start_client.py``), FedALA (whose start reads the client's training data), FedAS
+(whose start and finish read it; clients of 7, 9 and 13 samples align on no batch of 16, and the one of 7 has no Fisher
+batch of 8: weight 0),
 FedRep under client-level and sample-level DP and FedAdam under client-level DP, each fitted on 1 or N CPU processes
 (gloo) in ONE launch.
 
@@ -48,6 +50,7 @@ ALGORITHMS = (
     "feddbe",
     "blend_start",
     "fedala",
+    "fedas",
     "fedrep_dp",
     "fedrep_sample_dp",
     "fedadam_dp",
