@@ -2,9 +2,11 @@
 FedRep code's ``LocalUpdateAPFL`` / ``main_apfl.py``: per batch, with ``w_0`` the global copy at the batch's
 start, (a) the global copy takes its optimizer step (SGD, momentum 0.5) on ``L(w_0)``, (b) the personal model
 moves ``v <- v - lr alpha grad L(mix)`` with ``mix = alpha v + (1 - alpha) w_0`` (paper) or ``alpha v + alpha
-w_0`` (official), as plain SGD (the documented deviation); the server takes the sample-weighted mean of the
-``w``; personal models start from the initial model. Full-batch clients; rows in the loader's shuffle order
-(``tests.fixtures.client_batches``)."""
+w_0`` (the official mixture); with ``mixture="paper"`` as plain SGD, with ``mixture="official"`` as the official
+code's second ``optimizer.step()`` of the same optimizer (one momentum buffer, weight decay on the weights only),
+restated literally (``_official_local``, on :class:`OfficialNet`, whose optimizer is the official one); the server
+takes the sample-weighted mean of the ``w``; personal models start from the initial model. Full-batch clients; rows
+in the loader's shuffle order (``tests.fixtures.client_batches``)."""
 
 import copy
 import math
@@ -20,6 +22,30 @@ from tests.test_ditto import _xy
 from tests.test_engine_equivalence import LossNet
 
 NUM_CLIENTS, PER_ROUND, SEED, ROUNDS, LOCAL_EPOCHS, DATA_SEED, ALPHA = 3, 2, 4, 2, 2, 3, 0.75
+MOMENTUM, WEIGHT_DECAY = 0.5, 1e-3
+
+
+def official_optimizer(net, lr):
+    """``LocalUpdateAPFL.train``'s optimizer: SGD, momentum 0.5, weight decay on the tensors without "bias"."""
+    weights = [p for n, p in net.named_parameters() if "bias" not in n]
+    biases = [p for n, p in net.named_parameters() if "bias" in n]
+    groups = [{"params": weights, "weight_decay": WEIGHT_DECAY}, {"params": biases, "weight_decay": 0}]
+    return torch.optim.SGD(groups, lr=lr, momentum=MOMENTUM)
+
+
+class OfficialNet(LossNet):
+    """The tiny net trained with the official APFL optimizer (what ``APFL(mixture="official")`` assumes)."""
+
+    def configure_optimizers(self):
+        return official_optimizer(self, self.hparams.lr)
+
+
+def official(**kwargs):
+    return APFL(alpha=ALPHA, mixture="official", momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, **kwargs)
+
+
+def algorithm_of(mixture):
+    return official() if mixture == "official" else APFL(alpha=ALPHA, mixture=mixture)
 
 
 def datamodule(batch_size=256):
@@ -55,8 +81,36 @@ def _local(init, w, v, batches, beta):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, v
 
 
-def plain_apfl(init, dm, mixture):
+def _official_local(init, w, v, batches, beta):
+    """``LocalUpdateAPFL.train`` of the official code: per batch, the optimizer steps the global copy, then (the
+    same optimizer, its momentum buffer and weight decay) the mixture; ``v`` moves by the mixture's step."""
+    net = copy.deepcopy(init)
+    net.load_state_dict(w, strict=False)
+    optimizer = official_optimizer(net, net.hparams.lr)
+    w_local = {n: t.clone() for n, t in v.items()}
+    for images, labels in batches:
+        w_glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+        w_loc_new = {k: ALPHA * w_local[k] + beta * w_glob[k] for k in w_glob}
+        loss = F.cross_entropy(net(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        wt = {n: p.detach().clone() for n, p in net.named_parameters()}
+        net.load_state_dict(w_loc_new, strict=False)
+        loss = ALPHA * F.cross_entropy(net(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        w_local_bar = {n: p.detach().clone() for n, p in net.named_parameters()}
+        w_local = {k: w_local_bar[k] - w_loc_new[k] + w_local[k] for k in w_local_bar}
+        net.load_state_dict(wt, strict=False)
+    return {n: p.detach().clone() for n, p in net.named_parameters()}, w_local
+
+
+def plain_apfl(init, dm, mixture, local=None):
+    """The run written out; ``local``: the client's steps (``_official_local`` for the official mixture)."""
     beta = ALPHA if mixture == "official" else 1 - ALPHA
+    local = local or (_official_local if mixture == "official" else _local)
     w = {n: p.detach().clone() for n, p in init.named_parameters()}
     v = {c: dict(w) for c in range(NUM_CLIENTS)}
     for r in range(ROUNDS):
@@ -64,7 +118,7 @@ def plain_apfl(init, dm, mixture):
         for client in reference_clients(NUM_CLIENTS, PER_ROUND, SEED, r):
             steps = LOCAL_EPOCHS * math.ceil(len(dm.client_data(client)) / dm.batch_size)
             batches = list(client_batches(dm, DATA_SEED, r, client, steps))
-            trained, v[client] = _local(init, w, v[client], batches, beta)
+            trained, v[client] = local(init, w, v[client], batches, beta)
             for n in w:
                 total[n] += len(dm.client_data(client)) * trained[n]
             weight += len(dm.client_data(client))
@@ -74,7 +128,7 @@ def plain_apfl(init, dm, mixture):
 
 def fit(algorithm, runner="auto", batch_size=256, callbacks=(), ckpt_path=None, rounds=ROUNDS):
     torch.manual_seed(0)
-    init = LossNet()
+    init = OfficialNet() if algorithm.mixture == "official" else LossNet()
     dm = datamodule(batch_size)
     strategy = FederatedStrategy(
         algorithm=algorithm, clients_per_round=PER_ROUND, seed=SEED, local_epochs=LOCAL_EPOCHS, runner=runner
@@ -94,10 +148,22 @@ def fit(algorithm, runner="auto", batch_size=256, callbacks=(), ckpt_path=None, 
 @pytest.mark.parametrize("mixture", ["paper", "official"])
 def test_apfl_equals_a_plain_loop(mixture):
     """Golden test: the global weights and every client's personal model (sampled or not). Fails if the
-    personal step drops ``alpha`` (``lr * mixed[n]``), if ``"official"`` mixes with ``1 - alpha``, or if the
+    personal step drops ``alpha`` (``lr * mixed[n]``), if ``"official"`` mixes with ``1 - alpha``, if its
+    personal step does not share the optimizer's momentum buffer (either way) or weight decay, or if the
     client's personal model is never written (``store.put_state`` dropped from ``put_step_state``)."""
-    strategy, init, dm = fit(APFL(alpha=ALPHA, mixture=mixture), runner="sequential")
+    strategy, init, dm = fit(algorithm_of(mixture), runner="sequential")
     _assert_equal(strategy, *plain_apfl(init, dm, mixture))
+
+
+def test_the_official_step_is_not_the_plain_one():
+    """Planted bug: the official run against the reference with the paper's plain SGD personal step (the
+    strategy's step before issue 41) differs, in the personal and the global models."""
+    strategy, init, dm = fit(official(), runner="sequential")
+    w, v = plain_apfl(init, dm, "official", local=_local)
+    gaps = [float((strategy.global_tensors()[n] - t).abs().max()) for n, t in w.items()]
+    state = strategy.federation.store.client_state
+    gaps += [float((state(c)[f"personal.{n}"] - t).abs().max()) for c in v for n, t in v[c].items()]
+    assert max(gaps) > 1e-4
 
 
 @pytest.mark.parametrize("mixture", ["paper", "official"])
@@ -105,9 +171,9 @@ def test_the_lockstep_runner_equals_the_plain_loop_and_the_sequential_runner(mix
     """The rule inside the lockstep runner's ``vmap`` on padded batches of 64, its ``client_state`` written into
     the store after each step; clients of unequal sizes, so some lanes idle. Fails if the engine skips writing
     it (``_write_rule_state`` returning at once)."""
-    lockstep, init, dm = fit(APFL(alpha=ALPHA, mixture=mixture), runner="vectorized", batch_size=64)
+    lockstep, init, dm = fit(algorithm_of(mixture), runner="vectorized", batch_size=64)
     assert lockstep.runner_report.runner == "vectorized"
-    sequential, *_ = fit(APFL(alpha=ALPHA, mixture=mixture), runner="sequential", batch_size=64)
+    sequential, *_ = fit(algorithm_of(mixture), runner="sequential", batch_size=64)
     _assert_equal(lockstep, *plain_apfl(init, dm, mixture))
     w = sequential.global_tensors()
     v = {
@@ -130,9 +196,17 @@ def test_apfl_by_name_has_the_official_alpha():
 
     algorithm = ALGORITHMS["apfl"]
     assert isinstance(algorithm, APFL) and (algorithm.alpha, algorithm.mixture) == (0.75, "paper")
+    assert [t.name for t in algorithm.client_tensors] == ["personal"]  # the paper's rule keeps no buffers
+    assert (
+        repr(APFL(mixture="official"))
+        == "APFL(alpha=0.75, mixture='official', momentum=0.5, weight_decay=0.0001)"
+    )
 
 
-@pytest.mark.parametrize("kwargs, argument", [({"alpha": 1.5}, "alpha"), ({"mixture": "typo"}, "mixture")])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [({"alpha": 1.5}, "alpha"), ({"mixture": "typo"}, "mixture"), ({"momentum": -0.1}, "momentum")],
+)
 def test_bad_settings_name_the_argument(kwargs, argument):
     with pytest.raises((ValueError, TypeError), match=argument):
         APFL(**kwargs)
@@ -205,9 +279,9 @@ def test_evaluation_scores_the_mixture_of_personal_and_global_models():
     mixture), read from the plain loop's models: ``client_state_dict`` and the logged test accuracy. Fails if
     ``APFL.evaluation`` swaps ``alpha`` and ``1 - alpha`` or scores the personal models alone."""
     torch.manual_seed(0)
-    init, dm = LossNet(), datamodule()
+    init, dm = OfficialNet(), datamodule()
     strategy = FederatedStrategy(
-        algorithm=APFL(alpha=ALPHA, mixture="official"),
+        algorithm=official(),
         clients_per_round=PER_ROUND,
         seed=SEED,
         local_epochs=LOCAL_EPOCHS,

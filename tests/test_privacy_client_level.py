@@ -329,6 +329,7 @@ REFUSED = {
     "fedcp": "chooses its own aggregator",  # uploads its CPN and a blend of the global head (hg.*)
     "feddbe": "chooses its own aggregator",  # uploads each client's feature running mean (r_bar's source)
     "gpfl": "chooses its own aggregator",  # uploads its GCE and CoV beside the body
+    "fedas": "chooses its own aggregator",  # weights each client by its Fisher trace, uploaded beside the body
     "l2gd": "chooses its own aggregator",  # an unweighted mean of its personal slot's values of its own
     "fed_mtl": "chooses its own aggregator",  # Stacked: every client's flattened weights kept apart
     "fedcac": "chooses its own aggregator",  # Stacked: every client's model and critical masks kept apart

@@ -1,9 +1,11 @@
 """``ClientStart.data``: the client's training samples, read by ``Algorithm.start_client`` (FedALA's blend weights,
-FedAS's alignment and FedPAC's statistics read them the same way).
+FedAS's alignment and FedPAC's statistics read them the same way), and ``ClientEnd.data``, read by
+``Algorithm.finish_client`` after training (FedAS's Fisher information).
 
 An algorithm reads, at each client's start, all its samples in order (batches of 7), a shuffled pass (batches of
 5, the last partial one dropped) drawn from ``data.generator("order")``, and a contiguous slice; it stores the
-first read's sum of inputs as a declared tensor (a start outcome computed from the data) and records what it read.
+first read's sum of inputs as a declared tensor (a start outcome computed from the data) and records what it read;
+its finish reads a shuffled pass in the round's batch size with another key.
 Compared with the client's rows of the data module, the generator restated from the documented seeding rule
 ``(seed, round, 0x57A7, client, crc32(key))``, on both runners.
 """
@@ -19,7 +21,7 @@ from lightning_fedrep import FederatedStrategy
 from lightning_fedrep.data.low_rank import FreshSampleRoundLoader, make_low_rank_problem
 from lightning_fedrep.federation.api.algorithm import Algorithm
 from lightning_fedrep.federation.api.declared import ClientTensors
-from lightning_fedrep.federation.api.exchange import ClientSamples, StartOutcome
+from lightning_fedrep.federation.api.exchange import ClientOutcome, ClientSamples, StartOutcome
 from tests.fixtures import quiet_trainer, reference_clients, reference_generator, tiny_datamodule
 from tests.test_engine_equivalence import LossNet
 
@@ -53,6 +55,13 @@ class ReadsData(Algorithm):
         }
         return StartOutcome(client_state={"input_sum": torch.cat([x for x, _ in ordered]).sum(0)})
 
+    def finish_client(self, end):
+        """``ClientEnd.data``: the same samples after training, a shuffled pass drawn with another key."""
+        order = torch.randperm(end.data.num_samples, generator=end.data.generator("after"))
+        shuffled = list(end.data.batches(order, drop_last=True))
+        self.seen[end.round, end.client]["after"] = torch.cat([x for x, _ in shuffled])
+        return ClientOutcome(upload=end.shared())
+
 
 def fit(algorithm, runner):
     torch.manual_seed(0)
@@ -70,7 +79,7 @@ def fit(algorithm, runner):
 def test_a_start_reads_the_clients_training_samples(runner):
     """Fails if ``data`` reads another client's samples or another round's order, ignores ``positions``,
     ``batch_size`` or ``drop_last``, draws its generator from another seed (the global RNG, the loader's), or is
-    not bound on the runner."""
+    not bound on the runner (at the start or at the finish)."""
     algorithm = ReadsData()
     strategy, dm = fit(algorithm, runner)
     assert strategy.runner_report.runner == runner
@@ -86,6 +95,8 @@ def test_a_start_reads_the_clients_training_samples(runner):
         assert seen["shuffled_sizes"] == [5] * (n // 5)
         assert torch.equal(seen["shuffled"], x[order[: 5 * (n // 5)]])
         assert torch.equal(seen["sliced"], x[2:9])
+        after = torch.randperm(n, generator=reference_generator(SEED, r, 0x57A7, c, zlib.crc32(b"after")))
+        assert torch.equal(seen["after"], x[after[: 8 * (n // 8)]])  # ClientEnd.data, the round's batch size
         assert seen["batch_size"] == 8 and seen["device"] == torch.device("cpu")
         torch.testing.assert_close(strategy.federation.store.client_state(c)["input_sum"], x.sum(0))
 

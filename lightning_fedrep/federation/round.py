@@ -184,7 +184,8 @@ class RoundTransaction:
         self._read_samples = read
 
     def client_samples(self, client: int) -> ClientSamples | None:
-        """``client``'s training samples in the open round, as ``Algorithm.start_client`` reads them."""
+        """``client``'s training samples in the open round, as ``Algorithm.start_client`` and ``finish_client``
+        read them."""
         read, round_index = self._read_samples, self.round_index
         if read is None:
             return None
@@ -551,6 +552,7 @@ class RoundTransaction:
             server=self.state.server_tensors,
             shared_names=self.state.shared_names,
             slots=slots,
+            data=self.client_samples(client),
         )
         outcome = self.state.algorithm.finish_client(end)
         if not isinstance(outcome, ClientOutcome):
@@ -860,8 +862,8 @@ def _refused_under(privacy: Any) -> ReadSamples:
 
     def read(client: int, round_index: int, positions: Sequence[Tensor]) -> Iterator[Any]:
         raise ValueError(
-            f"{type(privacy).__name__} privatizes the local steps' batches only: a start_client reading client "
-            f"{client}'s training samples (ClientStart.data) in round {round_index} uses them outside the privacy "
+            f"{type(privacy).__name__} privatizes the local steps' batches only: a start_client or finish_client "
+            f"reading client {client}'s training samples (ClientStart.data, ClientEnd.data) in round {round_index} uses them outside the privacy "
             "accounting. Use an algorithm whose start_client reads no data with it, or client-level DP "
             "(ClientLevelDP, which covers everything a client computes)."
         )

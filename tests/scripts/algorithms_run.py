@@ -1,6 +1,8 @@
 """FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, FedDBE, an algorithm
 with a ``start_client`` (``tests/test_start_client.py``), FedALA (whose start reads the client's training data), GPFL,
-FedRep under client-level and sample-level DP, FedAdam under client-level DP, pFedMe and FedCAC, each fitted on 1 or N CPU processes
+FedAS (whose start and finish read it; clients of 7, 9 and 13 samples align on no batch of 16, and the one of 7 has no
+Fisher batch of 8: weight 0), FedRep under client-level and sample-level DP, FedAdam under client-level DP, pFedMe and
+FedCAC, each fitted on 1 or N CPU processes
 (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
@@ -49,6 +51,7 @@ ALGORITHMS = (
     "blend_start",
     "fedala",
     "gpfl",
+    "fedas",
     "fedrep_dp",
     "fedrep_sample_dp",
     "fedadam_dp",

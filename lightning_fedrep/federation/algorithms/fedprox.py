@@ -30,9 +30,12 @@ class FedProx(Algorithm):
             experiments: the baseline is the one this package reproduces.
 
     The term is part of the loss, so its gradient ``mu (w - w_global)`` goes through the user's optimizer:
-    with momentum or weight decay it is scaled and accumulated like the loss's gradient. The official
-    FedRep code's FedProx optimizer instead adds ``mu (w - w_0)`` to the update *after* momentum; with
-    momentum 0 (plain SGD) the two updates are the same.
+    with momentum it is accumulated in the momentum buffer like the loss's gradient. The official FedRep
+    code's FedProx optimizer (``FedProx.py``) does the same: it adds ``mu (w - w_0)`` in place to ``d_p``,
+    which is its momentum buffer, so the term enters the buffer and decays with it, the update this
+    strategy takes with an SGD optimizer of the same momentum. One difference remains in the settings: that
+    optimizer decays every tensor (``weight_decay=1e-4`` on ``net.parameters()``, biases included), while
+    the recipes' optimizer, like the official code's other baselines, decays the weights only.
 
     ``Trainer(strategy="fedprox")`` (and ``"fedprox_ddp"``) uses ``FedProx()``; pass another ``mu`` as
     ``FederatedStrategy(algorithm=FedProx(mu=0.01))``.

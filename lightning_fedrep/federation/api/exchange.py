@@ -149,7 +149,9 @@ class ClientEnd:
     step rule wrote this round included), ``server`` the declared server tensors; ``lr`` is the first optimizer's first
     param group's learning rate (``None`` if unknown); ``slots`` the declared slots the client trained this
     round (``Phase(slot=...)``) at the end of its work, by ``"<slot>.<tensor name>"`` (stored with its
-    declared tensors after ``finish_client``; ``{}`` when no phase trained a slot).
+    declared tensors after ``finish_client``; ``{}`` when no phase trained a slot). ``data`` reads the client's
+    training samples as at its start (:class:`ClientSamples`, the same seeding rule: draw with keys other than the
+    start's), for statistics of the trained model (FedAS's Fisher information, FedPAC's feature statistics).
     """
 
     client: int
@@ -166,6 +168,9 @@ class ClientEnd:
     shared_names: tuple[str, ...] = ()
     """The names of ``start``/``end`` the server shares (what :meth:`shared` returns)."""
     slots: Mapping[str, Tensor] = field(default_factory=dict)
+    data: ClientSamples | None = None
+    """The client's training samples (:class:`ClientSamples`), on the process that trained it; ``None`` only for
+    a federation driven without a training loader (no strategy)."""
 
     def shared(self) -> dict[str, Tensor]:
         """The end values of the shared tensors (what the default ``finish_client`` uploads)."""
