@@ -184,7 +184,8 @@ class RoundTransaction:
         self._read_samples = read
 
     def client_samples(self, client: int) -> ClientSamples | None:
-        """``client``'s training samples in the open round, as ``Algorithm.start_client`` reads them."""
+        """``client``'s training samples in the open round, as ``Algorithm.start_client`` and ``finish_client``
+        read them."""
         read, round_index = self._read_samples, self.round_index
         if read is None:
             return None
@@ -551,6 +552,7 @@ class RoundTransaction:
             server=self.state.server_tensors,
             shared_names=self.state.shared_names,
             slots=slots,
+            data=self.client_samples(client),
         )
         outcome = self.state.algorithm.finish_client(end)
         if not isinstance(outcome, ClientOutcome):

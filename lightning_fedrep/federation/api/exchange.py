@@ -149,7 +149,8 @@ class ClientEnd:
     step rule wrote this round included), ``server`` the declared server tensors; ``lr`` is the first optimizer's first
     param group's learning rate (``None`` if unknown); ``slots`` the declared slots the client trained this
     round (``Phase(slot=...)``) at the end of its work, by ``"<slot>.<tensor name>"`` (stored with its
-    declared tensors after ``finish_client``; ``{}`` when no phase trained a slot).
+    declared tensors after ``finish_client``; ``{}`` when no phase trained a slot); ``data`` reads the client's
+    training samples as ``ClientStart.data`` does (FedPAC's local prototypes of the trained model).
     """
 
     client: int
@@ -166,6 +167,9 @@ class ClientEnd:
     shared_names: tuple[str, ...] = ()
     """The names of ``start``/``end`` the server shares (what :meth:`shared` returns)."""
     slots: Mapping[str, Tensor] = field(default_factory=dict)
+    data: ClientSamples | None = None
+    """The client's training samples (:class:`ClientSamples`, the same reader and generators as at its start),
+    on the process that trained it; ``None`` only for a federation driven without a training loader."""
 
     def shared(self) -> dict[str, Tensor]:
         """The end values of the shared tensors (what the default ``finish_client`` uploads)."""
