@@ -328,6 +328,7 @@ REFUSED = {
     "feddbe": "chooses its own aggregator",  # uploads each client's feature running mean (r_bar's source)
     "l2gd": "chooses its own aggregator",  # an unweighted mean of its personal slot's values of its own
     "fed_mtl": "chooses its own aggregator",  # Stacked: every client's flattened weights kept apart
+    "fedpac": "chooses its own aggregator",  # Stacked: heads, statistics and prototypes beside the body
     "fedproto": "chooses its own aggregator",  # Stacked: every client's local class prototypes (nothing shared)
 }
 """Built-ins the mechanism refuses, and why (from reading each module's ``aggregator`` and ``finish_client``)."""

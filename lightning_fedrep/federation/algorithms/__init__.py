@@ -3,7 +3,7 @@
 :class:`FedPer`, :class:`LGFedAvg`, :class:`FedAvg`, :class:`Local`) and the acceptance examples of the
 algorithm API (:class:`Ditto`, :class:`FedProx`, :class:`Scaffold`) and the baselines on its step rules and
 evaluation specs (:class:`APFL`, :class:`PerFedAvg`, :class:`HFMAML`), on the server step's client map
-(:class:`L2GD`), today's baselines (:class:`FedBABU`, :class:`FedBN`, :class:`FedDBE`, :class:`FedALA`, :class:`FedProto`), and the FedOpt
+(:class:`L2GD`), today's baselines (:class:`FedBABU`, :class:`FedBN`, :class:`FedDBE`, :class:`FedALA`, :class:`FedProto`, :class:`FedPAC`), and the FedOpt
 server optimizers (:class:`FedAdam`, :class:`FedYogi`, :class:`FedAdagrad`: any algorithm's ``with_server_optimizer``;
 FedAvg with each by name).
 
@@ -34,6 +34,7 @@ from lightning_fedrep.federation.algorithms.feddbe import FedDBE
 from lightning_fedrep.federation.algorithms.fedala import FedALA
 from lightning_fedrep.federation.algorithms.fedopt import FedAdagrad, FedAdam, FedOpt, FedYogi
 from lightning_fedrep.federation.algorithms.fedproto import FedProto
+from lightning_fedrep.federation.algorithms.fedpac import FedPAC
 
 # isort: on
 
@@ -48,6 +49,7 @@ __all__ = [
     "FedBN",
     "FedMTL",
     "FedOpt",
+    "FedPAC",
     "FedPer",
     "FedProto",
     "FedProx",
