@@ -289,3 +289,23 @@ def test_fedpac_by_name():
         False,
     )
     assert "fedpac" in StrategyRegistry and "fedpac_ddp" in StrategyRegistry
+
+
+def test_fedpac_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """FedPAC (``tests/scripts/algorithms_run.py``, every client, two rounds) on 2 processes equals the 1-process
+    run: the global body, the prototypes, every client's combined head and statistics (each process solves the
+    QPs over both processes' uploads), the validation accuracy."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)
+    single = singles["fedpac"]
+    assert float(single["server"]["has_prototype"].sum()) == 4
+    for held in (rank["fedpac"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held, atol=1e-6)
+        for name, value in single["server"].items():
+            torch.testing.assert_close(held["server"][name], value, rtol=1e-6, atol=1e-7)
+        for client, tensors in single["declared"].items():
+            for name, value in tensors.items():
+                torch.testing.assert_close(held["declared"][client][name], value, rtol=1e-5, atol=1e-6)

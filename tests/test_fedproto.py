@@ -242,3 +242,20 @@ def test_fedproto_by_name():
     from lightning.pytorch.strategies import StrategyRegistry
 
     assert "fedproto" in StrategyRegistry and "fedproto_ddp" in StrategyRegistry
+
+
+def test_fedproto_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
+    """FedProto (``tests/scripts/algorithms_run.py``, every client, two rounds) on 2 processes equals the 1-process
+    run: every client's model, the global prototypes (both processes' uploads in one plain mean), the validation
+    accuracy scored by the nearest prototype. Fails when a process's clients are left out of the prototypes."""
+    from tests.scripts.algorithms_run import shared_runs
+    from tests.test_distributed import assert_same_federation
+
+    singles, ranks = shared_runs(tmp_path_factory)
+    single = singles["fedproto"]
+    assert float(single["server"]["has_prototype"].sum()) == 4
+    for held in (rank["fedproto"] for rank in ranks):
+        assert held["world_size"] == 2
+        assert_same_federation(single, held, atol=1e-6)
+        for name, value in single["server"].items():
+            torch.testing.assert_close(held["server"][name], value, rtol=1e-6, atol=1e-7)

@@ -1,6 +1,7 @@
 """FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, FedDBE, an algorithm
 with a ``start_client`` (``tests/test_start_client.py``), FedALA (whose start reads the client's training data),
-FedRep under client-level and sample-level DP and FedAdam under client-level DP, each fitted on 1 or N CPU processes
+FedProto, FedPAC (whose start and finish read the client's training data), FedRep under client-level and
+sample-level DP and FedAdam under client-level DP, each fitted on 1 or N CPU processes
 (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
@@ -48,6 +49,8 @@ ALGORITHMS = (
     "feddbe",
     "blend_start",
     "fedala",
+    "fedproto",
+    "fedpac",
     "fedrep_dp",
     "fedrep_sample_dp",
     "fedadam_dp",
@@ -125,7 +128,7 @@ class NormNet(Net):
         return self.classifier(self.body(self.norm(x)))
 
 
-MODELS = {"fedcp": SplitNet, "fedbn": NormNet, "feddbe": SplitNet}
+MODELS = {"fedcp": SplitNet, "fedbn": NormNet, "feddbe": SplitNet, "fedproto": SplitNet, "fedpac": SplitNet}
 """Names fitted on another module than ``Net``."""
 TIMEOUT = 600  # seconds for the whole 2-process launch; ~15 s on 2 idle cores
 
