@@ -95,7 +95,7 @@ def _client(model, body, head, protos, x, y, lamda, broken):
     return state, v, h, local
 
 
-def plain_fedpac(init, dm, lamda=LAMDA, rounds=ROUNDS, renormalize=True, broken=""):
+def plain_fedpac(init, dm, lamda=LAMDA, rounds=ROUNDS, renormalize=True, broken="", counts=False):
     """The global body, every client's combined head and the global prototypes after ``rounds`` rounds."""
     state = init.state_dict()
     body = {n: state[n].clone() for n in BODY}
@@ -119,7 +119,8 @@ def plain_fedpac(init, dm, lamda=LAMDA, rounds=ROUNDS, renormalize=True, broken=
         protos = {}
         for k in sorted({k for c in clients for k in up[c][3]}):
             holders = [c for c in clients if k in up[c][3]]
-            protos[k] = sum(up[c][3][k] for c in holders) / len(holders)
+            weight = {c: float((_xy(dm, c)[1] == k).sum()) if counts else 1.0 for c in holders}
+            protos[k] = sum(weight[c] * up[c][3][k] for c in holders) / sum(weight.values())
         v = torch.tensor([float(up[c][1]) for c in clients], dtype=torch.float64)
         hs = torch.stack([up[c][2] for c in clients])
         order = clients[::-1] if broken == "upload_order" else clients
@@ -183,6 +184,23 @@ def test_the_golden_test_sees_each_planted_bug(broken):
     strategy, init, dm, trainer, model = fit(FedPAC(lamda=LAMDA), runner="sequential")
     with pytest.raises(AssertionError):
         _assert_equal(strategy, *plain_fedpac(init, dm, broken=broken))
+
+
+def test_class_count_weighted_prototypes():
+    """``prototype_weighting="counts"`` (the official code): each client's prototype of a class weighted by its
+    samples of the class; differs from the plain mean."""
+    strategy, init, dm, *_ = fit(FedPAC(lamda=LAMDA, prototype_weighting="counts"), runner="sequential")
+    _assert_equal(strategy, *plain_fedpac(init, dm, counts=True))
+    with pytest.raises(AssertionError):
+        _assert_equal(strategy, *plain_fedpac(init, dm))
+
+
+def test_without_scipy_fedpac_is_refused_at_setup(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)
+    with pytest.raises(ValueError, match="scipy"):
+        fit(FedPAC(), runner="sequential", callbacks=[RefuseAtStep()])
 
 
 def test_the_prototype_term_matters():
@@ -309,3 +327,56 @@ def test_fedpac_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
         for client, tensors in single["declared"].items():
             for name, value in tensors.items():
                 torch.testing.assert_close(held["declared"][client][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    """Fit two rounds, save, resume to three: the global body, the prototypes and every client's declared tensors
+    (combined head, index, statistics) equal the three-round run's."""
+    full = fit(FedPAC(lamda=LAMDA), runner="sequential")[0]
+    trainer = fit(FedPAC(lamda=LAMDA), runner="sequential", rounds=2)[3]
+    path = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(path)
+    torch.manual_seed(0)
+    strategy = FederatedStrategy(
+        algorithm=FedPAC(lamda=LAMDA),
+        clients_per_round=PER_ROUND,
+        local_epochs=LOCAL_EPOCHS,
+        head="classifier",
+        seed=SEED,
+        runner="sequential",
+    )
+    quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0).fit(
+        net(), datamodule=datamodule(), ckpt_path=path
+    )
+    for name, value in full.federation.server_tensors.items():
+        torch.testing.assert_close(strategy.federation.server_tensors[name], value, rtol=0, atol=0, msg=name)
+    for name, value in full.global_tensors().items():
+        torch.testing.assert_close(strategy.global_tensors()[name], value, rtol=0, atol=0, msg=name)
+    for client in range(NUM_CLIENTS):
+        resumed = strategy.federation.store.client_state(client)
+        for name, value in full.federation.store.client_state(client).items():
+            torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=(client, name))
+
+
+def test_drop_last_reads_the_statistics_as_pfllibs_loader():
+    """``drop_last=True``: the statistics of a client of the first round read a shuffled pass in batches of the
+    round's size, the last partial one dropped (the order drawn from ``ClientStart.data.generator("statistics")``,
+    the documented seeding rule restated), while ``V``'s divisor stays the client's sample count."""
+    import zlib
+
+    from tests.fixtures import reference_generator
+
+    strategy, init, dm, *_ = fit(
+        FedPAC(lamda=LAMDA, drop_last=True), runner="sequential", batch_size=64, rounds=1
+    )
+    for client in reference_clients(NUM_CLIENTS, PER_ROUND, SEED, 0):
+        x, y = _xy(dm, client)
+        n = len(x)
+        key = zlib.crc32(b"statistics")
+        order = torch.randperm(n, generator=reference_generator(SEED, 0, 0x57A7, client, key))[
+            : 64 * (n // 64)
+        ]
+        v, h = statistics(init, x[order], y[order])
+        state = strategy.federation.store.client_state(client)
+        torch.testing.assert_close(state["pac_v"].double(), v * len(order) / n, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(state["pac_h"].double(), h, rtol=1e-5, atol=1e-6)

@@ -259,3 +259,31 @@ def test_fedproto_on_two_processes_equals_the_same_run_on_one(tmp_path_factory):
         assert_same_federation(single, held, atol=1e-6)
         for name, value in single["server"].items():
             torch.testing.assert_close(held["server"][name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    """Fit two rounds, save, resume to three: the global prototypes and every client's model equal the three-round
+    run's."""
+    full = fit(FedProto(lamda=LAMDA), runner="sequential")[0]
+    trainer = fit(FedProto(lamda=LAMDA), runner="sequential", rounds=2)[3]
+    path = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(path)
+    torch.manual_seed(0)
+    strategy = FederatedStrategy(
+        algorithm=FedProto(lamda=LAMDA),
+        clients_per_round=PER_ROUND,
+        local_epochs=LOCAL_EPOCHS,
+        head="classifier",
+        seed=SEED,
+        runner="sequential",
+    )
+    quiet_trainer(strategy=strategy, max_epochs=ROUNDS, limit_val_batches=0).fit(
+        DeclaredNet(lr=LR), datamodule=datamodule(), ckpt_path=path
+    )
+    for name, value in full.federation.server_tensors.items():
+        torch.testing.assert_close(strategy.federation.server_tensors[name], value, rtol=0, atol=0, msg=name)
+    for client in range(NUM_CLIENTS):
+        for (name, value), (_, resumed) in zip(
+            full.client_model(client).named_parameters(), strategy.client_model(client).named_parameters()
+        ):
+            torch.testing.assert_close(resumed, value, rtol=0, atol=0, msg=(client, name))
