@@ -242,7 +242,7 @@ class FedPAC(Algorithm):
                 parts if counts is None else (a + b for a, b in zip((counts, sums, squares), parts))
             )
         if counts is None:
-            zeros = torch.zeros(self._shape, dtype=torch.float64)
+            zeros = torch.zeros(self._shape, dtype=torch.float64, device=next(iter(tensors.values())).device)
             return zeros[:, 0], zeros, zeros[:, 0]
         return counts, sums, squares
 

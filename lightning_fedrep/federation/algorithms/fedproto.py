@@ -182,6 +182,7 @@ class FedProto(Algorithm):
         self.scoring, self.own_classes = scoring, own_classes
         self._forward = ProtoForward(own_classes=own_classes)
         self._split: FeatureSplit | None = None
+        self._module: nn.Module | None = None
         self._loss: Callable[[Tensor, Tensor], Tensor] | None = None
         self._shape = (0, 0)
 
@@ -196,6 +197,7 @@ class FedProto(Algorithm):
         self._loss = per_sample_loss(module, "FedProto")
         self._split = require_split(module, split.head, datamodule, "FedProto")
         self._forward.head = self._split.head_module or ""
+        self._module = module
 
     def evaluation(self) -> EvaluationSpec:
         """The nearest global prototype (:class:`ProtoForward`), or the client's model (``scoring="head"``)."""
@@ -212,7 +214,9 @@ class FedProto(Algorithm):
 
     def aggregator(self, like: Mapping[str, Tensor]) -> Stacked:
         """Every client's local prototypes and held classes (no model tensor is shared)."""
-        device = next(iter(like.values())).device if like else None
+        if self._module is None:
+            raise RuntimeError("FedProto.aggregator() needs setup() to have run.")
+        device = next(self._module.parameters()).device  # nothing is shared: like may be empty
         classes, dim = self._shape
         template = {
             UP_PROTOS: torch.zeros(classes, dim, device=device),
