@@ -333,6 +333,8 @@ REFUSED = {
     "l2gd": "chooses its own aggregator",  # an unweighted mean of its personal slot's values of its own
     "fed_mtl": "chooses its own aggregator",  # Stacked: every client's flattened weights kept apart
     "fedcac": "chooses its own aggregator",  # Stacked: every client's model and critical masks kept apart
+    "fedpac": "chooses its own aggregator",  # Stacked: heads, statistics and prototypes beside the body
+    "fedproto": "chooses its own aggregator",  # Stacked: every client's local class prototypes (nothing shared)
 }
 """Built-ins the mechanism refuses, and why (from reading each module's ``aggregator`` and ``finish_client``)."""
 

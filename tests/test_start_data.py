@@ -63,6 +63,20 @@ class ReadsData(Algorithm):
         return ClientOutcome(upload=end.shared())
 
 
+class ReadsDataAtTheEnd(ReadsData):
+    """Also reads, at each client's finish (``ClientEnd.data``), all its samples in order and a shuffled pass."""
+
+    def finish_client(self, end):
+        data = end.data
+        order = torch.randperm(data.num_samples, generator=data.generator("order"))
+        self.seen[end.round, end.client].update(
+            end_x=torch.cat([x for x, _ in data.batches(batch_size=4)]),
+            end_shuffled=torch.cat([x for x, _ in data.batches(order, batch_size=3, drop_last=True)]),
+            end_client=data.client,
+        )
+        return ClientOutcome(upload=end.shared())
+
+
 def fit(algorithm, runner):
     torch.manual_seed(0)
     dm = tiny_datamodule(num_clients=NUM_CLIENTS, batch_size=8, seed=3)
@@ -118,6 +132,22 @@ def test_a_loader_drawing_fresh_samples_each_round_serves_that_rounds_samples():
     ((x, y),) = loader.batches_at(1, 2, [torch.tensor([4, 0])])
     samples = loader.round_samples(1, 2)
     assert torch.equal(x, samples.tensors[0][[4, 0]]) and torch.equal(y, samples.tensors[1][[4, 0]])
+
+
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_finish_reads_the_clients_training_samples(runner):
+    """``ClientEnd.data`` reads what ``ClientStart.data`` reads: the client's rows, and the same generator (the
+    documented seeding rule). Fails if ``finish_client`` gets no reader or another client's."""
+    algorithm = ReadsDataAtTheEnd()
+    strategy, dm = fit(algorithm, runner)
+    assert strategy.runner_report.runner == runner
+    for (r, c), seen in algorithm.seen.items():
+        data = dm.client_data(c)
+        x = data.dataset.tensors[0][data.indices]
+        n = len(x)
+        order = torch.randperm(n, generator=reference_generator(SEED, r, 0x57A7, c, zlib.crc32(b"order")))
+        assert seen["end_client"] == c and torch.equal(seen["end_x"], x)
+        assert torch.equal(seen["end_shuffled"], x[order[: 3 * (n // 3)]])
 
 
 def test_data_is_none_without_a_bound_loader():

@@ -1,8 +1,8 @@
 """FedProx, SCAFFOLD, a median aggregator, Ditto, L2GD, APFL, FedRoD, Fed-MTL, FedCP, FedBABU, FedBN, FedDBE, an algorithm
 with a ``start_client`` (``tests/test_start_client.py``), FedALA (whose start reads the client's training data), GPFL,
 FedAS (whose start and finish read it; clients of 7, 9 and 13 samples align on no batch of 16, and the one of 7 has no
-Fisher batch of 8: weight 0), FedRep under client-level and sample-level DP, FedAdam under client-level DP, pFedMe and
-FedCAC, each fitted on 1 or N CPU processes
+Fisher batch of 8: weight 0), FedProto, FedPAC (whose start and finish read it), FedRep under client-level and
+sample-level DP, FedAdam under client-level DP, pFedMe and FedCAC, each fitted on 1 or N CPU processes
 (gloo) in ONE launch.
 
 The 2-process checks of ``tests/test_fedprox.py``, ``tests/test_algorithm_v2.py`` and ``tests/test_aggregation.py``
@@ -52,6 +52,8 @@ ALGORITHMS = (
     "fedala",
     "gpfl",
     "fedas",
+    "fedproto",
+    "fedpac",
     "fedrep_dp",
     "fedrep_sample_dp",
     "fedadam_dp",
@@ -135,7 +137,14 @@ class NormNet(Net):
         return self.classifier(self.body(self.norm(x)))
 
 
-MODELS = {"fedcp": SplitNet, "fedbn": NormNet, "feddbe": SplitNet, "gpfl": SplitNet}
+MODELS = {
+    "fedcp": SplitNet,
+    "fedbn": NormNet,
+    "feddbe": SplitNet,
+    "gpfl": SplitNet,
+    "fedproto": SplitNet,
+    "fedpac": SplitNet,
+}
 """Names fitted on another module than ``Net``."""
 TIMEOUT = 600  # seconds for the whole 2-process launch; ~15 s on 2 idle cores
 

@@ -4,7 +4,7 @@
 algorithm API (:class:`Ditto`, :class:`FedProx`, :class:`Scaffold`) and the baselines on its step rules and
 evaluation specs (:class:`APFL`, :class:`PerFedAvg`, :class:`HFMAML`), on the server step's client map
 (:class:`L2GD`), today's baselines (:class:`FedBABU`, :class:`FedBN`, :class:`FedDBE`, :class:`FedALA`, :class:`GPFL`,
-:class:`PFedMe`, :class:`FedCAC`, :class:`FedAS`), and the FedOpt
+:class:`PFedMe`, :class:`FedCAC`, :class:`FedAS`, :class:`FedProto`, :class:`FedPAC`), and the FedOpt
 server optimizers (:class:`FedAdam`, :class:`FedYogi`, :class:`FedAdagrad`: any algorithm's ``with_server_optimizer``;
 FedAvg with each by name).
 
@@ -38,6 +38,8 @@ from lightning_fedrep.federation.algorithms.fedas import FedAS
 from lightning_fedrep.federation.algorithms.fedopt import FedAdagrad, FedAdam, FedOpt, FedYogi
 from lightning_fedrep.federation.algorithms.pfedme import PFedMe
 from lightning_fedrep.federation.algorithms.fedcac import FedCAC
+from lightning_fedrep.federation.algorithms.fedproto import FedProto
+from lightning_fedrep.federation.algorithms.fedpac import FedPAC
 
 # isort: on
 
@@ -54,7 +56,9 @@ __all__ = [
     "FedCAC",
     "FedMTL",
     "FedOpt",
+    "FedPAC",
     "FedPer",
+    "FedProto",
     "FedProx",
     "FedRep",
     "FedCP",

@@ -1,0 +1,282 @@
+"""FedProto (Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients", AAAI 2022): no
+model tensor is shared; clients and server exchange only per-class prototypes, ``d``-dimensional feature means.
+
+What was followed: PFLlib's ``clientproto.py``/``serverproto.py`` (the official ``yuetan031/FedProto`` differs
+as listed below). With ``rep = phi(x)`` (the module's body output, the head's input), ``h`` its head, ``P_c`` the
+global prototype of class ``c`` (where one exists), per local step on the batch::
+
+    T_row = P_y if class y has a global prototype else rep_row.detach()
+    loss  = CE(h(rep), y) + lamda * MSE(rep, T)           (MSE: the mean over the batch's B * d entries)
+
+Every sample's ``rep`` (detached, before the step, in training mode) joins its class's sum, over all local
+epochs; the client's local prototype of a class is the plain mean of those features. The server's new global
+prototype of a class is the plain (unweighted) mean of the local prototypes of the round's clients holding it; a
+class none of them holds has none until one does. Evaluation scores the nearest global prototype under MSE
+(scores ``-MSE(rep, P_c)``, ``-inf`` for a class without one); the head is unused.
+
+Deviations, options: the reference scores the round-0 model (accuracy 0, no prototype yet); here evaluation
+follows an aggregation, so prototypes exist. The official code (SGD lr 0.01, momentum 0.5, batch 4: the
+module's and data module's settings here) collects prototypes in the last local epoch only (not offered), and
+restricts inference to the client's own classes with distance 100 for the others (``own_classes=True``: the
+classes of its last training); it also reports the head's accuracy (``scoring="head"``: the client's model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from lightning_fedrep.federation.api.aggregation import ClientFault, Stacked
+from lightning_fedrep.federation.api.algorithm import Algorithm
+from lightning_fedrep.federation.api.arguments import check_real
+from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
+from lightning_fedrep.federation.api.exchange import (
+    ClientEnd,
+    ClientOutcome,
+    ClientStart,
+    RoundResults,
+    ServerState,
+    StartOutcome,
+)
+from lightning_fedrep.federation.api.objective import (
+    Objective,
+    PureLoss,
+    StepOutcome,
+    StepRule,
+    StepView,
+    masked_mean,
+)
+from lightning_fedrep.federation.api.registry import register_algorithm
+from lightning_fedrep.federation.api.scoring import EvaluationSpec
+from lightning_fedrep.federation.module.feature_split import (
+    FeatureSplit,
+    declares_split,
+    find_feature_split_on_data,
+    head_input,
+    head_owner,
+)
+
+__all__ = ["FedProto", "ProtoForward"]
+
+SUMS, COUNTS = "proto_sums", "proto_counts"
+PROTOS, HAS = "prototypes", "has_prototype"
+UP_PROTOS, UP_HAS = "fedproto.prototypes", "fedproto.has"
+OWN_CLASS_DISTANCE = 100.0
+"""The official inference's distance of a class the client does not hold."""
+
+
+def classes_and_dim(head: Mapping[str, tuple[int, ...]], owner: str = "FedProto") -> tuple[int, int]:
+    """``(C, d)``: the shape of the head's first 2-D tensor (a linear layer's ``[C, d]`` weight)."""
+    for shape in head.values():
+        if len(shape) == 2:
+            return int(shape[0]), int(shape[1])
+    raise ValueError(
+        f"{owner} reads the number of classes C and the feature size d from the head's [C, d] weight, so the "
+        "head must be one linear layer: pass head= naming it."
+    )
+
+
+def _protos_shape(groups: Mapping[str, Mapping[str, tuple[int, ...]]]) -> tuple[int, ...]:
+    return classes_and_dim(groups["head"])
+
+
+def _classes_shape(groups: Mapping[str, Mapping[str, tuple[int, ...]]]) -> tuple[int, ...]:
+    return classes_and_dim(groups["head"])[:1]
+
+
+def per_sample_loss(module: nn.Module, owner: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """The module's ``fedrep_loss`` as a per-sample function (``"cross_entropy"`` or a callable)."""
+    loss = getattr(module, "fedrep_loss", None)
+    if loss == "cross_entropy":
+        return lambda z, y: F.cross_entropy(z, y, reduction="none")
+    if callable(loss):
+        return loss
+    raise ValueError(
+        f"{owner} needs the module's fedrep_loss (the per-sample loss of h(rep)): set fedrep_loss = "
+        f"'cross_entropy' (or a callable (output, target) -> per-sample loss), got {loss!r}."
+    )
+
+
+def require_split(module: nn.Module, head: Sequence[str], datamodule: Any, owner: str) -> FeatureSplit:
+    """The module as ``head(features(x))`` (declared, or its head submodule called last, verified on data)."""
+    found = find_feature_split_on_data(module, tuple(head), datamodule)
+    if found is None:
+        raise ValueError(
+            f"{owner} needs the module as head(features(x)), but {type(module).__name__}'s forward is not its "
+            f"head {head_owner(tuple(head)) or list(head)!r} applied last to the body's output, nor "
+            "forward_head(forward_features(x)): define forward_features(x) and forward_head(features) with "
+            "forward(x) == forward_head(forward_features(x)), or make forward return head(body(x))."
+        )
+    return found
+
+
+def features_of(module: nn.Module, head: str, x: Tensor) -> Tensor:
+    """``phi(x)``: the declared ``forward_features``, else the input of the head submodule ``head``."""
+    if declares_split(module):
+        return module.forward_features(x)
+    if not head:
+        raise RuntimeError("The prototype forward needs setup() to have found the module's head.")
+    return head_input(module, head, x)
+
+
+def one_hot(y: Tensor, classes: int, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``[B, C]`` one-hot rows of ``y`` (zero rows for padding under ``mask``); tensor ops only (``vmap``)."""
+    rows = (y.reshape(-1, 1) == torch.arange(classes, device=y.device)).to(dtype)
+    return rows if mask is None else rows * mask.reshape(-1, 1).to(dtype)
+
+
+@dataclass
+class ProtoForward:
+    """FedProto's scored prediction (``EvaluationSpec.forward``): ``-MSE(phi(x), P_c)`` per class ``c`` (``-inf``
+    where ``P_c`` does not exist; with ``own_classes``, ``-100`` for a class the client did not train on)."""
+
+    head: str = ""
+    own_classes: bool = False
+
+    def __call__(
+        self, module: nn.Module, client_state: Mapping[str, Tensor], server: Any, x: Tensor
+    ) -> Tensor:
+        rep = features_of(module, self.head, x)
+        protos = server[PROTOS].to(rep.dtype)
+        distance = (rep[:, None, :] - protos[None]).square().mean(-1)
+        distance = torch.where(server[HAS][None] > 0, distance, torch.full_like(distance, float("inf")))
+        if self.own_classes:
+            own = (client_state[COUNTS] > 0)[None]
+            distance = torch.where(own, distance, torch.full_like(distance, OWN_CLASS_DISTANCE))
+        return -distance
+
+
+class FedProto(Algorithm):
+    """FedProto: local models regularized towards global class prototypes; only prototypes travel.
+
+    Args:
+        lamda: ``lamda``, the prototype term's weight (PFLlib's ``-lam`` and the official ``--ld``: 1.0).
+        own_classes: score only the client's own classes (the official inference; distance 100 for the others).
+        scoring: ``"prototypes"`` (nearest global prototype, the reference) or ``"head"`` (the client's model).
+
+    **Shares** nothing (every client keeps its whole model). Declared tensors: per client ``"proto_sums"``
+    (``[C, d]``) and ``"proto_counts"`` (``[C]``): the round's feature sums and counts per class (reset when the
+    client starts a round); server ``"prototypes"`` (``[C, d]``) and ``"has_prototype"`` (``[C]``, 1 where a
+    global prototype exists). Uploads its local prototypes and which classes it holds (``Stacked``). Needs the
+    module's ``fedrep_loss``, the module as ``head(features(x))`` and a head that is one linear layer (refused
+    at ``setup``). Runners: both (the step rule runs per client inside the lockstep runner's ``vmap``).
+
+    ``Trainer(strategy="fedproto")`` uses ``FedProto()``.
+    """
+
+    client_tensors = (ClientTensors(SUMS, shapes=_protos_shape), ClientTensors(COUNTS, shapes=_classes_shape))
+    server_tensors = (ServerTensors(PROTOS, shapes=_protos_shape), ServerTensors(HAS, shapes=_classes_shape))
+
+    def __init__(self, lamda: float = 1.0, own_classes: bool = False, scoring: str = "prototypes"):
+        super().__init__("fedproto", (), "FedProto: local models + a pull to global class prototypes.")
+        self.lamda = check_real("lamda", lamda, 0.0, owner="FedProto")
+        if scoring not in ("prototypes", "head"):
+            raise ValueError(f"FedProto's scoring must be 'prototypes' or 'head', got {scoring!r}.")
+        if not isinstance(own_classes, bool):
+            raise ValueError(f"FedProto's own_classes must be True or False, got {own_classes!r}.")
+        self.scoring, self.own_classes = scoring, own_classes
+        self._forward = ProtoForward(own_classes=own_classes)
+        self._split: FeatureSplit | None = None
+        self._module: nn.Module | None = None
+        self._loss: Callable[[Tensor, Tensor], Tensor] | None = None
+        self._shape = (0, 0)
+
+    @property
+    def needs_split(self) -> bool:
+        """Always: prototypes are means of the head's input."""
+        return True
+
+    def setup(self, module: nn.Module, split: Any, datamodule: Any) -> None:
+        """Refuse a module FedProto cannot run (see the class docstring); keep its feature split."""
+        self._shape = classes_and_dim({n: tuple(module.get_parameter(n).shape) for n in split.head})
+        self._loss = per_sample_loss(module, "FedProto")
+        self._split = require_split(module, split.head, datamodule, "FedProto")
+        self._forward.head = self._split.head_module or ""
+        self._module = module
+
+    def evaluation(self) -> EvaluationSpec:
+        """The nearest global prototype (:class:`ProtoForward`), or the client's model (``scoring="head"``)."""
+        return EvaluationSpec(forward=self._forward) if self.scoring == "prototypes" else EvaluationSpec()
+
+    def objective(self, phase: str) -> Objective:
+        """The FedProto step rule, in every phase."""
+        return Objective(step=StepRule(self._step, "FedProto prototype step"))
+
+    def start_client(self, start: ClientStart) -> StartOutcome:
+        """The round's prototype sums and counts restart at 0."""
+        state = start.client_state
+        return StartOutcome(client_state={n: torch.zeros_like(state[n]) for n in (SUMS, COUNTS)})
+
+    def aggregator(self, like: Mapping[str, Tensor]) -> Stacked:
+        """Every client's local prototypes and held classes (no model tensor is shared)."""
+        if self._module is None:
+            raise RuntimeError("FedProto.aggregator() needs setup() to have run.")
+        device = next(self._module.parameters()).device  # nothing is shared: like may be empty
+        classes, dim = self._shape
+        template = {
+            UP_PROTOS: torch.zeros(classes, dim, device=device),
+            UP_HAS: torch.zeros(classes, device=device),
+        }
+        return Stacked({**like, **template})
+
+    def finish_client(self, end: ClientEnd) -> ClientOutcome:
+        """Uploads the local prototypes (the class means of the round's features) and which classes it holds."""
+        sums, counts = end.client_state[SUMS], end.client_state[COUNTS]
+        protos = sums / counts.clamp_min(1.0)[:, None]
+        return ClientOutcome(
+            upload={**end.shared(), UP_PROTOS: protos, UP_HAS: (counts > 0).to(protos.dtype)}
+        )
+
+    def aggregate(
+        self, server: ServerState, results: RoundResults, failures: Sequence[ClientFault]
+    ) -> tuple[ServerState, dict[str, float]]:
+        """The new global prototypes: per class, the plain mean over the round's clients holding it."""
+        rows = results.aggregator.stacked()
+        protos, has = global_prototypes(rows[UP_PROTOS], rows[UP_HAS])
+        old = server.tensors
+        new = {PROTOS: protos.to(old[PROTOS].dtype), HAS: has.to(old[HAS].dtype)}
+        return server.replace(tensors=new), {}
+
+    def _step(self, loss: PureLoss, view: StepView, x: Tensor, y: Tensor) -> StepOutcome:
+        split, per_sample = self._split, self._loss
+        if split is None or per_sample is None:
+            raise RuntimeError("FedProto's step needs setup() to have run.")
+        tensors, lamda, classes = dict(view.tensors), self.lamda, self._shape[0]
+
+        def objective(trained: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+            full = {**tensors, **trained}
+            rep = split.features(full, x)
+            value = masked_mean(per_sample(split.head(full, rep), y), view.mask)
+            rows = one_hot(y, classes, None, rep.dtype)
+            has = (rows @ view.server[HAS].to(rep.dtype))[:, None]
+            target = has * (rows @ view.server[PROTOS].to(rep.dtype)) + (1 - has) * rep.detach()
+            pull = masked_mean((rep - target).square().mean(1), view.mask)
+            return value + lamda * pull, rep.detach()
+
+        grads, (value, rep) = torch.func.grad_and_value(objective, has_aux=True)(dict(view.trained))
+        rows = one_hot(y, classes, view.mask, rep.dtype)
+        state = view.client_state
+        sums = state[SUMS] + (rows.T @ rep).to(state[SUMS].dtype)
+        return StepOutcome(
+            grads, value, {SUMS: sums, COUNTS: state[COUNTS] + rows.sum(0).to(state[COUNTS].dtype)}
+        )
+
+    def __repr__(self) -> str:
+        return f"FedProto(lamda={self.lamda}, own_classes={self.own_classes}, scoring={self.scoring!r})"
+
+
+def global_prototypes(protos: Tensor, has: Tensor) -> tuple[Tensor, Tensor]:
+    """``(P, has)`` from the clients' local prototypes ``[k, C, d]`` and held classes ``[k, C]``: per class the
+    plain mean over the clients holding it (float64 sums; zeros where none does)."""
+    weights = has.to(torch.float64)
+    total = weights.sum(0)
+    sums = (weights[..., None] * protos.to(torch.float64)).sum(0)
+    return sums / total.clamp_min(1.0)[:, None], (total > 0).to(torch.float64)
+
+
+register_algorithm(FedProto())
