@@ -201,7 +201,7 @@ class FedPAC(Algorithm):
             import scipy.optimize  # noqa: F401
         except ImportError as error:
             raise ValueError(
-                "FedPAC solves its head-combination QP with scipy: pip install scipy."
+                'FedPAC solves its head-combination QP with scipy: pip install "lightning-fedrep[baselines]" (or scipy).'
             ) from error
         self._head = tuple(split.head)
         self._shape = _classes_and_dim({n: tuple(module.get_parameter(n).shape) for n in self._head})
