@@ -32,7 +32,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_fedrep.federation.api.aggregation import ClientUpdate, WeightedAverage, WeightedMean
+from lightning_fedrep.federation.api.aggregation import (
+    Aggregator,
+    ClientUpdate,
+    WeightedAverage,
+    WeightedMean,
+)
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
 from lightning_fedrep.federation.api.arguments import check_int, check_real
 from lightning_fedrep.federation.api.declared import ClientTensors
@@ -81,7 +86,7 @@ class FedAS(Algorithm):
 
     **Shares** the body; the head is each client's. Declared per client: ``"own"`` (``like="shared"``, the
     client's base after its last training, the module's initial base until then): the prototypes' base and the
-    scored one. The uploads carry ``"fedas.fisher"`` (the client's Fisher trace), which :class:`FisherMean`
+    scored one. The uploads carry ``"fedas.fisher"`` (the client's Fisher trace), which ``FisherMean``
     weights by. Needs the module as ``head(features(x))`` (declared ``forward_features``/``forward_head``, or a
     ``forward`` returning its head submodule applied last; refused at ``setup`` otherwise) and class labels;
     the Fisher trace takes the cross-entropy of the module's output (the reference's NLL of its log-softmax).
@@ -169,8 +174,8 @@ class FedAS(Algorithm):
             metrics={"fedas/fisher_trace": trace},
         )
 
-    def aggregator(self, like: Mapping[str, Tensor]) -> FisherMean:
-        """The uploads' mean weighted by the clients' Fisher traces (:class:`FisherMean`)."""
+    def aggregator(self, like: Mapping[str, Tensor]) -> Aggregator:
+        """The uploads' mean weighted by the clients' Fisher traces (``FisherMean``)."""
         device = next(iter(like.values())).device
         return FisherMean({**like, FISHER: torch.zeros((), dtype=torch.float64, device=device)})
 

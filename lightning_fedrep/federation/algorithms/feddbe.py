@@ -172,7 +172,7 @@ class FedDBE(Algorithm):
         return plan
 
     def evaluation(self) -> EvaluationSpec:
-        """The global model predicting ``h(phi(x) + b_i)`` (:class:`DBEForward`)."""
+        """The global model predicting ``h(phi(x) + b_i)`` (``DBEForward``)."""
         return EvaluationSpec(forward=self._forward)
 
     def objective(self, phase: str) -> Objective:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_fedrep.federation.api.aggregation import ClientFault, Stacked
+from lightning_fedrep.federation.api.aggregation import Aggregator, ClientFault, Stacked
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
 from lightning_fedrep.federation.api.arguments import check_real
 from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
@@ -265,7 +265,7 @@ class FedPAC(Algorithm):
             },
         )
 
-    def aggregator(self, like: Mapping[str, Tensor]) -> Stacked:
+    def aggregator(self, like: Mapping[str, Tensor]) -> Aggregator:
         """Every client's body, head, statistics and local prototypes (the body's mean is the new body)."""
         device = next(iter(like.values())).device
         if self._module is None:

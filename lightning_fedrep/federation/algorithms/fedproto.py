@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_fedrep.federation.api.aggregation import ClientFault, Stacked
+from lightning_fedrep.federation.api.aggregation import Aggregator, ClientFault, Stacked
 from lightning_fedrep.federation.api.algorithm import Algorithm
 from lightning_fedrep.federation.api.arguments import check_real
 from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
@@ -200,7 +200,7 @@ class FedProto(Algorithm):
         self._module = module
 
     def evaluation(self) -> EvaluationSpec:
-        """The nearest global prototype (:class:`ProtoForward`), or the client's model (``scoring="head"``)."""
+        """The nearest global prototype (``ProtoForward``), or the client's model (``scoring="head"``)."""
         return EvaluationSpec(forward=self._forward) if self.scoring == "prototypes" else EvaluationSpec()
 
     def objective(self, phase: str) -> Objective:
@@ -212,7 +212,7 @@ class FedProto(Algorithm):
         state = start.client_state
         return StartOutcome(client_state={n: torch.zeros_like(state[n]) for n in (SUMS, COUNTS)})
 
-    def aggregator(self, like: Mapping[str, Tensor]) -> Stacked:
+    def aggregator(self, like: Mapping[str, Tensor]) -> Aggregator:
         """Every client's local prototypes and held classes (no model tensor is shared)."""
         if self._module is None:
             raise RuntimeError("FedProto.aggregator() needs setup() to have run.")

@@ -223,7 +223,7 @@ class GPFL(Algorithm):
         self._forward.head = found.head_module or ""
 
     def evaluation(self) -> EvaluationSpec:
-        """The personal model predicting ``h(CoV(phi(x), p_i))`` (:class:`GPFLForward`)."""
+        """The personal model predicting ``h(CoV(phi(x), p_i))`` (``GPFLForward``)."""
         return EvaluationSpec(forward=self._forward)
 
     def objective(self, phase: str) -> Objective:

@@ -303,7 +303,7 @@ class Algorithm:
 
     def keep_local(self, module: nn.Module) -> Collection[str]:
         """Names of ``module``'s tensors (parameters and buffers) every client keeps to itself whatever
-        :attr:`shares` and the strategy's ``buffers=`` say: never uploaded nor averaged, trained, stored,
+        ``shares`` and the strategy's ``buffers=`` say: never uploaded nor averaged, trained, stored,
         checkpointed and scored per client like the local part of the split (FedBN's BatchNorm layers, chosen
         by module type). Called when the strategy resolves the module's layout (when it connects to the
         module, and at ``setup``), before :meth:`setup`; must depend on the module only. A name that is not a
