@@ -16,12 +16,12 @@ from torch import Tensor
 
 from lightning_fedrep.federation.api.aggregation import Aggregator
 from lightning_fedrep.federation.api.algorithm import Algorithm
-from lightning_fedrep.federation.api.arguments import check_choice, check_optional_int, check_real
 from lightning_fedrep.federation.api.mechanism import PrivacyMechanism
 from lightning_fedrep.privacy.accounting import PrivacyAccountant
 from lightning_fedrep.privacy.aggregator import ClippedNoisyMean
 from lightning_fedrep.privacy.budget import ClientLevelBudget
 from lightning_fedrep.privacy.clipping import AdaptiveClipping, update_noise_multiplier
+from lightning_fedrep.privacy.settings import noise_settings
 
 
 class ClientLevelDP(PrivacyMechanism):
@@ -72,25 +72,20 @@ class ClientLevelDP(PrivacyMechanism):
         accountant: Literal["rdp", "pld"] | None = "rdp",
         rounds: int | None = None,
     ):
-        owner = "ClientLevelDP"
-        self.clip = check_real("clip", clip, 0.0, low_open=True, owner=owner)
-        if (noise_multiplier is None) == (target_epsilon is None):
-            raise ValueError(
-                "ClientLevelDP takes exactly one of noise_multiplier= (the noise std in units of clip) and "
-                f"target_epsilon= (the ε to spend over the run), got noise_multiplier={noise_multiplier!r} and "
-                f"target_epsilon={target_epsilon!r}."
-            )
-        self.noise_multiplier = (
-            None
-            if noise_multiplier is None
-            else check_real("noise_multiplier", noise_multiplier, 0.0, owner=owner)
+        settings = noise_settings(
+            "ClientLevelDP",
+            "the ε to spend over the run",
+            ("rdp", "pld"),
+            clip=clip,
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            delta=delta,
+            rounds=rounds,
+            accountant=accountant,
         )
-        self.target_epsilon = (
-            None
-            if target_epsilon is None
-            else check_real("target_epsilon", target_epsilon, 0.0, low_open=True, owner=owner)
-        )
-        self.delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True, owner=owner)
+        self.clip, self.delta, self.rounds = settings.clip, settings.delta, settings.rounds
+        self.noise_multiplier, self.target_epsilon = settings.noise_multiplier, settings.target_epsilon
+        self.accountant = settings.accountant
         if adaptive is not None and not isinstance(adaptive, AdaptiveClipping):
             raise TypeError(
                 f"ClientLevelDP(adaptive=...) must be an AdaptiveClipping or None, got {type(adaptive).__name__}."
@@ -102,11 +97,7 @@ class ClientLevelDP(PrivacyMechanism):
             and self.noise_multiplier is not None
         ):
             update_noise_multiplier(self.noise_multiplier, adaptive.count_noise_std)  # refuse it now
-        self.accountant = (
-            None if accountant is None else check_choice("accountant", accountant, ("rdp", "pld"), owner)
-        )
-        self.rounds = check_optional_int("rounds", rounds, 1, owner=owner)
-        self._check_accounting()
+        self._check_library()
         self.budget = (
             None
             if self.accountant is None
@@ -120,19 +111,8 @@ class ClientLevelDP(PrivacyMechanism):
         self.released = 0
         """The rounds released so far."""
 
-    def _check_accounting(self) -> None:
-        """Refuse accounting settings that cannot hold, and a missing ``privacy`` extra, at construction."""
-        if self.target_epsilon is not None and (self.rounds is None or self.accountant is None):
-            raise ValueError(
-                "ClientLevelDP(target_epsilon=...) solves the noise for a number of rounds with an accountant: pass "
-                f"rounds= (the Trainer's max_epochs) and accountant='rdp' or 'pld', got rounds={self.rounds!r}, "
-                f"accountant={self.accountant!r}."
-            )
-        if self.noise_multiplier == 0 and self.accountant is not None:
-            raise ValueError(
-                "ClientLevelDP(noise_multiplier=0) adds no noise: its epsilon is infinite. Pass a noise_multiplier > 0, "
-                "or accountant=None to clip without accounting (no privacy)."
-            )
+    def _check_library(self) -> None:
+        """A missing ``privacy`` extra refused at construction (an ``ImportError`` naming it)."""
         if self.accountant is not None:  # an ImportError naming the privacy extra now, not at the first round
             PrivacyAccountant(self.accountant, "poisson")
             if self.accountant == "rdp":

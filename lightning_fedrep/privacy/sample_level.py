@@ -18,13 +18,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fedrep.federation.api.algorithm import Algorithm
-from lightning_fedrep.federation.api.arguments import check_choice, check_optional_int, check_real
 from lightning_fedrep.federation.api.mechanism import PrivacyMechanism
 from lightning_fedrep.federation.api.objective import Objective, StepRule
 from lightning_fedrep.federation.module.losses import declared_loss
 from lightning_fedrep.federation.plan import RoundPlan, plan_round
 from lightning_fedrep.privacy.dp_sgd import dp_sgd_step
 from lightning_fedrep.privacy.sample_budget import SampleLevelBudget
+from lightning_fedrep.privacy.settings import noise_settings
 
 RULE_NAME = "dp_sgd"
 """The name of the DP-SGD step rule (in runner reports and errors)."""
@@ -84,40 +84,20 @@ class SampleLevelDP(PrivacyMechanism):
         rounds: int | None = None,
         accountant: str | None = "rdp",
     ):
-        owner = "SampleLevelDP"
-        self.clip = check_real("clip", clip, 0.0, low_open=True, owner=owner)
-        if (noise_multiplier is None) == (target_epsilon is None):
-            raise ValueError(
-                "SampleLevelDP takes exactly one of noise_multiplier= (the noise std in units of clip) and "
-                f"target_epsilon= (the ε no client may exceed), got noise_multiplier={noise_multiplier!r} and "
-                f"target_epsilon={target_epsilon!r}."
-            )
-        self.noise_multiplier = (
-            None
-            if noise_multiplier is None
-            else check_real("noise_multiplier", noise_multiplier, 0.0, owner=owner)
+        settings = noise_settings(
+            "SampleLevelDP",
+            "the ε no client may exceed",
+            ("rdp",),
+            clip=clip,
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            delta=delta,
+            rounds=rounds,
+            accountant=accountant,
         )
-        self.target_epsilon = (
-            None
-            if target_epsilon is None
-            else check_real("target_epsilon", target_epsilon, 0.0, low_open=True, owner=owner)
-        )
-        self.delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True, owner=owner)
-        self.rounds = check_optional_int("rounds", rounds, 1, owner=owner)
-        self.accountant = (
-            None if accountant is None else check_choice("accountant", accountant, ("rdp",), owner)
-        )
-        if self.target_epsilon is not None and (self.rounds is None or self.accountant is None):
-            raise ValueError(
-                "SampleLevelDP(target_epsilon=...) solves the noise for a number of rounds with an accountant: pass "
-                f"rounds= (the Trainer's max_epochs) and accountant='rdp', got rounds={self.rounds!r}, "
-                f"accountant={self.accountant!r}."
-            )
-        if self.noise_multiplier == 0 and self.accountant is not None:
-            raise ValueError(
-                "SampleLevelDP(noise_multiplier=0) adds no noise: its epsilon is infinite. Pass a noise_multiplier "
-                "> 0, or accountant=None to clip without accounting (no privacy)."
-            )
+        self.clip, self.delta, self.rounds = settings.clip, settings.delta, settings.rounds
+        self.noise_multiplier, self.target_epsilon = settings.noise_multiplier, settings.target_epsilon
+        self.accountant = settings.accountant
         self.budget = (
             None
             if self.accountant is None
