@@ -183,3 +183,34 @@ def test_a_client_whose_steps_wrote_non_finite_declared_tensors_is_left_out_with
     assert torch.equal(store.client_state(0)["c"], torch.zeros(1))
     assert torch.equal(store.client_state(1)["c"], torch.ones(1))
     assert torch.equal(store.client_state(2)["c"], torch.ones(1))
+
+
+def test_required_loss_is_the_declared_classification_loss_or_a_refusal_naming_the_algorithm():
+    """``required_loss`` (the loss FedCP, FedDBE, GPFL, FedProto and FedPAC differentiate themselves): the
+    declared callable as given, ``"cross_entropy"`` as the per-sample cross-entropy, anything else refused naming
+    the algorithm, what the loss scores and the fix."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    from lightning_fedrep.federation.api.objective import required_loss
+
+    logits, labels = torch.randn(5, 3), torch.tensor([0, 2, 1, 1, 0])
+
+    class Named(nn.Linear):
+        fedrep_loss = "cross_entropy"
+
+    class Given(nn.Linear):
+        fedrep_loss = staticmethod(lambda z, y: z.sum(1))
+
+    loss = required_loss(Named(2, 3), "FedX", "h(rep)")
+    torch.testing.assert_close(loss(logits, labels), F.cross_entropy(logits, labels, reduction="none"))
+    assert required_loss(Given(2, 3), "FedX", "h(rep)") is Given.fedrep_loss
+    for declared in (None, "mse"):
+
+        class Other(nn.Linear):
+            fedrep_loss = declared
+
+        with pytest.raises(
+            ValueError, match=r"FedX needs the module's fedrep_loss \(the per-sample loss of h\(rep\)\)"
+        ):
+            required_loss(Other(2, 3), "FedX", "h(rep)")

@@ -631,12 +631,12 @@ class RoundTransaction:
         if faults:
             self.state.faults.extend(faults)
             columns["faults"] = float(len(faults))
+        plan = self.plan(self.round_index)
         if self.state.config.privacy is not None:
-            columns.update(self.state.config.privacy.close_round(self.plan(self.round_index)))
+            columns.update(self.state.config.privacy.close_round(plan))
         columns.update(self._client_metrics())
         if columns:
             self.state.history.record(self.round_index, columns)
-        plan = self.plan(self.round_index)
         if plan.aggregate:  # a federated round (fine-tuning rounds train every client apart)
             self.state.history.count_participants(plan.clients)
         self.live.write_global()

@@ -20,7 +20,7 @@ the examples.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -130,6 +130,3 @@ def _term_gradients(view: StepView, terms: Sequence[LossTerm]) -> dict[str, Tens
         return next(iter(params.values())).new_zeros(()) if value is None else value
 
     return torch.func.grad(total)(dict(view.trained))
-
-
-StepFunction = Callable[[PureLoss, StepView, Tensor, Tensor], StepOutcome]

@@ -181,10 +181,16 @@ class SampleLevelDP(PrivacyMechanism):
             y,
             clip=self.clip,
             noise_multiplier=self.current_noise_multiplier,
-            expected_batch=self.expected_batch,
+            expected_batch=self._expected_on(view.client.device),
             seed=self.seed,
             terms=terms,
         )
+
+    def _expected_on(self, device: torch.device) -> Tensor:
+        """:attr:`expected_batch` on ``device``, copied there once (not at every step)."""
+        if self.expected_batch.device != device:
+            self.expected_batch = self.expected_batch.to(device)
+        return self.expected_batch
 
     # ------------------------------------------------------------------ rounds
     def bind_data(self, client_sizes: Sequence[int], batch_size: int) -> None:

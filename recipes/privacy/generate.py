@@ -260,6 +260,17 @@ def recipe(name: str, method: str) -> tuple[str, str]:
     return path, render(header, recipe_dict)
 
 
+DIGITS_MODEL_AND_DATA = {
+    "model": {
+        "class_path": "lightning_fedrep.models.MLPClassifier",
+        "init_args": {"lr": 0.05, "momentum": 0.5, "weight_decay": 1e-4},
+    },
+    "data": {
+        "class_path": "lightning_fedrep.data.digits.DigitsDataModule",
+        "init_args": {"num_clients": 20, "classes_per_client": 2, "batch_size": 10, "seed": 0},
+    },
+}
+"""The offline DP demos' model and federation: the digits demos' MLP, 20 clients of 2 classes, batch 10."""
 DIGITS_CLIP, DIGITS_EPSILON, DIGITS_ROUNDS = 0.1, 8.0, 30
 """The offline pair's clip, budget and rounds (``benchmarks/privacy/digits_tradeoff.py`` sweeps ε)."""
 
@@ -286,18 +297,7 @@ def digits_recipe(method: str) -> tuple[str, str]:
         "Read val/acc of the last round.\n"
         f"Run: lightning-fedrep fit --config recipes/{path}"
     )
-    recipe_dict = {
-        "seed_everything": 0,
-        "trainer": trainer,
-        "model": {
-            "class_path": "lightning_fedrep.models.MLPClassifier",
-            "init_args": {"lr": 0.05, "momentum": 0.5, "weight_decay": 1e-4},
-        },
-        "data": {
-            "class_path": "lightning_fedrep.data.digits.DigitsDataModule",
-            "init_args": {"num_clients": 20, "classes_per_client": 2, "batch_size": 10, "seed": 0},
-        },
-    }
+    recipe_dict = {"seed_everything": 0, "trainer": trainer, **DIGITS_MODEL_AND_DATA}
     FACTS[path] = (
         f"offline demo (not a paper setting): {spec.label}, ε 8",
         "`val/acc` of the last round",
@@ -345,18 +345,7 @@ def dp_sgd_recipe() -> tuple[str, str]:
         "Read val/acc of the last round.\n"
         f"Run: lightning-fedrep fit --config recipes/{path}"
     )
-    recipe_dict = {
-        "seed_everything": 0,
-        "trainer": trainer,
-        "model": {
-            "class_path": "lightning_fedrep.models.MLPClassifier",
-            "init_args": {"lr": 0.05, "momentum": 0.5, "weight_decay": 1e-4},
-        },
-        "data": {
-            "class_path": "lightning_fedrep.data.digits.DigitsDataModule",
-            "init_args": {"num_clients": 20, "classes_per_client": 2, "batch_size": 10, "seed": 0},
-        },
-    }
+    recipe_dict = {"seed_everything": 0, "trainer": trainer, **DIGITS_MODEL_AND_DATA}
     FACTS[path] = (
         f"offline demo (not a paper setting): FedRep under sample-level DP (DP-SGD), ε {DP_SGD_EPSILON:g} per client",
         "`val/acc` of the last round",

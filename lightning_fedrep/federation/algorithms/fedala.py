@@ -24,13 +24,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
 from lightning_fedrep.federation.api.arguments import check_int, check_optional_int, check_real
 from lightning_fedrep.federation.api.declared import ClientTensors
 from lightning_fedrep.federation.api.exchange import ClientOutcome, ClientStart, StartOutcome
-from lightning_fedrep.federation.api.objective import pure_loss
+from lightning_fedrep.federation.api.objective import cross_entropy_per_sample, declared_loss, pure_loss
 from lightning_fedrep.federation.api.registry import register_algorithm
 
 __all__ = ["FedALA", "ala_passes"]
@@ -109,7 +108,7 @@ class FedALA(Algorithm):
                 f"FedALA(layer_idx={self.layer_idx}) blends the last {self.layer_idx} parameter tensors, but "
                 f"{type(module).__name__} trains {len(self._order)}: pass layer_idx <= {len(self._order)}."
             )
-        self._loss = pure_loss(module, _per_sample_loss(module))
+        self._loss = pure_loss(module, declared_loss(module) or cross_entropy_per_sample)
 
     def start_client(self, start: ClientStart) -> StartOutcome:
         """The adaptive local aggregation of the global model into the client's kept model (see the module)."""
@@ -165,20 +164,6 @@ class FedALA(Algorithm):
             f"FedALA(eta={self.eta}, rand_percent={self.rand_percent}, layer_idx={self.layer_idx}, "
             f"threshold={self.threshold}, num_pre_loss={self.num_pre_loss})"
         )
-
-
-def _per_sample_loss(module: nn.Module) -> Any:
-    """The module's declared per-sample loss (``fedrep_loss``), else the cross-entropy of its output."""
-    declared = getattr(module, "fedrep_loss", None)
-    if callable(declared):
-        return declared
-    if declared in (None, "cross_entropy"):
-        return lambda z, y: F.cross_entropy(z, y, reduction="none")
-    if declared == "mse":
-        return lambda z, y: (z.reshape(len(y), -1) - y.reshape(len(y), -1).to(z.dtype)).pow(2).mean(dim=1)
-    raise ValueError(
-        f"FedALA: fedrep_loss={declared!r} is not a known loss; use 'cross_entropy', 'mse' or a callable."
-    )
 
 
 def ala_passes(

@@ -55,6 +55,7 @@ from lightning_fedrep.federation.api.objective import (
     StepRule,
     StepView,
     masked_mean,
+    required_loss,
 )
 from lightning_fedrep.federation.api.registry import register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
@@ -225,18 +226,6 @@ def fedcp_forward(
     return head(rep * pm) + torch.func.functional_call(head, own, (rep * gm,))
 
 
-def _per_sample_loss(module: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    loss = getattr(module, "fedrep_loss", None)
-    if loss == "cross_entropy":
-        return lambda z, y: F.cross_entropy(z, y, reduction="none")
-    if callable(loss):
-        return loss
-    raise ValueError(
-        f"FedCP needs the module's fedrep_loss (the per-sample loss of the two heads' summed logits): set "
-        f"fedrep_loss = 'cross_entropy' (or a callable (output, target) -> per-sample loss), got {loss!r}."
-    )
-
-
 def _find_split(module: nn.Module, head: Sequence[str], datamodule: Any) -> FeatureSplit:
     """The module as ``head(features(x))`` (declared, or its head submodule called last), verified on a few
     training inputs as the vectorized runner verifies it; refuses a module that is neither."""
@@ -335,7 +324,7 @@ class FedCP(Algorithm):
         parts functionally."""
         self._weights = _check_module(module, split.head)
         self._head = tuple(split.head)
-        self._loss = _per_sample_loss(module)
+        self._loss = required_loss(module, "FedCP", "the two heads' summed logits")
         self._split = _find_split(module, split.head, datamodule)
         self._module = module
 

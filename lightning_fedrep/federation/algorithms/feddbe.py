@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from lightning_fedrep.federation.api.aggregation import WeightedMean
 from lightning_fedrep.federation.api.algorithm import Algorithm
@@ -44,6 +43,7 @@ from lightning_fedrep.federation.api.objective import (
     StepRule,
     StepView,
     masked_mean,
+    required_loss,
 )
 from lightning_fedrep.federation.api.registry import register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
@@ -89,18 +89,6 @@ class DBEForward:
             raise RuntimeError("FedDBE's prediction needs FedDBE.setup() to have found the module's head.")
         rep = head_input(module, self.head, x)
         return module.get_submodule(self.head)(rep + bias.to(rep.dtype))
-
-
-def _per_sample_loss(module: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    loss = getattr(module, "fedrep_loss", None)
-    if loss == "cross_entropy":
-        return lambda z, y: F.cross_entropy(z, y, reduction="none")
-    if callable(loss):
-        return loss
-    raise ValueError(
-        f"FedDBE needs the module's fedrep_loss (the per-sample loss of h(rep + b)): set fedrep_loss = "
-        f"'cross_entropy' (or a callable (output, target) -> per-sample loss), got {loss!r}."
-    )
 
 
 class FedDBE(Algorithm):
@@ -152,7 +140,7 @@ class FedDBE(Algorithm):
         """Refuse a module FedDBE cannot run (see the class docstring); keep its feature split."""
         shapes = {n: tuple(module.get_parameter(n).shape) for n in split.head}
         (self._dim,) = _features_shape({"head": shapes})
-        self._loss = _per_sample_loss(module)
+        self._loss = required_loss(module, "FedDBE", "h(rep + b)")
         found = find_feature_split_on_data(module, tuple(split.head), datamodule)
         if found is None:
             raise ValueError(

@@ -29,13 +29,12 @@ target of a class without a global one is not offered.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from lightning_fedrep.federation.api.aggregation import Aggregator, ClientFault, Stacked
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
@@ -57,6 +56,7 @@ from lightning_fedrep.federation.api.objective import (
     StepRule,
     StepView,
     masked_mean,
+    required_loss,
 )
 from lightning_fedrep.federation.api.registry import register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
@@ -88,18 +88,6 @@ def _shape(part: int):  # noqa: ANN202
 
 def _one_hot(y: Tensor, classes: int, dtype: torch.dtype) -> Tensor:
     return (y.reshape(-1, 1) == torch.arange(classes, device=y.device)).to(dtype)
-
-
-def _loss_of(module: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    loss = getattr(module, "fedrep_loss", None)
-    if loss == "cross_entropy":
-        return lambda z, y: F.cross_entropy(z, y, reduction="none")
-    if callable(loss):
-        return loss
-    raise ValueError(
-        f"FedPAC needs the module's fedrep_loss (the per-sample loss of h(rep)): set fedrep_loss = "
-        f"'cross_entropy' (or a callable (output, target) -> per-sample loss), got {loss!r}."
-    )
 
 
 def head_weights(v: Tensor, h: Tensor, i: int, renormalize: bool = True) -> Tensor | None:
@@ -205,7 +193,7 @@ class FedPAC(Algorithm):
             ) from error
         self._head = tuple(split.head)
         self._shape = _classes_and_dim({n: tuple(module.get_parameter(n).shape) for n in self._head})
-        self._loss = _loss_of(module)
+        self._loss = required_loss(module, "FedPAC", "h(rep)")
         self._split = find_feature_split_on_data(module, self._head, datamodule)
         if self._split is None:
             raise ValueError(

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from lightning_fedrep.federation.api.aggregation import Aggregator, ClientFault, Stacked
 from lightning_fedrep.federation.api.algorithm import Algorithm
@@ -50,6 +49,7 @@ from lightning_fedrep.federation.api.objective import (
     StepRule,
     StepView,
     masked_mean,
+    required_loss,
 )
 from lightning_fedrep.federation.api.registry import register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
@@ -87,19 +87,6 @@ def _protos_shape(groups: Mapping[str, Mapping[str, tuple[int, ...]]]) -> tuple[
 
 def _classes_shape(groups: Mapping[str, Mapping[str, tuple[int, ...]]]) -> tuple[int, ...]:
     return classes_and_dim(groups["head"])[:1]
-
-
-def per_sample_loss(module: nn.Module, owner: str) -> Callable[[Tensor, Tensor], Tensor]:
-    """The module's ``fedrep_loss`` as a per-sample function (``"cross_entropy"`` or a callable)."""
-    loss = getattr(module, "fedrep_loss", None)
-    if loss == "cross_entropy":
-        return lambda z, y: F.cross_entropy(z, y, reduction="none")
-    if callable(loss):
-        return loss
-    raise ValueError(
-        f"{owner} needs the module's fedrep_loss (the per-sample loss of h(rep)): set fedrep_loss = "
-        f"'cross_entropy' (or a callable (output, target) -> per-sample loss), got {loss!r}."
-    )
 
 
 def require_split(module: nn.Module, head: Sequence[str], datamodule: Any, owner: str) -> FeatureSplit:
@@ -194,7 +181,7 @@ class FedProto(Algorithm):
     def setup(self, module: nn.Module, split: Any, datamodule: Any) -> None:
         """Refuse a module FedProto cannot run (see the class docstring); keep its feature split."""
         self._shape = classes_and_dim({n: tuple(module.get_parameter(n).shape) for n in split.head})
-        self._loss = per_sample_loss(module, "FedProto")
+        self._loss = required_loss(module, "FedProto", "h(rep)")
         self._split = require_split(module, split.head, datamodule, "FedProto")
         self._forward.head = self._split.head_module or ""
         self._module = module

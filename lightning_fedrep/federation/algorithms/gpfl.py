@@ -49,6 +49,7 @@ from lightning_fedrep.federation.api.objective import (
     StepRule,
     StepView,
     masked_mean,
+    required_loss,
 )
 from lightning_fedrep.federation.api.registry import register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
@@ -144,18 +145,6 @@ class GPFLForward:
         return module.get_submodule(self.head)(valved)
 
 
-def _per_sample_loss(module: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    loss = getattr(module, "fedrep_loss", None)
-    if loss == "cross_entropy":
-        return lambda z, y: F.cross_entropy(z, y, reduction="none")
-    if callable(loss):
-        return loss
-    raise ValueError(
-        f"GPFL needs the module's fedrep_loss (the per-sample loss of h(CoV(phi(x), p_i))): set fedrep_loss = "
-        f"'cross_entropy' (or a callable (output, target) -> per-sample loss), got {loss!r}."
-    )
-
-
 class GPFL(Algorithm):
     """GPFL: a FedAvg feature extractor, global category embedding and conditional valve; a personal head.
 
@@ -210,7 +199,7 @@ class GPFL(Algorithm):
     def setup(self, module: nn.Module, split: Any, datamodule: Any) -> None:
         """Refuse a module GPFL cannot run (see the class docstring); keep its feature split."""
         self._sizes = _sizes({"head": {n: tuple(module.get_parameter(n).shape) for n in split.head}})
-        self._loss = _per_sample_loss(module)
+        self._loss = required_loss(module, "GPFL", "h(CoV(phi(x), p_i))")
         found = find_feature_split_on_data(module, tuple(split.head), datamodule)
         if found is None:
             raise ValueError(

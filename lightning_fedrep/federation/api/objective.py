@@ -28,7 +28,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedrep.federation.module.losses import masked_mean
+from lightning_fedrep.federation.module.losses import (
+    cross_entropy_per_sample,
+    declared_loss,
+    masked_mean,
+    required_loss,
+)
 from lightning_fedrep.federation.module.stateless import stateless_call
 
 __all__ = [
@@ -40,9 +45,12 @@ __all__ = [
     "StepOutcome",
     "StepRule",
     "StepView",
+    "cross_entropy_per_sample",
+    "declared_loss",
     "masked_mean",
     "pure_loss",
     "refuse_removed_hooks",
+    "required_loss",
 ]
 
 _EMPTY: Mapping[str, Tensor] = {}

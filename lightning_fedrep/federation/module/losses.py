@@ -18,6 +18,7 @@ __all__ = [
     "declared_loss",
     "masked_mean",
     "mse_per_sample",
+    "required_loss",
 ]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -62,3 +63,19 @@ def declared_loss(module: nn.Module) -> LossFn | None:
             f"fedrep_loss must be a loss name or a callable (output, target) -> per-sample loss, got {loss!r}."
         )
     return loss
+
+
+def required_loss(module: nn.Module, owner: str, of: str) -> LossFn:
+    """The per-sample classification loss an algorithm's own step differentiates: the module's ``fedrep_loss``
+    when it is ``"cross_entropy"`` or a callable; otherwise (none, or another name) a ``ValueError`` naming
+    ``owner`` (the algorithm), ``of`` (what the loss scores, e.g. ``"h(rep)"``) and the fix. Called at the
+    algorithm's ``setup``."""
+    loss = getattr(module, "fedrep_loss", None)
+    if callable(loss):
+        return loss
+    if loss == "cross_entropy":
+        return cross_entropy_per_sample
+    raise ValueError(
+        f"{owner} needs the module's fedrep_loss (the per-sample loss of {of}): set fedrep_loss = "
+        f"'cross_entropy' (or a callable (output, target) -> per-sample loss), got {loss!r}."
+    )
