@@ -9,10 +9,39 @@ from typing import Literal
 
 RunnerName = Literal["vectorized", "sequential"]
 DecidedAt = Literal["setup", "first loader", "checkpoint"]
+RandomnessName = Literal["exact", "per_client"]
 
 PHASE_PARTS = ("head", "body", "all")
 SEQUENTIAL = "sequential: one client step per Lightning step, the module's own training_step"
 LOCKSTEP = "vectorized: clients in lockstep under torch.func"
+EXACT_DRAWS = (
+    "exact: the vectorized runner computes what the sequential runner computes, draw for draw (no random layer "
+    "runs in train mode)"
+)
+PER_CLIENT_DRAWS = (
+    "per_client: every client of a lockstep step draws its own random numbers (dropout masks), from a generator "
+    "keyed by the strategy's seed, the round, the phase, the local step and the step's clients: the same "
+    "distribution as the sequential runner, not the same draws; reproducible for a seed and across a resume"
+)
+PER_CLIENT_LINE = (
+    "Randomness: per_client (each client draws its own random numbers, keyed by the seed, round, phase, step "
+    "and the step's clients: the same distribution as the sequential runner, not the same draws)."
+)
+"""What the vectorized runner's log line adds under ``randomness="per_client"``."""
+SEQUENTIAL_DRAWS = (
+    "sequential: the module's training_step draws from torch's global generator (seed_everything seeds it, "
+    "checkpoints hold it)"
+)
+
+
+def randomness_contract(runner: RunnerName, randomness: RandomnessName) -> str:
+    """The randomness contract that runs, in words: the sequential runner's own draws, or the vectorized
+    runner's under the strategy's ``randomness`` setting."""
+    if runner == "sequential":
+        return SEQUENTIAL_DRAWS
+    return PER_CLIENT_DRAWS if randomness == "per_client" else EXACT_DRAWS
+
+
 PER_BATCH_FORWARD = (
     "per batch on each client's model with the algorithm's EvaluationSpec.forward (not batched over clients)"
 )
@@ -35,6 +64,9 @@ class RunnerReport:
         evaluation: how validation and test run where the vectorized runner does not batch them (``None``:
             as the runner decides): an algorithm's ``EvaluationSpec.forward`` is evaluated per batch
             (``PER_BATCH_FORWARD``).
+        randomness: the strategy's ``randomness`` setting (``"exact"`` or ``"per_client"``).
+        randomness_contract: the contract that ran, in words: ``EXACT_DRAWS`` or ``PER_CLIENT_DRAWS`` on the
+            vectorized runner, ``SEQUENTIAL_DRAWS`` on the sequential runner (whatever the setting).
     """
 
     runner: RunnerName
@@ -42,6 +74,8 @@ class RunnerReport:
     decided_at: DecidedAt
     phases: Mapping[str, str] = field(default_factory=dict)
     evaluation: str | None = None
+    randomness: RandomnessName = "exact"
+    randomness_contract: str = EXACT_DRAWS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "phases", MappingProxyType(dict(self.phases)))

@@ -32,10 +32,20 @@ from lightning_fedrep.runners.lockstep.fusion import resolve_steps_per_call
 from lightning_fedrep.runners.lockstep.heads_together import fit_heads_together
 from lightning_fedrep.runners.lockstep.probe import SIDE_EFFECTS, vectorize_problem
 from lightning_fedrep.runners.lockstep.runner import LockstepRunner
-from lightning_fedrep.runners.lockstep.validity import federation_reasons, module_reasons, trainer_reasons
-from lightning_fedrep.runners.runner_report import PER_BATCH_FORWARD, RunnerReport
+from lightning_fedrep.runners.lockstep.validity import (
+    federation_reasons,
+    module_reasons,
+    random_layers,
+    trainer_reasons,
+)
+from lightning_fedrep.runners.runner_report import (
+    PER_BATCH_FORWARD,
+    PER_CLIENT_LINE,
+    RunnerReport,
+    randomness_contract,
+)
 from lightning_fedrep.runners.sequential import SequentialRunner
-from lightning_fedrep.runners.settings import RunnerChoice, RunnerSettings, StepsPerCall
+from lightning_fedrep.runners.settings import Randomness, RunnerChoice, RunnerSettings, StepsPerCall
 from lightning_fedrep.runners.sharded import Sharded
 
 
@@ -60,17 +70,20 @@ def build_engine(
     objectives: dict[str, Any] | None = None,
     steps_per_call: StepsPerCall = "auto",
     compile: bool = False,
+    randomness: Randomness = "exact",
 ) -> Decision:
     """The vectorized runner for this fit, or the sequential runner (``mode="auto"`` where the engine would
     not be exact); raises for ``mode="vectorized"`` where it would not be exact. The engine runs
     ``steps_per_call`` lockstep steps per Lightning step (:func:`~lightning_fedrep.runners.lockstep.fusion.resolve_steps_per_call`:
     refused here where something needs a Lightning step per local step), its cached head steps compiled
-    where ``compile`` (:mod:`~lightning_fedrep.runners.lockstep.compiled`; not in a smoke run)."""
+    where ``compile`` (:mod:`~lightning_fedrep.runners.lockstep.compiled`; not in a smoke run, nor with random
+    layers under ``randomness="per_client"``). ``randomness`` is the strategy's contract for random layers
+    (``"per_client"``: they are no reason, each client draws its own)."""
     if mode == "sequential":
         return Decision(None, RunnerReport.sequential("runner='sequential'", "setup"))
     objectives = objectives or {}
     reasons = (
-        module_reasons(module, federation.layout, constraints)
+        module_reasons(module, federation.layout, constraints, randomness)
         + trainer_reasons(constraints)
         + federation_reasons(objectives, callbacks)
     )
@@ -111,13 +124,25 @@ def build_engine(
         objectives=objectives,
         convert_input=constraints.convert_input,
         to_device=constraints.to_device,
+        randomness=randomness,
     )
     engine.steps_per_call, engine.calls_line = calls, calls_line
-    engine.compile = compile and not constraints.smoke
-    engine.compile_skipped = (
-        "fast_dev_run: a smoke run is not worth compiling" if compile and constraints.smoke else None
-    )
+    engine.compile_skipped = _compile_skipped(compile, constraints.smoke, randomness, module)
+    engine.compile = compile and engine.compile_skipped is None
     return Decision(engine, report)
+
+
+def _compile_skipped(compile: bool, smoke: bool, randomness: Randomness, module: nn.Module) -> str | None:
+    """Why ``compile=True`` compiles nothing in this fit, or ``None``: a smoke run, or random layers drawn per
+    client (the compiled head step has no keyed per-client draws)."""
+    if not compile:
+        return None
+    if smoke:
+        return "fast_dev_run: a smoke run is not worth compiling"
+    layers = random_layers(module) if randomness == "per_client" else []
+    if layers:
+        return f"randomness='per_client' with random layers ({', '.join(layers)}) steps eagerly"
+    return None
 
 
 def _start_client_buffers(algorithm: Algorithm, module: nn.Module, federation: Federation) -> list[str]:
@@ -236,7 +261,9 @@ def _vectorize_problem(
     batch = engine.to_device(engine.convert_input(batch), device)
     cached = engine.split if engine.caching else None
     module, loss_fn = engine.module, engine.loss_fn
-    problem = vectorize_problem(module, loss_fn, batch, parts, engine.trainable, forward, cached)
+    problem = vectorize_problem(
+        module, loss_fn, batch, parts, engine.trainable, forward, cached, engine.randomness
+    )
     if gather is None:
         return problem
     found = [v["vectorize_problem"] for v in gather({"vectorize_problem": problem}) if v["vectorize_problem"]]
@@ -273,10 +300,14 @@ class RunnerSelection:
     Args:
         settings: the strategy's ``runner=`` setting (the choice, and the vectorized runner's ``width``,
             ``memory``, ``steps_per_call`` and ``compile``).
+        randomness: the strategy's ``randomness=`` setting (``"per_client"``: the vectorized runner takes random
+            layers, each client drawing its own; the report says which contract ran).
     """
 
-    def __init__(self, settings: RunnerSettings):
+    def __init__(self, settings: RunnerSettings, randomness: Randomness = "exact"):
         self.settings = settings
+        self.randomness: Randomness = randomness
+        """The strategy's contract for random layers on the vectorized runner (``"exact"`` or ``"per_client"``)."""
         self.mode: RunnerChoice = settings.choice
         self.width, self.memory = settings.width, settings.memory
         self.steps_per_call: StepsPerCall = settings.steps_per_call
@@ -348,7 +379,14 @@ class RunnerSelection:
         if self.compile and line is not None and decision.engine is None:
             line = f"{line} compile=True compiles nothing on it (it runs the module's training_step)."
         if decision.report is not None:
-            self.report = decision.report
+            report = decision.report
+            self.report = replace(
+                report,
+                randomness=self.randomness,
+                randomness_contract=randomness_contract(report.runner, self.randomness),
+            )
+            if self.report.runner == "vectorized" and self.randomness == "per_client" and line is not None:
+                line = f"{line} {PER_CLIENT_LINE}"
             if self.report.runner == "vectorized" and self.evaluation is not None:
                 self.report = replace(self.report, evaluation=self.evaluation)
                 line = None if line is None else f"{line} Evaluation: {self.evaluation}."
@@ -386,6 +424,7 @@ class RunnerSelection:
                 objectives,
                 self.steps_per_call,
                 self.compile,
+                self.randomness,
             )
             line = self._take(decision)
         self.install(run, algorithm, collective)

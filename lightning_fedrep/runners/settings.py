@@ -16,6 +16,8 @@ from lightning_fedrep.federation.api.arguments import check_bool
 RunnerChoice = Literal["auto", "vectorized", "sequential"]
 StepsPerCall = int | Literal["auto"]
 CHOICES: tuple[str, ...] = get_args(RunnerChoice)
+Randomness = Literal["exact", "per_client"]
+RANDOMNESS: tuple[str, ...] = get_args(Randomness)
 
 OLD_KEYWORDS = {
     "engine": "runner=<choice>",
@@ -89,6 +91,20 @@ def runner_settings(runner: Any) -> RunnerSettings:
     raise ValueError(
         "runner must be 'auto', 'vectorized' or 'sequential', or a RunnerSettings (e.g. "
         f"RunnerSettings('vectorized', width=8)), got {runner!r}."
+    )
+
+
+def randomness_setting(randomness: Any) -> Randomness:
+    """The strategy's ``randomness`` argument, checked at construction: ``"exact"`` (the vectorized runner
+    computes what the sequential runner computes, draw for draw, so it refuses random layers in train mode) or
+    ``"per_client"`` (it takes them, each client drawing its own random numbers: the same distribution as the
+    sequential runner, not the same draws)."""
+    if isinstance(randomness, str) and randomness in RANDOMNESS:
+        return randomness  # type: ignore[return-value]
+    raise ValueError(
+        "randomness must be 'exact' (the vectorized runner equals the sequential runner draw for draw and "
+        "refuses random layers such as dropout) or 'per_client' (it takes them, each client drawing its own "
+        f"random numbers: the same distribution, not the same draws), got {randomness!r}."
     )
 
 

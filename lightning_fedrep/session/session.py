@@ -51,8 +51,10 @@ from lightning_fedrep.runners.constraints import Constraints
 from lightning_fedrep.runners.runner_report import RunnerReport
 from lightning_fedrep.runners.selection import RunnerSelection
 from lightning_fedrep.runners.settings import (
+    Randomness,
     RunnerChoice,
     RunnerSettings,
+    randomness_setting,
     refuse_old_keywords,
     runner_settings,
 )
@@ -145,6 +147,15 @@ class FederatedSession(Host):
         privacy: a server-side privacy mechanism from ``lightning_fedrep.privacy`` (``ClientLevelDP``: each
             round's shared updates clipped and noised before the server step; needs ``weighting="uniform"``),
             or ``None``.
+        randomness: what the vectorized runner does with random layers (dropout) in train mode. ``"exact"``
+            (default): it computes what the sequential runner computes, draw for draw, so a module with random
+            layers runs sequentially (``runner="auto"``) or is refused (``runner="vectorized"``). ``"per_client"``:
+            it takes them, and every client of a lockstep step draws its own random numbers
+            (``torch.func.vmap(randomness="different")``) from a generator keyed by ``seed``, the round, the
+            phase, the local step and the step's clients: the same distribution as the sequential runner, not
+            the same draws; bit-identical for a seed and across a resume (round boundary or mid-round), and
+            untouched by ``seed_everything``. The sequential runner draws from torch's global generator either
+            way (``seed_everything``; checkpoints hold it). ``runner_report.randomness_contract`` says which ran.
     """
 
     def __init__(
@@ -170,6 +181,7 @@ class FederatedSession(Host):
         runner: RunnerChoice | RunnerSettings = "auto",
         predict: Literal["auto", "new_client", "personalized"] = "auto",
         privacy: PrivacyMechanism | None = None,
+        randomness: Randomness = "exact",
         **kwargs: Any,
     ):
         refuse_old_keywords(kwargs)
@@ -179,6 +191,8 @@ class FederatedSession(Host):
         )
         check_evaluation_settings(allow_new_federation, first_state, evaluate_clients, buffers)
         self.runner: RunnerSettings = runner_settings(runner)
+        self.randomness: Randomness = randomness_setting(randomness)
+        """The vectorized runner's contract for random layers (``"exact"`` or ``"per_client"``)."""
         """The runner setting (a choice's name becomes its :class:`~lightning_fedrep.runners.settings.RunnerSettings`)."""
         self.algorithm: Algorithm = strategy_algorithm(algorithm)
         epochs = {"head_epochs": head_epochs, "body_epochs": body_epochs, "local_epochs": local_epochs}
@@ -205,7 +219,7 @@ class FederatedSession(Host):
         self.collective: Collective = Collective()
         """The processes a round's clients are sharded over (one here; several on the DDP strategy)."""
         self._run: FederatedRun | None = None
-        self._selection = RunnerSelection(self.runner)
+        self._selection = RunnerSelection(self.runner, self.randomness)
         self._constraints = Constraints()
         """The host's facts of the current call (how a training batch is converted and moved to the device)."""
         self._callbacks: list[Any] = []

@@ -66,9 +66,11 @@ class Net(L.LightningModule):
     fedrep_head = "classifier"
     fedrep_loss = "cross_entropy"
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.ReLU())
+        if dropout:  # --dropout: a random layer (randomness='per_client' takes it on the vectorized runner)
+            self.body.insert(2, nn.Dropout(dropout))
         self.classifier = nn.Linear(8, 4)
 
     def forward(self, x):
@@ -159,6 +161,7 @@ def holdings(strategy: FederatedStrategy, trainer: L.Trainer, rounds: int) -> di
         if "finetune/val" in strategy.client_metrics
         else {},
         "global_step": trainer.global_step,
+        "runner": strategy.runner_report.runner,
         "participants": [len(strategy.round_plan(r).clients) for r in range(rounds)],
         "results": strategy.results(),
         "train_loss": trainer.callback_metrics["train/loss"].item()
@@ -192,6 +195,8 @@ def main() -> None:
         "--seed-by-rank", action="store_true", help="each rank initializes its module differently"
     )
     parser.add_argument("--manual", action="store_true", help="a module with manual optimization")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout in the body")
+    parser.add_argument("--randomness", default="exact", choices=["exact", "per_client"])
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -201,6 +206,7 @@ def main() -> None:
         **epoch_settings(args.algorithm, head_epochs=2, body_epochs=1, local_epochs=2),
         runner=args.runner,
         seed=3,
+        randomness=args.randomness,
     )
     if args.devices > 1:
         strategy = FederatedDDPStrategy(timeout=args.timeout, client_store=args.client_store, **settings)
@@ -227,7 +233,7 @@ def main() -> None:
             )
         )
     L.seed_everything(int(os.environ.get("LOCAL_RANK", 0)) if args.seed_by_rank else 0, verbose=False)
-    model = ManualNet() if args.manual else Net()
+    model = ManualNet() if args.manual else Net(args.dropout)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,

@@ -24,7 +24,7 @@ from lightning_fedrep.federation.module.feature_chunks import FEATURE_CHUNK, fea
 from lightning_fedrep.federation.module.feature_split import FeatureSplit, find_feature_split, same_tensor
 from lightning_fedrep.federation.module.losses import NAMED_LOSSES, LossFn, masked_mean
 from lightning_fedrep.federation.module.stateless import stateless_call
-from lightning_fedrep.federation.module.untouched import untouched_random_state
+from lightning_fedrep.federation.module.untouched import untouched_modes, untouched_random_state
 from lightning_fedrep.federation.plan import RoundPlan
 from lightning_fedrep.federation.run import StepLoss, step_loss
 from lightning_fedrep.runners.constraints import move_to_device
@@ -32,8 +32,10 @@ from lightning_fedrep.runners.lockstep import sizing
 from lightning_fedrep.runners.lockstep.compiled import CompiledHeadStep
 from lightning_fedrep.runners.lockstep.group import ClientGroup
 from lightning_fedrep.runners.lockstep.loading import ClientBatches
-from lightning_fedrep.runners.lockstep.probe import loss_label, probe_problem
+from lightning_fedrep.runners.lockstep.probe import PROBE_SEED, loss_label, probe_problem
+from lightning_fedrep.runners.lockstep.randomness import step_draws, vmap_randomness
 from lightning_fedrep.runners.lockstep.schedule import FusedBatches, LockstepPlan, Segment, lockstep_plan
+from lightning_fedrep.runners.settings import Randomness
 
 SMOKE_GROUP = 4
 """Clients per group in a smoke run (``fast_dev_run``: one lockstep step is the whole run)."""
@@ -63,6 +65,10 @@ class LockstepEngine:
             e.g. float tensors to float64 under ``precision="64-true"``), applied to the batches the
             engine draws itself (probe, cached features, timing).
         to_device: how a batch moves to a device (the face passes Lightning's ``move_data_to_device``).
+        randomness: the strategy's contract for random layers: ``"exact"`` (none runs: the set-up checks and the
+            probe refuse them) or ``"per_client"`` (every forward of a step draws each client's own random
+            numbers, from a generator keyed by the seed, round, phase, step and the step's clients:
+            :mod:`~lightning_fedrep.runners.lockstep.randomness`).
     """
 
     def __init__(
@@ -76,8 +82,10 @@ class LockstepEngine:
         objectives: Mapping[str, Objective] | None = None,
         convert_input: Callable[[Any], Any] | None = None,
         to_device: Callable[[Any, torch.device], Any] | None = None,
+        randomness: Randomness = "exact",
     ):
         self.federation = federation
+        self.randomness: Randomness = randomness
         self.module = module
         self.user_optimizer = optimizer
         self.loss_fn = loss
@@ -178,14 +186,18 @@ class LockstepEngine:
         probes = self._probe_batches(loader, device)
         name = loss_label(getattr(self.module, "fedrep_loss", self.loss_fn))
         with untouched_random_state():  # a training_step may draw from numpy's or Python's generator too
-            problem = probe_problem(self.module, self.loss_fn, name, probes)
+            problem = probe_problem(self.module, self.loss_fn, name, probes, self.randomness)
         self.probe_problem = _first_problem(problem, gather)
         if self.probe_problem is not None:
             self.split, self.caching = None, False
             return f"no feature cache: {self.probe_problem}"
         probe_x = probes[0][0][0]
         self.feature_chunk = feature_chunk_of(device, probe_x)
-        why = self._decide_split(probe_x)
+        why = (
+            self._decide_split_per_client(probe_x)
+            if self.randomness == "per_client"
+            else self._decide_split(probe_x)
+        )
         if gather is not None:
             every = gather({"loss_terms_problem": self.loss_terms_problem, "no_cache": why})
             self.loss_terms_problem = next(
@@ -218,6 +230,27 @@ class LockstepEngine:
         if self.needs_features and self.split is None:
             self.loss_terms_problem = f"the loss terms that read features need the head's input ({why})"
         return why
+
+    def _decide_split_per_client(self, x: Tensor) -> str | None:
+        """:meth:`_decide_split` where random layers may run: the split's structure is verified in eval mode (not
+        dropout's draws; the run's generators untouched), and head phases run on cached features only where the
+        body is not random in train mode (its features under two seeds agree), since a random body draws anew
+        at every step of the sequential runner."""
+        with untouched_modes(self.module), untouched_random_state():
+            self.module.eval()
+            why = self._decide_split(x)
+            if why is not None or self.split is None:
+                return why
+            self.module.train()
+            tensors = {**dict(self.module.named_buffers()), **dict(self.module.named_parameters())}
+            drawn = []
+            for seed in (PROBE_SEED, PROBE_SEED + 1):
+                torch.manual_seed(seed)
+                with torch.no_grad():
+                    drawn.append(self.split.features(tensors, x))
+        if not same_tensor(*drawn):
+            return "the body is random in train mode (randomness='per_client': it draws anew at every step)"
+        return None
 
     def _probe_batches(self, loader: ClientBatches, device: torch.device) -> list[tuple[Any, int, str]]:
         """The first batch of the first client with data and the second batch of the last one, as
@@ -351,7 +384,8 @@ class LockstepEngine:
             first = loader.probe_batch(plan.work[0].client, plan.round, 0)
         x, y = self._as_stepped(first, device)
         loss_fn = self.loss_fn
-        activations = sizing.activation_bytes(lambda: loss_fn(module(x), y).sum())
+        with untouched_random_state():  # a random layer's draws (randomness="per_client") leave no trace
+            activations = sizing.activation_bytes(lambda: loss_fn(module(x), y).sum())
         if getattr(loader, "sampling", "shuffle") == "poisson":
             activations = int(activations * sizing.poisson_width_factor(loader.batch_size))
         features = 0
@@ -604,16 +638,37 @@ class LockstepEngine:
             def client_output(own: dict[str, Tensor], rest: dict[str, Tensor], x: Tensor) -> Tensor:
                 return run({**fixed, **rest, **own}, x)[0]
 
-            outputs = over_lanes(client_output, len(mask))(trained, frozen, inputs)
+            with self._draws(mask.device):
+                outputs = over_lanes(client_output, len(mask), self._vmap_randomness)(trained, frozen, inputs)
             losses = lane_mean_losses(self.loss_fn, outputs, targets, mask)
         else:
             lanes_args = (trained, frozen, inputs, targets, mask)
             if terms:  # what a term's StepView reads per client
                 lanes_args += (self._segment_clients(mask.device), states, self._lane_fields(mask.device))
-            losses = over_lanes(client_loss, len(mask))(*lanes_args)
+            with self._draws(mask.device):
+                losses = over_lanes(client_loss, len(mask), self._vmap_randomness)(*lanes_args)
         losses = losses * self._active_weights(losses.dtype, losses.device)
         self._keep_losses(losses, mask)
         return losses.sum()
+
+    @property
+    def _vmap_randomness(self) -> str:
+        """What the step's ``vmap`` does with random operations (:func:`~.randomness.vmap_randomness`)."""
+        return vmap_randomness(self.randomness)
+
+    def _draws(self, device: torch.device) -> Any:
+        """The context of this lockstep step's forward: under ``randomness="per_client"`` a generator keyed by
+        the seed, round, phase, local step and the segment's clients (nothing under ``"exact"``)."""
+        segment = self.segment
+        return step_draws(
+            self.randomness,
+            self.federation.config.seed,
+            self.federation.round_index,
+            segment.phase_index,
+            self._step,
+            segment.clients,
+            device,
+        )
 
     def _rule_loss(self, rule: StepRule, batch: dict[str, Tensor]) -> Tensor:
         """A step rule run per client inside one ``vmap`` (each client its own ``(x, y)``, mask and declared
@@ -642,9 +697,10 @@ class LockstepEngine:
         own = {n: t.detach() for n, t in trained.items()}
         rest = {n: t.detach() for n, t in frozen.items()}
         clients = self._segment_clients(mask.device)
-        grads, losses, new_state = torch.func.vmap(client_step)(
-            own, rest, inputs, targets, mask, clients, states, self._lane_fields(mask.device)
-        )
+        with self._draws(mask.device):
+            grads, losses, new_state = torch.func.vmap(client_step, randomness=self._vmap_randomness)(
+                own, rest, inputs, targets, mask, clients, states, self._lane_fields(mask.device)
+            )
         active = self._active_weights(losses.dtype, losses.device)
         self._keep_losses(losses * active, mask)
         self._rule_state = {n: t.detach() for n, t in new_state.items()}
@@ -981,13 +1037,14 @@ def lane_mean_losses(loss_fn: LossFn, outputs: Tensor, targets: Tensor, mask: Te
     return masked_mean(loss_fn(outputs.flatten(0, 1), targets.flatten(0, 1)).view(mask.shape), mask)
 
 
-def over_lanes(fn: Callable[..., Any], lanes: int) -> Callable[..., Any]:
-    """``torch.func.vmap(fn)`` over ``lanes`` clients; for one lane ``fn`` called on its row directly (the
+def over_lanes(fn: Callable[..., Any], lanes: int, randomness: str = "error") -> Callable[..., Any]:
+    """``torch.func.vmap(fn, randomness=randomness)`` over ``lanes`` clients; for one lane ``fn`` called on its
+    row directly (the
     same arithmetic without ``vmap``'s batching rules, which cost a CIFAR CNN step 6-8% on the development
     CPU), its outputs given back their lane dimension. The row is ``squeeze(0)``, a view whose backward is a
     view too (``t[0]``'s backward writes each gradient into a new zero tensor: 1-3% of that step)."""
     if lanes != 1:
-        return torch.func.vmap(fn)
+        return torch.func.vmap(fn, randomness=randomness)
 
     def one_lane(*args: Any) -> Any:
         row = tree_map(lambda t: t.squeeze(0) if isinstance(t, Tensor) else t, args)

@@ -8,7 +8,10 @@ step: on the device, in the trainer's precision) and says why they differ, if th
 - the declared loss does not give one loss per sample of the batch (``fedrep_loss="mse"`` on integer
   labels against a vector of logits: the shapes differ);
 - ``forward`` is random beyond the random layers already refused (two seeds, two outputs further apart
-  than float error: kernels that are not deterministic, GPU atomics, differ only in the last bits);
+  than float error: kernels that are not deterministic, GPU atomics, differ only in the last bits); under
+  ``randomness="per_client"`` random operations are welcome (each client draws its own), but only from torch's
+  generator: two forwards under one seed must agree (a draw from numpy's or Python's generator would give
+  every client of a lockstep step the same numbers);
 - ``training_step``'s loss is not the declared loss's mean (an extra term, label smoothing, ...);
 - ``training_step`` logs something the engine would not (it logs only ``train/loss``, the clients'
   mean loss), since those ``self.log`` calls would vanish on the engine;
@@ -42,18 +45,23 @@ from lightning_fedrep.federation.module.batches import batch_problem
 from lightning_fedrep.federation.module.feature_split import FeatureSplit
 from lightning_fedrep.federation.module.losses import LossFn, mse_per_sample
 from lightning_fedrep.federation.module.untouched import untouched_modes, untouched_random_state
+from lightning_fedrep.runners.lockstep.randomness import vmap_randomness
 from lightning_fedrep.runners.lockstep.side_effects import (
     named_side_effects,
     restored,
     side_effects,
     state_prints,
 )
+from lightning_fedrep.runners.settings import Randomness
 
 ENGINE_LOG = "train/loss"
 """The one metric the engine logs from its steps (the mean loss of the clients that stepped)."""
 
 SIDE_EFFECTS = "training_step has side effects"
 """How a reason about what ``training_step`` writes besides its loss starts (:mod:`.side_effects`)."""
+
+PER_CLIENT_RANDOM = "randomness='per_client' lets the vectorized runner draw each client's own"
+"""How the exact contract's refusal of a random forward names the fix."""
 
 PROBE_SEED = 20_231
 """The seed both sides of the comparison run under (and, plus one, the second forward's)."""
@@ -63,15 +71,20 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def probe_problem(
-    module: nn.Module, loss_fn: LossFn, loss_name: str, batches: Sequence[tuple[Any, int, str]]
+    module: nn.Module,
+    loss_fn: LossFn,
+    loss_name: str,
+    batches: Sequence[tuple[Any, int, str]],
+    randomness: Randomness = "exact",
 ) -> str | None:
     """Why the engine would not train what ``module.training_step`` trains on ``batches`` (each
-    ``(batch, batch_idx, where)``, the batch as the step would get it), or ``None``."""
+    ``(batch, batch_idx, where)``, the batch as the step would get it), or ``None``; ``randomness``: the
+    strategy's contract (``"per_client"`` takes a forward that draws from torch's generator)."""
     with untouched_modes(module):
         module.train()
         for batch, batch_idx, where in batches:
             problem = batch_problem(batch, where) or _step_problem(
-                module, loss_fn, loss_name, batch, batch_idx, where
+                module, loss_fn, loss_name, batch, batch_idx, where, randomness
             )
             if problem is not None:
                 return problem
@@ -96,6 +109,7 @@ def vectorize_problem(
     stacked: Collection[str],
     forward: Forward | None = None,
     cached: FeatureSplit | None = None,
+    randomness: Randomness = "exact",
 ) -> str | None:
     """Why ``torch.func.vmap`` cannot run the engine's step on ``module``, or ``None``.
 
@@ -107,7 +121,8 @@ def vectorize_problem(
     ``cached.features`` computed outside the vmap, as on cached features. The exception's first line is
     the reason (``cannot vectorize: Batching rule not implemented for aten::lstm.input ...``), with the
     submodule it came from. Leaves no trace: the module's tensors are copied, every submodule keeps its
-    mode, and the random generators are restored.
+    mode, and the random generators are restored. Under ``randomness="per_client"`` the ``vmap`` draws each
+    client's own random numbers, as the engine's does.
     """
     x, y = batch
     forward = forward or (lambda tensors, inputs: torch.func.functional_call(module, tensors, (inputs,)))
@@ -126,6 +141,7 @@ def vectorize_problem(
                 named,
                 stacked,
                 trained,
+                vmap_randomness(randomness),
             )
             if problem is not None:
                 return f"{problem}, {part} phase{' on cached features' if on_features else ''})"
@@ -152,8 +168,10 @@ def _vmap_problem(
     named: dict[str, Tensor],
     stacked: Collection[str],
     trained: Collection[str],
+    randomness: str,
 ) -> str | None:
-    """One vmapped loss and its gradient; the reason without its closing parenthesis, or ``None``."""
+    """One vmapped loss and its gradient (``randomness``: ``vmap``'s); the reason without its closing
+    parenthesis, or ``None``."""
     k = PROBE_CLIENTS
     own = {n: _copies(t, k, n in trained) for n, t in named.items() if n in stacked}
     shared = {n: t.detach().clone() for n, t in named.items() if n not in stacked}
@@ -167,7 +185,7 @@ def _vmap_problem(
     stage = "loss"
     with _open_submodules(module) as entered, torch.enable_grad():
         try:
-            losses = torch.func.vmap(client_loss)(own, stack(x), stack(y))
+            losses = torch.func.vmap(client_loss, randomness=randomness)(own, stack(x), stack(y))
             stage = "gradient"
             leaves = [t for t in own.values() if t.requires_grad]
             if leaves and losses.requires_grad:
@@ -190,7 +208,13 @@ def loss_label(loss: Any) -> str:
 
 
 def _step_problem(
-    module: nn.Module, loss_fn: LossFn, loss_name: str, batch: Any, batch_idx: int, where: str
+    module: nn.Module,
+    loss_fn: LossFn,
+    loss_name: str,
+    batch: Any,
+    batch_idx: int,
+    where: str,
+    randomness: Randomness = "exact",
 ) -> str | None:
     x, y = batch
     with torch.no_grad(), restored(module):
@@ -203,9 +227,21 @@ def _step_problem(
         per_sample = _declared_losses(loss_fn, loss_name, output, y, where)
         if isinstance(per_sample, str):
             return per_sample
-        again = _seeded(lambda: module(x), x.device, PROBE_SEED + 1)
-        if not _same_output(output, again):
-            return "the module's forward is random (it differs between two seeds: a random op inside forward)"
+        if randomness == "per_client":  # random ops welcome, drawn from torch's generator only
+            again = _seeded(lambda: module(x), x.device)
+            if not _same_output(output, again):
+                return (
+                    "the module's forward is random outside torch's generator (two forwards under one seed "
+                    "differ: numpy's or Python's generator, or state that changes between calls), so "
+                    "randomness='per_client' cannot give each client its own draws"
+                )
+        else:
+            again = _seeded(lambda: module(x), x.device, PROBE_SEED + 1)
+            if not _same_output(output, again):
+                return (
+                    "the module's forward is random (it differs between two seeds: a random op inside forward; "
+                    f"{PER_CLIENT_RANDOM})"
+                )
         declared = per_sample.mean()
         with _captured_logs(module) as logged:
             before = state_prints(module)

@@ -16,6 +16,7 @@ from torch import nn
 from lightning_fedrep.federation.api.objective import Objective
 from lightning_fedrep.federation.module.losses import declared_loss
 from lightning_fedrep.federation.module.split import TensorLayout
+from lightning_fedrep.runners.settings import Randomness
 
 if TYPE_CHECKING:
     from lightning_fedrep.runners.constraints import Constraints
@@ -43,10 +44,28 @@ _RANDOM_MODULES = (
     nn.FeatureAlphaDropout,
     nn.RReLU,
 )
+"""Layers that draw random numbers in train mode: refused under ``randomness="exact"``, taken under
+``randomness="per_client"`` (each client then draws its own)."""
+
+PER_CLIENT_FIX = "randomness='per_client' lets the vectorized runner draw each client's own"
+"""How the exact contract's refusal of a random layer names the fix."""
 
 
-def module_reasons(module: nn.Module, layout: TensorLayout, constraints: Constraints) -> list[str]:
-    """What in the module (and its Lightning facts, ``constraints``) keeps the engine from being exact."""
+def random_layers(module: nn.Module) -> list[str]:
+    """The submodules of ``module`` that draw random numbers in train mode, as ``'name' (Class)``."""
+    return [
+        f"{name!r} ({type(sub).__name__})"
+        for name, sub in module.named_modules()
+        if isinstance(sub, _RANDOM_MODULES) and getattr(sub, "p", 1.0) != 0
+    ]
+
+
+def module_reasons(
+    module: nn.Module, layout: TensorLayout, constraints: Constraints, randomness: Randomness = "exact"
+) -> list[str]:
+    """What in the module (and its Lightning facts, ``constraints``) keeps the engine from being exact, or,
+    under ``randomness="per_client"``, from drawing each client's own random numbers (random layers are then
+    no reason)."""
     reasons = []
     if declared_loss(module) is None:
         reasons.append(
@@ -58,8 +77,8 @@ def module_reasons(module: nn.Module, layout: TensorLayout, constraints: Constra
     for name, sub in module.named_modules():
         if isinstance(sub, nn.modules.batchnorm._BatchNorm):
             reasons.append(f"batch norm in train mode ({name!r} uses batch statistics)")
-        elif isinstance(sub, _RANDOM_MODULES) and getattr(sub, "p", 1.0) != 0:
-            reasons.append(f"random layer {name!r} ({type(sub).__name__}) in train mode")
+        elif isinstance(sub, _RANDOM_MODULES) and getattr(sub, "p", 1.0) != 0 and randomness == "exact":
+            reasons.append(f"random layer {name!r} ({type(sub).__name__}) in train mode ({PER_CLIENT_FIX})")
     overridden = constraints.overridden_hooks
     if overridden:
         reasons.append(
