@@ -207,17 +207,33 @@ def test_without_draws_per_client_vectorized_equals_sequential(algorithm):
 
 def test_dropout_on_the_same_seed_twice_is_bit_identical_and_another_seed_is_not():
     """Catches draws taken from the global generator's history (the second fit starts from another global
-    state: ``torch.rand`` in between) or a key that ignores the seed."""
-    first, trainer = fit()
+    state: ``torch.rand`` in between) or a key that ignores the seed; validation runs batched in eval mode (no
+    draws: the same scores)."""
+    validated = {"limit_val_batches": 1.0}
+    first, trainer = fit(trainer=validated)
     assert first.runner_report.runner == "vectorized"
-    assert (
-        trainer.global_step < first.round_plan(0).length
-    )  # lockstep, not one client step per Lightning step
+    assert trainer.global_step < first.round_plan(0).length  # lockstep: not a Lightning step per client step
     torch.rand(100)
-    second, _ = fit()
+    second, _ = fit(trainer=validated)
     assert_identical(first, second)
+    assert first.history == second.history and first.history
     other, _ = fit(seed=6)
     assert largest_difference(first, other) > 1e-3
+
+
+def test_the_sequential_runner_with_dropout_is_reproducible_from_the_global_seed():
+    """The sequential runner under either setting draws from torch's global generator: the same global seed
+    (``fit`` seeds it before building the module), the same model; another global stream, another model."""
+    first, _ = fit("sequential")
+    second, _ = fit("sequential", "exact")
+    assert first.runner_report.runner == "sequential"
+    assert_identical(first, second)
+    torch.manual_seed(0)
+    module = DropoutMLP()
+    torch.manual_seed(1)  # the same start, another global stream after it
+    fed = strategy("sequential")
+    quiet_trainer(strategy=fed, max_epochs=3, limit_val_batches=0).fit(module, datamodule=datamodule())
+    assert largest_difference(first, fed) > 1e-3
 
 
 def test_the_run_leaves_the_global_generator_where_a_run_without_draws_leaves_it():
