@@ -418,3 +418,17 @@ def _flat(tree) -> list[torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         return [tree]
     return [t for key in sorted(tree) for t in _flat(tree[key])]
+
+
+def test_compile_is_skipped_where_random_layers_draw_per_client(caplog):
+    """``compile=True`` has no keyed per-client draws in its compiled head step: it compiles nothing, and the
+    log line says why (catches a compiled step running a head with dropout under ``vmap``'s error mode)."""
+    settings = RunnerSettings("vectorized", compile=True)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        fed, _ = fit(settings, model=lambda: DropoutMLP(p=0.0, head_p=0.3), rounds=1)
+    assert fed.runner_settings["compile"] is False and fed.runner_settings["caching"]
+    (line,) = engine_lines(caplog)
+    assert (
+        "compile=True compiles nothing here (randomness='per_client' with random layers ('drop' (Dropout))"
+        in line
+    )
