@@ -177,6 +177,17 @@ def test_other_seeds_give_other_clients_and_the_same_seed_the_same():
     assert any(not torch.equal(a, b) for a, b in zip(one.train, other.train))
 
 
+def test_a_fixed_seed_overrides_the_given_one():
+    train, test = generated_labels(10, 3000, 600, seed=0)
+    fixed = PFLlibPartitioner(20, partition="dir", seed=1)
+    one = PFLlibPartitioner(20, partition="dir").split(
+        torch.from_numpy(train), torch.from_numpy(test), seed=1
+    )
+    for given in (1, 2):
+        got = fixed.split(torch.from_numpy(train), torch.from_numpy(test), seed=given)
+        assert all(torch.equal(a, b) for a, b in zip(got.test, one.test))
+
+
 def test_each_client_is_split_75_25():
     train, test = generated_labels(10, 3000, 600, seed=0)
     split = PFLlibPartitioner(20, partition="pat", classes_per_client=2).split(
@@ -224,6 +235,7 @@ def test_the_data_module_pools_train_and_test():
         ({"balance": "no"}, "balance"),
         ({"least_samples": -1}, "least_samples"),
         ({"max_tries": 0}, "max_tries"),
+        ({"seed": -1}, "seed"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(kwargs, match):

@@ -73,6 +73,9 @@ class PFLlibPartitioner(Partitioner):
             ``None``: PFLlib's rule, ``int(min(10 / (1 - train_fraction), pool / num_clients / 2))`` (one test
             batch of 10 per client).
         max_tries: the most ``"dir"`` draws before giving up (PFLlib retries forever).
+        seed: a fixed seed of the split, used instead of the one :meth:`split` is given (the data module's):
+            PFLlib generates its clients once (seed 1) and every run trains on them, so a recipe run over
+            several seeds keeps ``seed=1`` here; ``None``: the given seed.
     """
 
     pools_test_set: ClassVar[bool] = True
@@ -88,6 +91,7 @@ class PFLlibPartitioner(Partitioner):
         balance: bool = False,
         least_samples: int | None = None,
         max_tries: int = 1000,
+        seed: int | None = None,
     ) -> None:
         """Check the arguments and keep them; nothing is drawn until :meth:`split`."""
         self.num_clients = _check_num_clients(num_clients)
@@ -147,6 +151,7 @@ class PFLlibPartitioner(Partitioner):
         if isinstance(max_tries, bool) or not isinstance(max_tries, int) or max_tries < 1:
             raise ValueError(f"PFLlibPartitioner(max_tries={max_tries!r}) must be a positive int.")
         self.max_tries = max_tries
+        self.seed = None if seed is None else _check_seed(seed)
 
     def __repr__(self) -> str:
         shape = (
@@ -156,13 +161,15 @@ class PFLlibPartitioner(Partitioner):
         )
         return (
             f"{type(self).__name__}(num_clients={self.num_clients}, partition={self.partition!r}, {shape}, "
-            f"train_fraction={self.train_fraction})"
+            f"train_fraction={self.train_fraction}{'' if self.seed is None else f', seed={self.seed}'})"
         )
 
     def split(self, train_labels: torch.Tensor, test_labels: torch.Tensor | None, seed: int) -> ClientSplit:
         """Pool the labels (train first), deal the pool over the clients, split each client's share into
-        train and test; the indices of both index the pool ``train_labels ++ test_labels``."""
-        rng = np.random.RandomState(_check_seed(seed))
+        train and test; the indices of both index the pool ``train_labels ++ test_labels``. ``seed`` seeds the
+        draws unless the partitioner has a fixed ``seed`` of its own."""
+        seed = _check_seed(seed)
+        rng = np.random.RandomState(seed if self.seed is None else self.seed)
         pool = _labels_to_numpy(train_labels, "train_labels")
         if test_labels is not None:
             pool = np.concatenate([pool, _labels_to_numpy(test_labels, "test_labels")])
