@@ -326,6 +326,8 @@ def recipe(data: str, split: str, method: str) -> tuple[str, str]:
         "PFLlib's exact clients. Every client every round, 2000 rounds, batch 10, plain SGD lr 0.005 (no momentum,",
         f"no weight decay), {schedule}; PFLlib's FedAvgCNN; ToTensor + Normalize(0.5, 0.5), no augmentation.",
         "Evaluation every round on each client's 25% test split.",
+        "Not as PFLlib: an epoch's last partial batch is trained on (PFLlib's loader drops it); each evaluation follows",
+        "the round's training (PFLlib scores the models it has just sent, before training, round 0 included).",
         f"{spec.label}: hyper-parameters from {spec.source}.",
         "Figures: our headline is val/acc_last10 (mean client accuracy over the last 10 rounds); PFLlib's number is",
         "the BEST round's pooled accuracy (correct / samples over all clients), val/acc_weighted_best here, mean ±",
