@@ -34,6 +34,7 @@ from lightning_fedrep.data.partition import (
     Partitioner,
     ShardPartitioner,
 )
+from lightning_fedrep.data.pfllib import PFLlibPartitioner
 from lightning_fedrep.federation import (
     ClientFault,
     ClientFaultError,
@@ -157,6 +158,7 @@ __all__ = [
     "NeuralCollapse",
     "OrthonormalBody",
     "ParameterSplit",
+    "PFLlibPartitioner",
     "Partitioner",
     "PerFedAvg",
     "PFedMe",

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_fedrep import FedRepStrategy
+from lightning_fedrep import FedRepStrategy, PFLlibPartitioner
 from lightning_fedrep.data import (
     CIFAR10DataModule,
     CIFAR100DataModule,
     EMNISTDataModule,
+    FashionMNISTDataModule,
     LEAFDataModule,
     MNISTDataModule,
     NaturalPartitioner,
@@ -66,6 +67,15 @@ def write_mnist(root: Path, n_train: int = 40, n_test: int = 20) -> None:
     )
 
 
+def write_fashion_mnist(root: Path, train_labels: np.ndarray, test_labels: np.ndarray) -> None:
+    """``FashionMNIST/raw``: MNIST's four idx files (torchvision's FashionMNIST reads the same format)."""
+    write_mnist_like(
+        root / "FashionMNIST" / "raw",
+        {"train": "train", "test": "t10k"},
+        {"train": train_labels, "test": test_labels},
+    )
+
+
 def write_emnist(root: Path, split: str, n_train: int, n_test: int, labels: np.ndarray) -> None:
     write_mnist_like(
         root / "EMNIST" / "raw",
@@ -87,7 +97,13 @@ def no_md5(monkeypatch):
 
 def test_construction_touches_no_disk(tmp_path):
     missing = tmp_path / "nowhere"
-    for cls in (CIFAR10DataModule, CIFAR100DataModule, MNISTDataModule, EMNISTDataModule):
+    for cls in (
+        CIFAR10DataModule,
+        CIFAR100DataModule,
+        MNISTDataModule,
+        EMNISTDataModule,
+        FashionMNISTDataModule,
+    ):
         module = cls(root=str(missing), download=False)
         module.prepare_data()  # download=False: nothing to do
     LEAFDataModule(train_dir=str(missing / "train"), test_dir=str(missing / "test"))
@@ -111,6 +127,7 @@ def test_vision_module_imports_torchvision_lazily():
         (CIFAR100DataModule, "cifar-100-python"),
         (MNISTDataModule, "MNIST/raw"),
         (EMNISTDataModule, "EMNIST/raw/emnist-digits"),
+        (FashionMNISTDataModule, "FashionMNIST/raw"),
     ],
 )
 def test_missing_files_say_download_true(tmp_path, cls, expected):
@@ -218,6 +235,69 @@ def test_mnist_real_format(tmp_path):
     assert x.shape == (1, 28, 28) and y == 3
     raw = module.train_set.data[3].float() / 255
     assert torch.allclose(x[0], (raw - 0.1307) / 0.3081, atol=1e-5)
+
+
+def test_fashion_mnist_real_format_and_both_preprocessings(tmp_path):
+    write_fashion_mnist(tmp_path, np.arange(40) % 10, np.arange(20) % 10)
+    module = FashionMNISTDataModule(root=str(tmp_path), num_clients=5, classes_per_client=2)
+    module.setup()
+    assert isinstance(module.train_set, torchvision.datasets.FashionMNIST)
+    assert module.num_classes == 10 and module.num_clients == 5
+    x, y = module.train_set[3]
+    raw = module.train_set.data[3].float() / 255
+    assert x.shape == (1, 28, 28) and y == 3
+    assert torch.allclose(x[0], (raw - 0.2860) / 0.3530, atol=1e-5)
+    pfllib = FashionMNISTDataModule(root=str(tmp_path), num_clients=5, preprocessing="pfllib")
+    pfllib.setup()
+    assert torch.allclose(pfllib.train_set[3][0][0], (raw - 0.5) / 0.5, atol=1e-6)
+    assert torch.allclose(
+        pfllib.test_set[0][0][0], (pfllib.test_set.data[0].float() / 255 - 0.5) / 0.5, atol=1e-6
+    )
+
+
+def test_pfllib_preprocessing_on_cifar(tmp_path, no_md5):
+    """PFLlib's generate_Cifar*.py: ToTensor + Normalize(0.5, 0.5) per channel, no augmentation."""
+    write_cifar10(tmp_path / "c10")
+    write_cifar100(tmp_path / "c100")
+    for cls, root in ((CIFAR10DataModule, "c10"), (CIFAR100DataModule, "c100")):
+        module = cls(root=str(tmp_path / root), num_clients=2, classes_per_client=10, preprocessing="pfllib")
+        module.setup()
+        assert module.augment is False
+        for dataset in (module.train_set, module.test_set):
+            assert [type(t).__name__ for t in dataset.transform.transforms] == ["ToTensor", "Normalize"]
+            x, _ = dataset[1]
+            raw = torch.from_numpy(dataset.data[1]).permute(2, 0, 1).float() / 255
+            assert torch.allclose(x, (raw - 0.5) / 0.5, atol=1e-6)
+    augmented = CIFAR10DataModule(root=str(tmp_path / "c10"), preprocessing="pfllib", augment=True)
+    assert augmented.augment is True
+    with pytest.raises(ValueError, match="preprocessing="):
+        CIFAR10DataModule(preprocessing="pflib")
+    with pytest.raises(ValueError, match="preprocessing="):
+        FashionMNISTDataModule(preprocessing="none")
+
+
+def test_pooled_clients_read_each_sample_with_the_transform_of_their_use(tmp_path, no_md5):
+    """With PFLlibPartitioner the clients index train ++ test: training samples taken from the test file are
+    augmented like the training file's, evaluated samples taken from the training file are not."""
+    write_cifar10(tmp_path, per_batch=40, n_test=100)
+    module = CIFAR10DataModule(
+        root=str(tmp_path), partitioner=PFLlibPartitioner(4, partition="pat", classes_per_client=5), seed=1
+    )
+    module.setup()
+    train, test = module.client_data(0, "train"), module.client_data(0, "test")
+    assert train.dataset.datasets[0] is module.train_set
+    assert "RandomCrop" in repr(train.dataset.datasets[1].transform)
+    assert test.dataset.datasets[1] is module.test_set
+    assert "Random" not in repr(test.dataset.datasets[0].transform)
+    pool_labels = module.train_set.targets + module.test_set.targets
+    split = module.partitioner.split(
+        torch.tensor(module.train_set.targets), torch.tensor(module.test_set.targets), seed=1
+    )
+    assert train.indices.tolist() == split.train[0].tolist()
+    assert [test.dataset[int(i)][1] for i in test.indices] == [pool_labels[int(i)] for i in test.indices]
+    assert sum(len(module.client_data(c)) + len(module.client_data(c, "test")) for c in range(4)) == 300
+    batch = next(iter(module.val_dataloader()))
+    assert batch[0].shape[1:] == (3, 32, 32)
 
 
 def test_emnist_digits_real_format(tmp_path):

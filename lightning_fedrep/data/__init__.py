@@ -8,6 +8,7 @@ from lightning_fedrep.data.vision import (
     CIFAR10DataModule,
     CIFAR100DataModule,
     EMNISTDataModule,
+    FashionMNISTDataModule,
     MNISTDataModule,
 )
 
@@ -15,6 +16,7 @@ __all__ = [
     "CIFAR100DataModule",
     "CIFAR10DataModule",
     "EMNISTDataModule",
+    "FashionMNISTDataModule",
     "LEAFDataModule",
     "MNISTDataModule",
     "NaturalPartitioner",

@@ -511,6 +511,9 @@ def datasets_are_deterministic(datasets: Iterable[Any]) -> str | None:
     for dataset in datasets:
         if isinstance(dataset, TensorDataset):
             continue
+        parts = getattr(dataset, "datasets", None)  # a ConcatDataset (a pooled train ++ test set)
+        if isinstance(parts, Sequence) and (why := datasets_are_deterministic(parts)) is not None:
+            return why
         transform = getattr(dataset, "transform", None)
         if transform is not None and "Random" in repr(transform):
             return f"the training data is augmented at random ({type(dataset).__name__}.transform)"

@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import ConcatDataset, Dataset, TensorDataset
 
 from lightning_fedrep.data.labels import (
     has_string_labels,
@@ -100,7 +100,9 @@ class FederatedDataModule(L.LightningDataModule):
         train_set: a map-style data set of ``(input, integer label)`` samples, split over the clients.
         test_set: the test data set, split over the same clients (each client gets its own classes'
             samples); ``None``: no test split.
-        partitioner: how the data sets are split over clients (:class:`Partitioner`).
+        partitioner: how the data sets are split over clients (:class:`Partitioner`). A pooling one
+            (``pools_test_set``, e.g. :class:`~lightning_fedrep.PFLlibPartitioner`) deals the train and test
+            sets as one pool, so a client's test samples can come from either.
         batch_size: the training batch size.
         eval_batch_size: the batch size of validation and test.
         val_fraction: the share of each client's training data kept for validation, in ``[0, 1)`` (0: no
@@ -247,10 +249,23 @@ class FederatedDataModule(L.LightningDataModule):
             dataset_labels(self.test_set, f"{owner}(test_set=...)") if self.test_set is not None else None
         )
         split = self.partitioner.split(train_labels, test_labels, self.seed)
+        if getattr(self.partitioner, "pools_test_set", False):  # both splits index train_set ++ test_set
+            self._set_clients(
+                [ClientData(self._pool(training=True), idx) for idx in split.train],
+                [ClientData(self._pool(training=False), idx) for idx in split.test],
+            )
+            return
         self._set_clients(
             [ClientData(self.train_set, idx) for idx in split.train],
             [ClientData(self.test_set, idx) for idx in split.test] if self.test_set is not None else None,
         )
+
+    def _pool(self, training: bool) -> Dataset:
+        """The train set followed by the test set, the data set a pooling partitioner's indices
+        (``pools_test_set``, e.g. :class:`~lightning_fedrep.PFLlibPartitioner`) point into; ``training`` says
+        which clients' samples it serves (a subclass reads them with its training or evaluation transform).
+        Its ``targets`` are the pooled labels."""
+        return pooled_dataset(self.train_set, self.test_set)
 
     @property
     def num_clients(self) -> int:
@@ -393,6 +408,16 @@ def why_batches_vary(datamodule: Any, clients: Sequence[int]) -> str | None:
     if type(datamodule).client_batches is not FederatedDataModule.client_batches:
         return f"{type(datamodule).__name__} draws its own batches"
     return datasets_are_deterministic(datamodule.client_data(c).dataset for c in clients)
+
+
+def pooled_dataset(train_set: Dataset, test_set: Dataset | None) -> Dataset:
+    """``train_set`` followed by ``test_set`` (``train_set`` alone when there is none), with the pooled
+    labels as ``targets``: the data set of a pooling partitioner's clients."""
+    if test_set is None:
+        return train_set
+    pool = ConcatDataset([train_set, test_set])
+    pool.targets = torch.cat([dataset_labels(train_set), dataset_labels(test_set)])
+    return pool
 
 
 def _whole(datasets: Sequence[Dataset]) -> list[ClientData]:

@@ -75,7 +75,9 @@ class ClientSplit:
 class Partitioner(Protocol):
     """Anything that assigns train and test sample indices to ``num_clients`` clients.
 
-    Implementations must be deterministic given ``seed`` and must not use global random state.
+    Implementations must be deterministic given ``seed`` and must not use global random state. A
+    partitioner whose class sets ``pools_test_set = True`` (:class:`~lightning_fedrep.PFLlibPartitioner`)
+    deals the train and test samples as one pool: both of its splits index ``train_labels ++ test_labels``.
     """
 
     num_clients: int

@@ -1,4 +1,4 @@
-"""CIFAR-10, CIFAR-100, MNIST and EMNIST split over clients, read with torchvision's own data set classes.
+"""CIFAR-10, CIFAR-100, MNIST, EMNIST and Fashion-MNIST split over clients, read with torchvision's own data set classes.
 
 Each data module takes plain arguments (so a LightningCLI YAML can build it) and touches the disk only in
 ``prepare_data`` (which downloads when ``download=True``) and ``setup`` (which loads the files); building
@@ -19,6 +19,12 @@ Transforms follow the official FedRep code (``lgcollins/FedRep``):
 
 ``augment=False`` drops the CIFAR training augmentation. A validation split (``val_fraction > 0``) is
 carved from the training images but always read with the *test* transform.
+
+``preprocessing="pfllib"`` (CIFAR-10, CIFAR-100, Fashion-MNIST) reads every image as PFLlib's
+``generate_*.py`` do: ``ToTensor()`` then ``Normalize(0.5, 0.5)`` per channel, no augmentation. With a
+pooling partitioner (:class:`~lightning_fedrep.PFLlibPartitioner`) the clients' samples come from the
+train and test files alike; each is read with the training transform when a client trains on it and the
+test transform when it is evaluated.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any, ClassVar, Literal
 from torch.utils.data import Dataset
 
 from lightning_fedrep.data.loaders import ClientData
-from lightning_fedrep.data.module import FederatedDataModule
+from lightning_fedrep.data.module import FederatedDataModule, pooled_dataset
 from lightning_fedrep.data.partition import Partitioner, ShardPartitioner
 from lightning_fedrep.federation.api.arguments import check_bool, check_int
 
@@ -39,6 +45,7 @@ __all__ = [
     "CIFAR100DataModule",
     "CIFAR10DataModule",
     "EMNISTDataModule",
+    "FashionMNISTDataModule",
     "MNISTDataModule",
     "TorchvisionDataModule",
 ]
@@ -46,6 +53,9 @@ __all__ = [
 CIFAR10_MEAN, CIFAR10_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CIFAR100_MEAN, CIFAR100_STD = (0.507, 0.487, 0.441), (0.267, 0.256, 0.276)
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
+FASHION_MNIST_MEAN, FASHION_MNIST_STD = (0.2860,), (0.3530,)
+PREPROCESSING = ("default", "pfllib")
+"""The ``preprocessing`` choices: the module's own transforms, or PFLlib's ``Normalize(0.5, 0.5)``."""
 
 
 def _torchvision() -> Any:
@@ -56,6 +66,14 @@ def _torchvision() -> Any:
             "The CIFAR/MNIST/EMNIST data modules need torchvision: pip install 'lightning-fedrep[vision]'."
         ) from error
     return torchvision
+
+
+def _check_preprocessing(owner: str, preprocessing: object) -> None:
+    if preprocessing not in PREPROCESSING:
+        raise ValueError(
+            f"{owner}(preprocessing={preprocessing!r}) must be 'default' (the module's documented transforms) or "
+            "'pfllib' (PFLlib's ToTensor + Normalize(0.5, 0.5), no augmentation)."
+        )
 
 
 def _with_transform(dataset: Any, transform: Callable) -> Any:
@@ -178,15 +196,28 @@ class TorchvisionDataModule(FederatedDataModule):
         self.test_set = self._load(False, self._transform(train=False))
         super().setup(stage)
         if self._val is not None:  # validation images carved from the training set: no augmentation
-            eval_train = _with_transform(self.train_set, self._transform(train=False))
+            if getattr(self.partitioner, "pools_test_set", False):
+                eval_train = self._pool(training=False)
+            else:
+                eval_train = _with_transform(self.train_set, self._transform(train=False))
             self._val = [ClientData(eval_train, c.indices) for c in self._val]
+
+    def _pool(self, training: bool) -> Dataset:
+        """The pooled train ++ test images, all read with the training transform (``training``) or all with
+        the test transform."""
+        if training:
+            return pooled_dataset(self.train_set, _with_transform(self.test_set, self._transform(train=True)))
+        return pooled_dataset(_with_transform(self.train_set, self._transform(train=False)), self.test_set)
 
 
 class _CIFARDataModule(TorchvisionDataModule):
     """CIFAR-10 or CIFAR-100 (``dataset_class``), normalised with ``mean`` and ``std``.
 
     Args:
-        augment: randomly crop and flip the training images (the official code's augmentation).
+        augment: randomly crop and flip the training images (the official code's augmentation); ``None``
+            (default): on with the default preprocessing, off with ``"pfllib"``.
+        preprocessing: ``"default"`` (FedRep's normalisation, see the module docstring) or ``"pfllib"``
+            (``Normalize(0.5, 0.5)`` per channel, as PFLlib's ``generate_Cifar*.py``).
         *args, **kwargs: the arguments of :class:`TorchvisionDataModule`, in its order.
     """
 
@@ -194,9 +225,19 @@ class _CIFARDataModule(TorchvisionDataModule):
     std: ClassVar[tuple[float, ...]] = CIFAR10_STD
     dataset_class: ClassVar[str] = "CIFAR10"
 
-    def __init__(self, *args: Any, augment: bool = True, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        augment: bool | None = None,
+        preprocessing: Literal["default", "pfllib"] = "default",
+        **kwargs: Any,
+    ):
+        _check_preprocessing(type(self).__name__, preprocessing)
+        if augment is not None:
+            check_bool("augment", augment, owner=type(self).__name__)
         super().__init__(*args, **kwargs)
-        self.augment = augment
+        self.preprocessing = preprocessing
+        self.augment = preprocessing == "default" if augment is None else augment
 
     def _make_dataset(self, train: bool, download: bool, transform: Callable | None) -> Dataset:
         cls = getattr(_torchvision().datasets, self.dataset_class)
@@ -207,7 +248,8 @@ class _CIFARDataModule(TorchvisionDataModule):
         steps: list[Callable] = []
         if train and self.augment:
             steps += [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
-        steps += [transforms.ToTensor(), transforms.Normalize(self.mean, self.std)]
+        mean, std = (self.mean, self.std) if self.preprocessing == "default" else ((0.5,) * 3, (0.5,) * 3)
+        steps += [transforms.ToTensor(), transforms.Normalize(mean, std)]
         return transforms.Compose(steps)
 
 
@@ -341,3 +383,39 @@ class EMNISTDataModule(MNISTDataModule):
             dataset.data, dataset.targets = dataset.data[keep], dataset.targets[keep]
             dataset.classes = list(dataset.classes[: self.first_classes])
         return dataset
+
+
+class FashionMNISTDataModule(MNISTDataModule):
+    """Fashion-MNIST (60,000 train / 10,000 test 1x28x28 images of 10 clothing classes) split over clients.
+
+    Images are ``ToTensor()`` then ``Normalize((0.2860,), (0.3530,))`` (the data set's statistics), or
+    PFLlib's ``Normalize((0.5,), (0.5,))`` with ``preprocessing="pfllib"``; no augmentation. PFLlib's
+    leaderboard setting (FMNIST, 20 clients) is ``partitioner=PFLlibPartitioner(20, ...)`` with
+    ``preprocessing="pfllib"`` (``recipes/pfllib/``). Files: torchvision's layout, the four uncompressed idx
+    files ``root/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte`` (MNIST's format).
+
+    Args:
+        preprocessing: ``"default"`` (the data set's mean and standard deviation) or ``"pfllib"``.
+        *args, **kwargs: the arguments of :class:`TorchvisionDataModule`, in its order.
+    """
+
+    display_name = "Fashion-MNIST"
+    expected_files = "<root>/FashionMNIST/raw/{train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte}"
+    num_classes = 10
+
+    def __init__(self, *args: Any, preprocessing: Literal["default", "pfllib"] = "default", **kwargs: Any):
+        _check_preprocessing(type(self).__name__, preprocessing)
+        super().__init__(*args, **kwargs)
+        self.preprocessing = preprocessing
+
+    def _make_dataset(self, train: bool, download: bool, transform: Callable | None) -> Dataset:
+        return _torchvision().datasets.FashionMNIST(
+            self.root, train=train, download=download, transform=transform
+        )
+
+    def _transform(self, train: bool) -> Callable:
+        transforms = _torchvision().transforms
+        mean, std = (
+            (FASHION_MNIST_MEAN, FASHION_MNIST_STD) if self.preprocessing == "default" else ((0.5,), (0.5,))
+        )
+        return transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])

@@ -5,6 +5,7 @@ from lightning_fedrep.models.cnn import CIFAR10CNN, CIFAR100CNN
 from lightning_fedrep.models.femnist import FEMNISTMLP
 from lightning_fedrep.models.linear import LowRankLinear
 from lightning_fedrep.models.mlp import MLPClassifier
+from lightning_fedrep.models.pfllib import FedAvgCNN
 from lightning_fedrep.models.sent140 import Sent140RNN
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "CIFAR100CNN",
     "CIFAR10CNN",
     "FEMNISTMLP",
+    "FedAvgCNN",
     "LowRankLinear",
     "MLPClassifier",
     "Sent140RNN",
