@@ -7,9 +7,13 @@ Every run folder (a folder with ``summary.json``) under the given paths is read;
 with the same settings but their seeds form one row. The figure to read and the paper's number come from
 the recipe's header line ``# Seeds table: figure F; paper P; seeds the paper averaged: N`` (the recipe
 copied into the run folder as ``recipe.yaml`` by ``--seeds``, else the config file the run recorded):
-``F_last10`` is ``results["last10"][F]`` of ``summary.json``, ``finetune/F`` is ``results["finetune"]``,
-any other name the last evaluated round (``results["final"]``). The std is the sample standard deviation
-(ddof=1, as the papers' ± over repeats); accuracies are shown in %. Where a run trained under a privacy
+``F_last10`` is ``results["last10"][F]`` of ``summary.json``, ``F_best`` the best round's ``results["best"][F]``,
+``finetune/F`` is ``results["finetune"]``, any other name the last evaluated round (``results["final"]``). A
+recipe that reproduces a row of PFLlib's leaderboard also has the line ``# Leaderboard: figure F; PFLlib N ± S
+(...)`` (or ``PFLlib: not on the leaderboard``): the table then shows that figure's mean ± std over seeds (the
+best round, selected on the test set: optimistic, never the headline) and the leaderboard's number as extra
+columns. The std is the sample standard deviation (ddof=1, as the papers' ± over repeats); accuracies are
+shown in %. Where a run trained under a privacy
 mechanism, an ε column shows the ε its runs spent (``summary.json``'s ``privacy``, the last ``privacy/epsilon``
 of ``history.csv``) at their δ. Writes ``table.md``, ``table.csv`` and
 ``accuracy_vs_round.png`` (each row's metric per round: the mean over seeds, with a band of ± one std)
@@ -36,6 +40,10 @@ RECIPE_COPY = "recipe.yaml"
 HEADER = re.compile(
     r"^# Seeds table: figure (?P<figure>\S+); paper (?P<paper>.*?); seeds the paper averaged: (?P<seeds>.*)$"
 )
+LEADERBOARD = re.compile(r"^# Leaderboard: figure (?P<figure>\S+); PFLlib:? (?P<number>.*)$")
+"""A recipe's optional line naming the leaderboard's figure and PFLlib's number (recipes/pfllib)."""
+_SUFFIXES = {"_last10": "last10", "_best": "best"}
+"""A figure's suffix and the ``results`` section of ``summary.json`` it is read from."""
 _SEED_KEYS = (
     ("seed_everything",),
     ("trainer", "strategy", "init_args", "seed"),
@@ -65,6 +73,12 @@ class Row:
     values: list[float] = field(default_factory=list)
     privacy: list[dict[str, Any] | None] = field(default_factory=list)
     """Each run's privacy record (``run_privacy``: its mechanism, ε and δ), ``None`` for a run without one."""
+    leaderboard_figure: str | None = None
+    """The leaderboard's figure (the recipe's ``# Leaderboard`` line; ``None`` without one)."""
+    leaderboard: str = ""
+    """PFLlib's number for the recipe, as the line states it (``55.02 ± 0.33 (best round, ...)``)."""
+    leaderboard_values: list[float] = field(default_factory=list)
+    """Each run's value of :attr:`leaderboard_figure`."""
 
     @property
     def epsilons(self) -> list[float]:
@@ -78,20 +92,34 @@ class Row:
 
     @property
     def mean(self) -> float:
-        return sum(self.values) / len(self.values) if self.values else math.nan
+        return _mean(self.values)
 
     @property
     def std(self) -> float:
         """The sample standard deviation (ddof=1); NaN for fewer than 2 seeds."""
-        n = len(self.values)
-        if n < 2:
-            return math.nan
-        return math.sqrt(sum((v - self.mean) ** 2 for v in self.values) / (n - 1))
+        return _std(self.values)
 
     @property
     def percent(self) -> bool:
         """Whether the figure is an accuracy (shown in %)."""
-        return "acc" in self.figure.rsplit("/", 1)[-1]
+        return _is_accuracy(self.figure)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _std(values: Sequence[float]) -> float:
+    """The sample standard deviation (ddof=1); NaN for fewer than 2 values."""
+    n = len(values)
+    if n < 2:
+        return math.nan
+    mean = _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+
+
+def _is_accuracy(figure: str) -> bool:
+    return "acc" in figure.rsplit("/", 1)[-1]
 
 
 def run_folders(paths: Sequence[Path]) -> list[Path]:
@@ -110,30 +138,41 @@ def run_folders(paths: Sequence[Path]) -> list[Path]:
 
 
 def recipe_header(run: Path, summary: dict[str, Any]) -> tuple[str, dict[str, str]]:
-    """The run's recipe (path under ``recipes/``, else the file's name) and its ``Seeds table`` header line."""
+    """The run's recipe (path under ``recipes/``, else the file's name) and its ``Seeds table`` header line
+    (``figure``, ``paper``, ``seeds``), with ``leaderboard_figure`` and ``leaderboard`` where the recipe has a
+    ``# Leaderboard`` line."""
     files = [Path(str(f)) for f in ((summary.get("config") or {}).get("config") or [])]
     candidates = [run / RECIPE_COPY, *files, *(run / f for f in files if not f.is_absolute())]
     text = next((c.read_text() for c in candidates if c.is_file()), "")
     name = files[0].as_posix() if files else run.name
     recipe = name.split("recipes/", 1)[1] if "recipes/" in name else name
-    for line in text.splitlines():
+    lines = text.splitlines()
+    board = next((m for m in map(LEADERBOARD.match, lines) if m), None)
+    extra = {"leaderboard_figure": board["figure"], "leaderboard": board["number"].strip()} if board else {}
+    for line in lines:
         match = HEADER.match(line)
         if match:
-            return recipe, match.groupdict()
+            return recipe, {**match.groupdict(), **extra}
     raise ValueError(
         f"{run}: its recipe ({name}) has no '# Seeds table: figure ...' header line naming the figure to read; "
         "run a recipe from recipes/ (python recipes/generate.py writes the line)."
     )
 
 
+def _split_suffix(figure: str) -> tuple[str | None, str]:
+    """A figure's ``results`` section named by its suffix (``None`` without one) and the metric's name."""
+    for suffix, section in _SUFFIXES.items():
+        if figure.endswith(suffix):
+            return section, figure[: -len(suffix)]
+    return None, figure
+
+
 def figure_value(results: dict[str, dict[str, float]], figure: str) -> float:
-    """``figure`` of a run's ``results``: ``X_last10`` the last-10 mean, ``finetune/X`` the fine-tuning
-    evaluation, any other name the last evaluated round."""
-    section, name = "final", figure
-    if figure.endswith("_last10"):
-        section, name = "last10", figure[: -len("_last10")]
-    elif figure.startswith("finetune/"):
-        section = "finetune"
+    """``figure`` of a run's ``results``: ``X_last10`` the last-10 mean, ``X_best`` the best round,
+    ``finetune/X`` the fine-tuning evaluation, any other name the last evaluated round."""
+    section, name = _split_suffix(figure)
+    if section is None:
+        section = "finetune" if figure.startswith("finetune/") else "final"
     try:
         return float(results[section][name])
     except KeyError:
@@ -143,8 +182,9 @@ def figure_value(results: dict[str, dict[str, float]], figure: str) -> float:
 
 
 def curve_metric(figure: str) -> str:
-    """The ``history.csv`` column of a figure: ``val/acc`` for ``val/acc_last10`` or ``finetune/val/acc``."""
-    name = figure[: -len("_last10")] if figure.endswith("_last10") else figure
+    """The ``history.csv`` column of a figure: ``val/acc`` for ``val/acc_last10``, ``val/acc_best`` or
+    ``finetune/val/acc``."""
+    name = _split_suffix(figure)[1]
     return name[len("finetune/") :] if name.startswith("finetune/") else name
 
 
@@ -176,16 +216,24 @@ def collect(paths: Sequence[Path], paper: str | None = None) -> list[Row]:
             continue
         config = summary.get("config") or {}
         key = (recipe, _settings(config))
-        row = rows.setdefault(key, Row(recipe, header["figure"], header["paper"], header["seeds"]))
+        row = rows.setdefault(key, _row(recipe, header))
         row.runs.append(run)
         row.seeds.append(seed_of(config))
         row.values.append(figure_value(summary.get("results", {}), row.figure))
+        if row.leaderboard_figure is not None:
+            row.leaderboard_values.append(figure_value(summary.get("results", {}), row.leaderboard_figure))
         row.privacy.append(run_privacy(run))
     recipes = [row.recipe for row in rows.values()]
     for n, row in enumerate(rows.values(), 1):  # one recipe run with other settings: told apart by folder
         if recipes.count(row.recipe) > 1:
             row.recipe = f"{row.recipe} ({row.runs[0].parent.name}, #{n})"
     return sorted(rows.values(), key=lambda row: row.recipe)
+
+
+def _row(recipe: str, header: dict[str, str]) -> Row:
+    row = Row(recipe, header["figure"], header["paper"], header["seeds"])
+    row.leaderboard_figure, row.leaderboard = header.get("leaderboard_figure"), header.get("leaderboard", "")
+    return row
 
 
 def _number(value: float, percent: bool) -> str:
@@ -196,10 +244,28 @@ def _number(value: float, percent: bool) -> str:
 
 def cell(row: Row) -> str:
     """``mean ± std`` (in % for an accuracy)."""
-    unit = "%" if row.percent else ""
-    if math.isnan(row.std):
-        return f"{_number(row.mean, row.percent)}{unit} (one seed)"
-    return f"{_number(row.mean, row.percent)} ± {_number(row.std, row.percent)}{unit}"
+    return _spread(row.values, row.percent)
+
+
+def _spread(values: Sequence[float], percent: bool) -> str:
+    unit = "%" if percent else ""
+    mean, std = _mean(values), _std(values)
+    if math.isnan(std):
+        return f"{_number(mean, percent)}{unit} (one seed)"
+    return f"{_number(mean, percent)} ± {_number(std, percent)}{unit}"
+
+
+def ranked(rows: Sequence[Row]) -> bool:
+    """Whether any recipe of ``rows`` names a leaderboard figure (the table then shows its columns)."""
+    return any(row.leaderboard_figure is not None for row in rows)
+
+
+def leaderboard_cells(row: Row) -> tuple[str, str, str]:
+    """The leaderboard's figure, its mean ± std over the row's seeds and PFLlib's number (``—`` without)."""
+    if row.leaderboard_figure is None:
+        return "—", "—", "—"
+    spread = _spread(row.leaderboard_values, _is_accuracy(row.leaderboard_figure))
+    return f"`{row.leaderboard_figure}`", spread, row.leaderboard or "—"
 
 
 def private(rows: Sequence[Row]) -> bool:
@@ -222,28 +288,32 @@ def epsilon_cell(row: Row) -> str:
 
 
 def markdown(rows: Sequence[Row]) -> str:
-    """The table in Markdown (with an ε column where a run trained under a privacy mechanism)."""
-    dp = private(rows)
+    """The table in Markdown (with an ε column where a run trained under a privacy mechanism, and the
+    leaderboard's figure, its mean ± std and PFLlib's number where a recipe names one)."""
+    dp, board = private(rows), ranked(rows)
     lines = [
         "| recipe | figure | seeds | mean ± std (ddof=1) |"
         + (" ε |" if dp else "")
-        + " paper | seeds the paper averaged |",
-        "|---|---|---|---|" + ("---|" if dp else "") + "---|---|",
+        + " paper | seeds the paper averaged |"
+        + (" leaderboard figure | its mean ± std (best round, optimistic) | PFLlib |" if board else ""),
+        "|---|---|---|---|" + ("---|" if dp else "") + "---|---|" + ("---|---|---|" if board else ""),
     ]
     for row in rows:
         seeds = ",".join(str(s) for s in row.seeds)
         epsilon = f" {epsilon_cell(row)} |" if dp else ""
+        extra = "".join(f" {c} |" for c in leaderboard_cells(row)) if board else ""
         lines.append(
             f"| `{row.recipe}` | `{row.figure}` | {len(row.values)} ({seeds}) | {cell(row)} |{epsilon}"
-            f" {row.paper} | {row.paper_seeds} |"
+            f" {row.paper} | {row.paper_seeds} |{extra}"
         )
     return "\n".join(lines) + "\n"
 
 
 def csv_rows(rows: Sequence[Row]) -> list[dict[str, Any]]:
     """The table as CSV rows (mean, std and values in the figure's own units: accuracies as fractions; with a
-    privacy mechanism, each run's ``epsilons`` and the ``deltas``)."""
-    dp = private(rows)
+    privacy mechanism, each run's ``epsilons`` and the ``deltas``; with a leaderboard figure, its name, mean,
+    std and values and PFLlib's number, ``leaderboard_*``)."""
+    dp, board = private(rows), ranked(rows)
     return [
         {
             "recipe": row.recipe,
@@ -261,6 +331,17 @@ def csv_rows(rows: Sequence[Row]) -> list[dict[str, Any]]:
                     "deltas": " ".join(repr(d) for d in row.deltas),
                 }
                 if dp
+                else {}
+            ),
+            **(
+                {
+                    "leaderboard_figure": row.leaderboard_figure or "",
+                    "leaderboard_mean": _mean(row.leaderboard_values),
+                    "leaderboard_std": _std(row.leaderboard_values),
+                    "leaderboard_values": " ".join(repr(v) for v in row.leaderboard_values),
+                    "leaderboard_pfllib": row.leaderboard,
+                }
+                if board
                 else {}
             ),
         }

@@ -65,7 +65,7 @@ class RunSummary(FederatedCallback):
     """At the end of every ``fit``, ``validate`` and ``test`` (once per call, after the strategy's
     evaluation), write what the run measured into its folder and print a per-client table.
 
-    ``summary.json`` holds the final and last-10-round figures (``strategy.results()``), every client's
+    ``summary.json`` holds the final, last-10-round and best-round figures (``strategy.results()``), every client's
     metrics of the last evaluation of each stage (``per_client``, keyed as ``strategy.client_metrics``:
     ``val``, ``test``, and ``finetune/val`` for the fine-tuned models' ``finetune/val/acc`` ...), the
     fine-tuning (``fine_tuning``: ``HeadFineTuning``'s description, or ``None``), the privacy mechanism and the

@@ -58,8 +58,9 @@ def pass_values(
 ) -> dict[str, float]:
     """The values to log for a finished pass: every metric's summary over clients (names prefixed with a
     fine-tuning round's ``prefix``). A validation in fit also records the round in ``history``: a federated
-    round's summary and per-client values, with the last-10 means, their round count and ``round`` added to
-    the values; a fine-tuning round's summary as ``history.finetune`` and as recorded columns of its round
+    round's summary and per-client values, with the last-10 means, their round count, the best round so far
+    of the headline accuracies (``val/acc_best``, ``val/acc_weighted_best``: selected on the evaluated split,
+    optimistic) and ``round`` added to the values; a fine-tuning round's summary as ``history.finetune`` and as recorded columns of its round
     (``history.csv``'s row of that round), outside the federated rounds' figures."""
     values = evaluation.summary(prefix)
     if not in_fit:
@@ -76,6 +77,8 @@ def pass_values(
         {f"{key}_last10": means[key] for name in names for key in (name, f"{name}_weighted") if key in means}
     )
     values[f"{evaluation.stage}/last10_rounds"] = float(min(LAST_ROUNDS, history.evaluated_rounds))
+    best, _ = history.best_rounds()
+    values.update({f"{key}_best": value for key, value in best.items()})
     values["round"] = float(round_index)  # W&B's step for validation metrics
     return values
 

@@ -7,6 +7,10 @@ from typing import Any
 
 LAST_ROUNDS = 10
 """How many of the last evaluated rounds the papers average (``_last10``)."""
+BEST_OF = ("acc", "acc_weighted")
+"""The metrics (after a stage's ``/``) whose best round is kept (``_best``): the headline accuracy, as the
+mean over clients and pooled over their samples (``val/acc_weighted``, the figure PFLlib's leaderboard
+maximizes over rounds)."""
 
 
 class History:
@@ -101,15 +105,36 @@ class History:
             return {}
         return {k: sum(e[k] for e in last) / len(last) for k in last[-1] if all(k in e for e in last)}
 
+    def best_rounds(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The best round so far of each headline accuracy (``<stage>/acc``, ``<stage>/acc_weighted``; see
+        :data:`BEST_OF`): its maximum over the evaluated rounds, and the round that reached it first.
+
+        The round is selected on the evaluated split (the test split without a validation split), so the
+        value is optimistic: the leaderboard's figure, never the headline. Rounds whose value is NaN (a
+        model with non-finite outputs) are passed over; a metric NaN in every round is NaN, at round -1.
+        """
+        best: dict[str, float] = {}
+        where: dict[str, float] = {}
+        for r in sorted(self._evaluations):
+            for key, value in self._evaluations[r].items():
+                if key.partition("/")[2] not in BEST_OF:
+                    continue
+                if key not in best or (value == value and not value <= best[key]):
+                    best[key], where[key] = value, float(r if value == value else -1)
+        return best, where
+
     def results(self) -> dict[str, dict[str, float]]:
         """The papers' figures: the last evaluated round (``final``), the mean over the last 10 evaluated
-        rounds of every evaluation metric (``last10``), and the last fine-tuning evaluation (``finetune``)."""
+        rounds of every evaluation metric (``last10``), the best round of each headline accuracy (``best``, and
+        the round, ``best_round``: selected on the evaluated split, optimistic), and the last fine-tuning
+        evaluation (``finetune``)."""
         out: dict[str, dict[str, float]] = {}
         rows = self.evaluated_rows
         if rows:
             out["final"] = {k: v for k, v in rows[-1].items() if k != "round"}
             out["last10"] = self.last_rounds_mean()
             out["last10_rounds"] = {"rounds": float(min(LAST_ROUNDS, len(rows)))}
+            out["best"], out["best_round"] = self.best_rounds()
         if self.finetune:
             out["finetune"] = dict(self.finetune)
         return out

@@ -332,7 +332,9 @@ class FederatedSession(Host):
 
     def results(self) -> dict[str, dict[str, float]]:
         """The papers' figures: the last validated round (``final``), the mean over the last 10
-        validated rounds (``last10``), the last fine-tuning evaluation (``finetune``)."""
+        validated rounds (``last10``), the last fine-tuning evaluation (``finetune``); and the leaderboard's:
+        the best validated round of ``val/acc`` and ``val/acc_weighted`` (``best``, its round in
+        ``best_round``; selected on the evaluated split, so optimistic)."""
         return self.federation.history.results() if self.federation is not None else {}
 
     def round_plan(self, round_index: int) -> RoundPlan:

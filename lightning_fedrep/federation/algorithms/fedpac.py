@@ -32,13 +32,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
+from lightning_fedrep.federation.algorithms._fedpac_qp import head_weights, require_scipy
+from lightning_fedrep.federation.algorithms._prototypes import (
+    classes_and_dim,
+    global_prototypes,
+    one_hot,
+    prototype_pull,
+    prototype_shapes,
+)
 from lightning_fedrep.federation.api.aggregation import Aggregator, ClientFault, Stacked
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
-from lightning_fedrep.federation.api.arguments import check_real
+from lightning_fedrep.federation.api.arguments import check_choice, check_real
 from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
 from lightning_fedrep.federation.api.exchange import (
     ClientEnd,
@@ -60,7 +67,7 @@ from lightning_fedrep.federation.api.objective import (
 )
 from lightning_fedrep.federation.api.registry import register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
-from lightning_fedrep.federation.module.feature_split import FeatureSplit, find_feature_split_on_data
+from lightning_fedrep.federation.module.feature_split import FeatureSplit, require_feature_split
 
 __all__ = ["FedPAC", "head_weights"]
 
@@ -72,51 +79,7 @@ def _minus_one(name: str, template: Tensor, generator: torch.Generator) -> Tenso
     return torch.full_like(template, -1.0)
 
 
-def _classes_and_dim(head: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
-    """``(C, d)``: the head's ``[C, d]`` weight's shape."""
-    for shape in head.values():
-        if len(shape) == 2:
-            return int(shape[0]), int(shape[1])
-    raise ValueError(
-        "FedPAC reads C and d from the head's [C, d] weight: pass head= naming one linear layer."
-    )
-
-
-def _shape(part: int):  # noqa: ANN202
-    return lambda groups: _classes_and_dim(groups["head"])[: 2 - part]
-
-
-def _one_hot(y: Tensor, classes: int, dtype: torch.dtype) -> Tensor:
-    return (y.reshape(-1, 1) == torch.arange(classes, device=y.device)).to(dtype)
-
-
-def head_weights(v: Tensor, h: Tensor, i: int, renormalize: bool = True) -> Tensor | None:
-    """Client ``i``'s weights over the round's heads: ``argmin a^T (diag(v) + D_i) a`` over the simplex (``v``:
-    ``[k]``, ``h``: ``[k, C, d]``), the matrix repaired to its eigenvalues >= 0.01 when not positive semi-definite,
-    weights below 1e-3 zeroed (then renormalized); ``None`` where the solver fails."""
-    from scipy.optimize import minimize
-
-    gaps = (h[i][None] - h).reshape(h.shape[0], -1).to(torch.float64)
-    p = (torch.diag(v.to(torch.float64)) + gaps @ gaps.T).numpy()
-    values, vectors = np.linalg.eigh(p)
-    if (values < 0).any():
-        keep = values >= 0.01
-        p = (vectors[:, keep] * values[keep]) @ vectors[:, keep].T
-    k, scale = p.shape[0], max(float(np.abs(p).max()), 1e-300)
-    q = p / scale
-    result = minimize(
-        lambda a: a @ q @ a,
-        np.full(k, 1.0 / k),
-        jac=lambda a: 2.0 * q @ a,
-        bounds=[(0.0, None)] * k,
-        constraints=[{"type": "eq", "fun": lambda a: a.sum() - 1.0, "jac": lambda a: np.ones(k)}],
-        method="SLSQP",
-        options={"ftol": 1e-16, "maxiter": 1000},
-    )
-    if not result.success:
-        return None
-    alpha = np.where(result.x > 1e-3, result.x, 0.0)
-    return torch.from_numpy(alpha / alpha.sum() if renormalize else alpha)
+_PROTOS_SHAPE, _CLASSES_SHAPE = prototype_shapes("FedPAC")
 
 
 class FedPAC(Algorithm):
@@ -143,9 +106,9 @@ class FedPAC(Algorithm):
         ClientTensors(HEAD, like="head", init="module"),
         ClientTensors(CLIENT, shapes=(), init=_minus_one),
         ClientTensors(V, shapes=()),
-        ClientTensors(H, shapes=_shape(0)),
+        ClientTensors(H, shapes=_PROTOS_SHAPE),
     )
-    server_tensors = (ServerTensors(PROTOS, shapes=_shape(0)), ServerTensors(HAS, shapes=_shape(1)))
+    server_tensors = (ServerTensors(PROTOS, shapes=_PROTOS_SHAPE), ServerTensors(HAS, shapes=_CLASSES_SHAPE))
 
     def __init__(
         self,
@@ -156,10 +119,7 @@ class FedPAC(Algorithm):
     ):
         super().__init__("fedpac", {"body"}, "FedPAC: prototype-aligned shared body + QP-combined heads.")
         self.lamda = check_real("lamda", lamda, 0.0, owner="FedPAC")
-        if prototype_weighting not in ("uniform", "counts"):
-            raise ValueError(
-                f"FedPAC's prototype_weighting must be 'uniform' or 'counts', got {prototype_weighting!r}."
-            )
+        check_choice("prototype_weighting", prototype_weighting, ("uniform", "counts"), owner="FedPAC")
         for name, flag in (("renormalize", renormalize), ("drop_last", drop_last)):
             if not isinstance(flag, bool):
                 raise ValueError(f"FedPAC's {name} must be True or False, got {flag!r}.")
@@ -185,22 +145,11 @@ class FedPAC(Algorithm):
 
     def setup(self, module: nn.Module, split: Any, datamodule: Any) -> None:
         """Refuse a module (or an environment) FedPAC cannot run; keep the module and its feature split."""
-        try:
-            import scipy.optimize  # noqa: F401
-        except ImportError as error:
-            raise ValueError(
-                'FedPAC solves its head-combination QP with scipy: pip install "lightning-fedrep[baselines]" (or scipy).'
-            ) from error
+        require_scipy()
         self._head = tuple(split.head)
-        self._shape = _classes_and_dim({n: tuple(module.get_parameter(n).shape) for n in self._head})
+        self._shape = classes_and_dim({n: tuple(module.get_parameter(n).shape) for n in self._head}, "FedPAC")
         self._loss = required_loss(module, "FedPAC", "h(rep)")
-        self._split = find_feature_split_on_data(module, self._head, datamodule)
-        if self._split is None:
-            raise ValueError(
-                f"FedPAC needs the module as head(features(x)), but {type(module).__name__}'s forward is neither "
-                "its head submodule applied last to the body's output nor forward_head(forward_features(x)): "
-                "define forward_features(x) and forward_head(features), or make forward return head(body(x))."
-            )
+        self._split = require_feature_split(module, self._head, datamodule, "FedPAC")
         self._module = module
 
     def evaluation(self) -> EvaluationSpec:
@@ -224,7 +173,7 @@ class FedPAC(Algorithm):
         counts = sums = squares = None
         for x, y in data.batches(positions, drop_last=self.drop_last):
             rep = self._split.features(dict(tensors), x).to(torch.float64)
-            rows = _one_hot(y, self._shape[0], rep.dtype)
+            rows = one_hot(y, self._shape[0], None, rep.dtype)
             parts = (rows.sum(0), rows.T @ rep, rows.T @ rep.square().sum(1))
             counts, sums, squares = (
                 parts if counts is None else (a + b for a, b in zip((counts, sums, squares), parts))
@@ -258,15 +207,10 @@ class FedPAC(Algorithm):
         device = next(iter(like.values())).device
         if self._module is None:
             raise RuntimeError("FedPAC.aggregator() needs setup() to have run.")
-        (classes, dim), named = self._shape, dict(self._module.named_parameters())
+        named = dict(self._module.named_parameters())
         extra = {f"{HEAD}.{n}": torch.zeros_like(named[n], device=device) for n in self._head}
-        extra.update({UP_V: torch.zeros((), device=device), UP_H: torch.zeros(classes, dim, device=device)})
-        extra.update(
-            {
-                UP_PROTOS: torch.zeros(classes, dim, device=device),
-                UP_COUNTS: torch.zeros(classes, device=device),
-            }
-        )
+        shapes = {UP_V: (), UP_H: self._shape, UP_PROTOS: self._shape, UP_COUNTS: self._shape[:1]}
+        extra.update({name: torch.zeros(shape, device=device) for name, shape in shapes.items()})
         return Stacked({**like, **extra})
 
     def finish_client(self, end: ClientEnd) -> ClientOutcome:
@@ -293,11 +237,7 @@ class FedPAC(Algorithm):
         stacked, clients = results.aggregator.stacked(), [u.client for u in results.aggregator.updates]
         counts = stacked[UP_COUNTS].to(torch.float64)
         weights = counts if self.prototype_weighting == "counts" else (counts > 0).to(torch.float64)
-        total = weights.sum(0)
-        protos = (weights[..., None] * stacked[UP_PROTOS].to(torch.float64)).sum(0) / total.clamp_min(1.0)[
-            :, None
-        ]
-        has = (total > 0).to(torch.float64)
+        protos, has = global_prototypes(stacked[UP_PROTOS], weights)
         heads, solved = {}, 0
         for i, client in enumerate(clients):
             alpha = head_weights(stacked[UP_V].cpu(), stacked[UP_H].cpu(), i, self.renormalize)
@@ -330,10 +270,8 @@ class FedPAC(Algorithm):
             full = {**tensors, **trained}
             rep = split.features(full, x)
             value = masked_mean(per_sample(split.head(full, rep), y), view.mask)
-            rows = _one_hot(y, classes, rep.dtype)
-            has = (rows @ view.server[HAS].to(rep.dtype))[:, None]
-            target = has * (rows @ view.server[PROTOS].to(rep.dtype)) + (1 - has) * rep.detach()
-            return value + lamda * masked_mean((rep - target).square().mean(1), view.mask)
+            rows = one_hot(y, classes, None, rep.dtype)
+            return value + lamda * prototype_pull(rep, rows, view.server[PROTOS], view.server[HAS], view.mask)
 
         grads, value = torch.func.grad_and_value(objective)(dict(view.trained))
         return StepOutcome(grads, value)

@@ -30,9 +30,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_fedrep.federation.algorithms._prototypes import (
+    classes_and_dim,
+    global_prototypes,
+    one_hot,
+    prototype_pull,
+    prototype_shapes,
+)
 from lightning_fedrep.federation.api.aggregation import Aggregator, ClientFault, Stacked
 from lightning_fedrep.federation.api.algorithm import Algorithm
-from lightning_fedrep.federation.api.arguments import check_real
+from lightning_fedrep.federation.api.arguments import check_choice, check_real
 from lightning_fedrep.federation.api.declared import ClientTensors, ServerTensors
 from lightning_fedrep.federation.api.exchange import (
     ClientEnd,
@@ -55,10 +62,8 @@ from lightning_fedrep.federation.api.registry import register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
 from lightning_fedrep.federation.module.feature_split import (
     FeatureSplit,
-    declares_split,
-    find_feature_split_on_data,
-    head_input,
-    head_owner,
+    module_features,
+    require_feature_split,
 )
 
 __all__ = ["FedProto", "ProtoForward"]
@@ -68,53 +73,7 @@ PROTOS, HAS = "prototypes", "has_prototype"
 UP_PROTOS, UP_HAS = "fedproto.prototypes", "fedproto.has"
 OWN_CLASS_DISTANCE = 100.0
 """The official inference's distance of a class the client does not hold."""
-
-
-def classes_and_dim(head: Mapping[str, tuple[int, ...]], owner: str = "FedProto") -> tuple[int, int]:
-    """``(C, d)``: the shape of the head's first 2-D tensor (a linear layer's ``[C, d]`` weight)."""
-    for shape in head.values():
-        if len(shape) == 2:
-            return int(shape[0]), int(shape[1])
-    raise ValueError(
-        f"{owner} reads the number of classes C and the feature size d from the head's [C, d] weight, so the "
-        "head must be one linear layer: pass head= naming it."
-    )
-
-
-def _protos_shape(groups: Mapping[str, Mapping[str, tuple[int, ...]]]) -> tuple[int, ...]:
-    return classes_and_dim(groups["head"])
-
-
-def _classes_shape(groups: Mapping[str, Mapping[str, tuple[int, ...]]]) -> tuple[int, ...]:
-    return classes_and_dim(groups["head"])[:1]
-
-
-def require_split(module: nn.Module, head: Sequence[str], datamodule: Any, owner: str) -> FeatureSplit:
-    """The module as ``head(features(x))`` (declared, or its head submodule called last, verified on data)."""
-    found = find_feature_split_on_data(module, tuple(head), datamodule)
-    if found is None:
-        raise ValueError(
-            f"{owner} needs the module as head(features(x)), but {type(module).__name__}'s forward is not its "
-            f"head {head_owner(tuple(head)) or list(head)!r} applied last to the body's output, nor "
-            "forward_head(forward_features(x)): define forward_features(x) and forward_head(features) with "
-            "forward(x) == forward_head(forward_features(x)), or make forward return head(body(x))."
-        )
-    return found
-
-
-def features_of(module: nn.Module, head: str, x: Tensor) -> Tensor:
-    """``phi(x)``: the declared ``forward_features``, else the input of the head submodule ``head``."""
-    if declares_split(module):
-        return module.forward_features(x)
-    if not head:
-        raise RuntimeError("The prototype forward needs setup() to have found the module's head.")
-    return head_input(module, head, x)
-
-
-def one_hot(y: Tensor, classes: int, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """``[B, C]`` one-hot rows of ``y`` (zero rows for padding under ``mask``); tensor ops only (``vmap``)."""
-    rows = (y.reshape(-1, 1) == torch.arange(classes, device=y.device)).to(dtype)
-    return rows if mask is None else rows * mask.reshape(-1, 1).to(dtype)
+_PROTOS_SHAPE, _CLASSES_SHAPE = prototype_shapes("FedProto")
 
 
 @dataclass
@@ -128,7 +87,7 @@ class ProtoForward:
     def __call__(
         self, module: nn.Module, client_state: Mapping[str, Tensor], server: Any, x: Tensor
     ) -> Tensor:
-        rep = features_of(module, self.head, x)
+        rep = module_features(module, self.head, x, "The prototype forward")
         protos = server[PROTOS].to(rep.dtype)
         distance = (rep[:, None, :] - protos[None]).square().mean(-1)
         distance = torch.where(server[HAS][None] > 0, distance, torch.full_like(distance, float("inf")))
@@ -156,14 +115,13 @@ class FedProto(Algorithm):
     ``Trainer(strategy="fedproto")`` uses ``FedProto()``.
     """
 
-    client_tensors = (ClientTensors(SUMS, shapes=_protos_shape), ClientTensors(COUNTS, shapes=_classes_shape))
-    server_tensors = (ServerTensors(PROTOS, shapes=_protos_shape), ServerTensors(HAS, shapes=_classes_shape))
+    client_tensors = (ClientTensors(SUMS, shapes=_PROTOS_SHAPE), ClientTensors(COUNTS, shapes=_CLASSES_SHAPE))
+    server_tensors = (ServerTensors(PROTOS, shapes=_PROTOS_SHAPE), ServerTensors(HAS, shapes=_CLASSES_SHAPE))
 
     def __init__(self, lamda: float = 1.0, own_classes: bool = False, scoring: str = "prototypes"):
         super().__init__("fedproto", (), "FedProto: local models + a pull to global class prototypes.")
         self.lamda = check_real("lamda", lamda, 0.0, owner="FedProto")
-        if scoring not in ("prototypes", "head"):
-            raise ValueError(f"FedProto's scoring must be 'prototypes' or 'head', got {scoring!r}.")
+        check_choice("scoring", scoring, ("prototypes", "head"), owner="FedProto")
         if not isinstance(own_classes, bool):
             raise ValueError(f"FedProto's own_classes must be True or False, got {own_classes!r}.")
         self.scoring, self.own_classes = scoring, own_classes
@@ -180,9 +138,11 @@ class FedProto(Algorithm):
 
     def setup(self, module: nn.Module, split: Any, datamodule: Any) -> None:
         """Refuse a module FedProto cannot run (see the class docstring); keep its feature split."""
-        self._shape = classes_and_dim({n: tuple(module.get_parameter(n).shape) for n in split.head})
+        self._shape = classes_and_dim(
+            {n: tuple(module.get_parameter(n).shape) for n in split.head}, "FedProto"
+        )
         self._loss = required_loss(module, "FedProto", "h(rep)")
-        self._split = require_split(module, split.head, datamodule, "FedProto")
+        self._split = require_feature_split(module, split.head, datamodule, "FedProto")
         self._forward.head = self._split.head_module or ""
         self._module = module
 
@@ -240,9 +200,7 @@ class FedProto(Algorithm):
             rep = split.features(full, x)
             value = masked_mean(per_sample(split.head(full, rep), y), view.mask)
             rows = one_hot(y, classes, None, rep.dtype)
-            has = (rows @ view.server[HAS].to(rep.dtype))[:, None]
-            target = has * (rows @ view.server[PROTOS].to(rep.dtype)) + (1 - has) * rep.detach()
-            pull = masked_mean((rep - target).square().mean(1), view.mask)
+            pull = prototype_pull(rep, rows, view.server[PROTOS], view.server[HAS], view.mask)
             return value + lamda * pull, rep.detach()
 
         grads, (value, rep) = torch.func.grad_and_value(objective, has_aux=True)(dict(view.trained))
@@ -255,15 +213,6 @@ class FedProto(Algorithm):
 
     def __repr__(self) -> str:
         return f"FedProto(lamda={self.lamda}, own_classes={self.own_classes}, scoring={self.scoring!r})"
-
-
-def global_prototypes(protos: Tensor, has: Tensor) -> tuple[Tensor, Tensor]:
-    """``(P, has)`` from the clients' local prototypes ``[k, C, d]`` and held classes ``[k, C]``: per class the
-    plain mean over the clients holding it (float64 sums; zeros where none does)."""
-    weights = has.to(torch.float64)
-    total = weights.sum(0)
-    sums = (weights[..., None] * protos.to(torch.float64)).sum(0)
-    return sums / total.clamp_min(1.0)[:, None], (total > 0).to(torch.float64)
 
 
 register_algorithm(FedProto())

@@ -55,10 +55,9 @@ from lightning_fedrep.federation.api.registry import register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
 from lightning_fedrep.federation.module.feature_split import (
     FeatureSplit,
-    declares_split,
-    find_feature_split_on_data,
-    head_input,
-    head_owner,
+    module_features,
+    module_head,
+    require_feature_split,
 )
 
 __all__ = ["GPFL", "GPFLForward", "conditional_valve"]
@@ -133,16 +132,9 @@ class GPFLForward:
         self, module: nn.Module, client_state: Mapping[str, Tensor], server: Mapping[str, Tensor], x: Tensor
     ) -> Tensor:
         cov = {k: server[f"{COV}.{k}"] for k in COV_KEYS}
-        if declares_split(module):
-            rep = module.forward_features(x)
-            return module.forward_head(
-                conditional_valve(cov, rep, _personal_input(client_state).to(rep.dtype))
-            )
-        if not self.head:
-            raise RuntimeError("GPFL's prediction needs GPFL.setup() to have found the module's head.")
-        rep = head_input(module, self.head, x)
+        rep = module_features(module, self.head, x, "GPFL's prediction")
         valved = conditional_valve(cov, rep, _personal_input(client_state).to(rep.dtype))
-        return module.get_submodule(self.head)(valved)
+        return module_head(module, self.head, valved)
 
 
 class GPFL(Algorithm):
@@ -200,16 +192,8 @@ class GPFL(Algorithm):
         """Refuse a module GPFL cannot run (see the class docstring); keep its feature split."""
         self._sizes = _sizes({"head": {n: tuple(module.get_parameter(n).shape) for n in split.head}})
         self._loss = required_loss(module, "GPFL", "h(CoV(phi(x), p_i))")
-        found = find_feature_split_on_data(module, tuple(split.head), datamodule)
-        if found is None:
-            raise ValueError(
-                f"GPFL needs the module as head(features(x)), but {type(module).__name__}'s forward is not its "
-                f"head {head_owner(tuple(split.head)) or list(split.head)!r} applied last to the body's output, "
-                "nor forward_head(forward_features(x)): define forward_features(x) and forward_head(features) "
-                "with forward(x) == forward_head(forward_features(x)), or make forward return head(body(x))."
-            )
-        self._split = found
-        self._forward.head = found.head_module or ""
+        self._split = require_feature_split(module, split.head, datamodule, "GPFL")
+        self._forward.head = self._split.head_module or ""
 
     def evaluation(self) -> EvaluationSpec:
         """The personal model predicting ``h(CoV(phi(x), p_i))`` (``GPFLForward``)."""

@@ -250,3 +250,37 @@ def find_feature_split_on_data(
     with untouched_modes(module), untouched_random_state():
         module.eval()
         return find_feature_split(module, head_names, probe)
+
+
+def require_feature_split(
+    module: nn.Module, head_names: tuple[str, ...], datamodule: Any, owner: str
+) -> FeatureSplit:
+    """:func:`find_feature_split_on_data`, or a ``ValueError`` naming ``owner`` (an algorithm that runs the body and
+    the head separately) and how to declare the split: for its ``setup``."""
+    found = find_feature_split_on_data(module, tuple(head_names), datamodule)
+    if found is None:
+        raise ValueError(
+            f"{owner} needs the module as head(features(x)), but {type(module).__name__}'s forward is not its "
+            f"head {head_owner(tuple(head_names)) or list(head_names)!r} applied last to the body's output, nor "
+            "forward_head(forward_features(x)): define forward_features(x) and forward_head(features) with "
+            "forward(x) == forward_head(forward_features(x)), or make forward return head(body(x))."
+        )
+    return found
+
+
+def module_features(module: nn.Module, head_module: str, x: Tensor, owner: str) -> Tensor:
+    """``features(x)`` of a live module: its declared ``forward_features``, else the input of its head submodule
+    ``head_module`` (:attr:`FeatureSplit.head_module`, ``""`` until ``owner``'s set-up has found it): for a
+    prediction (``EvaluationSpec.forward``) that reads the features."""
+    if declares_split(module):
+        return module.forward_features(x)
+    if not head_module:
+        raise RuntimeError(f"{owner} needs setup() to have found the module's head.")
+    return head_input(module, head_module, x)
+
+
+def module_head(module: nn.Module, head_module: str, features: Tensor) -> Tensor:
+    """The live module's head on ``features``: its declared ``forward_head``, else its submodule ``head_module``."""
+    if declares_split(module):
+        return module.forward_head(features)
+    return module.get_submodule(head_module)(features)

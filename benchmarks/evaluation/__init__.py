@@ -1,0 +1,1 @@
+"""Evaluation protocols measured: what the best round adds over the last rounds."""
