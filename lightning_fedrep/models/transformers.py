@@ -74,6 +74,9 @@ class HFSequenceClassifier(L.LightningModule):
             vectorized runner).
         lora_r, lora_alpha, lora_dropout, target_modules: the LoRA adapters (none when ``lora_r`` is None).
         optimizer, lr, weight_decay, momentum: the local optimizer.
+        lora_split: a name of :data:`~lightning_fedrep.models.lora.LORA_SPLITS` whose personal part the module
+            marks as its head (``fedrep_head``), for recipes (a YAML file cannot hold the regex ``head=``); the
+            strategy still needs the split's ``algorithm`` and ``allow_frozen=True``.
         attn_implementation: Hugging Face's attention kernel (``"eager"``, ``"sdpa"``; ``None``: its default).
             ``"eager"`` batches natively under the vectorized runner; ``"sdpa"`` may fall back to a loop on CPU.
     """
@@ -100,9 +103,12 @@ class HFSequenceClassifier(L.LightningModule):
         weight_decay: float = 0.0,
         momentum: float = 0.9,
         attn_implementation: str | None = None,
+        lora_split: str | None = None,
     ):
         super().__init__()
         _check_arguments(model, config, num_labels, dropout, lora_r, lora_dropout, optimizer, lr)
+        if lora_split is not None:
+            self.fedrep_head = _split_head(lora_split, lora_r)
         self.save_hyperparameters()
         transformers = require_transformers("HFSequenceClassifier")
         hf_config = _build_config(transformers, model, config, num_labels, pad_token_id, dropout)
@@ -207,6 +213,17 @@ def _is_causal(net: nn.Module, hf_config: Any) -> bool:
     finally:
         net.train(training)
     return bool(torch.allclose(states[0, 0], states[1, 0]))
+
+
+def _split_head(name: str, lora_r: int | None) -> Any:
+    """The head regex of the LoRA split ``name`` (``None`` for ``"local"``, which needs no head)."""
+    from lightning_fedrep.models.lora import lora_split
+
+    if lora_r is None:
+        raise ValueError(
+            f"HFSequenceClassifier(lora_split={name!r}) needs LoRA adapters: pass lora_r=<rank> too."
+        )
+    return lora_split(name).head
 
 
 def _check_arguments(
