@@ -57,9 +57,22 @@ def make_permuted_label_text(
     * Client ``i`` is in group ``g = i % num_groups``, whose label of class ``c`` is ``(c + g) % num_classes``:
       group 0 labels as the keywords say, the others rotate the labels (with two classes, group 1 flips them).
 
+    Args:
+        num_clients: clients (client ``i`` in group ``i % num_groups``).
+        samples_per_client: training samples per client.
+        test_samples_per_client: test samples per client (0: none).
+        num_groups: client groups, each naming the classes differently.
+        num_classes: classes (and labels).
+        vocab_size: token ids ``0 .. vocab_size - 1`` (0 is padding).
+        length: tokens per sequence after padding.
+        min_length: the shortest sequence before padding.
+        keywords_per_class: keywords owned by each class.
+        keywords_per_sample: keywords placed in each sequence.
+        seed: seeds the one generator of every draw.
+
     Returns:
         ``(train, test)``: one ``TensorDataset(input_ids, labels)`` per client each, ``input_ids`` int64
-        ``(m, length)`` padded with :data:`PAD_ID`, ``labels`` int64 ``(m,)``.
+        ``(m, length)`` padded with ``PAD_ID`` (0), ``labels`` int64 ``(m,)``.
     """
     owner = "make_permuted_label_text"
     for name, value, minimum in (
@@ -103,7 +116,14 @@ class PermutedLabelTextDataModule(FederatedDataModule):
     """:func:`make_permuted_label_text`'s clients as a data module: batches ``(input_ids, labels)``.
 
     The data are generated in ``setup`` from ``seed`` (which also seeds the validation split and the data
-    order); ``pad_token_id`` (:data:`PAD_ID`) and ``vocab_size`` say what a model must accept.
+    order); ``pad_token_id`` (0, ``PAD_ID``) and ``vocab_size`` say what a model must accept.
+
+    Args:
+        num_clients: the generator's arguments, as :func:`make_permuted_label_text` (checked at construction),
+            with ``samples_per_client``, ``test_samples_per_client``, ``num_groups``, ``num_classes``,
+            ``vocab_size``, ``length``, ``min_length``, ``keywords_per_class`` and ``keywords_per_sample``.
+        batch_size, eval_batch_size, val_fraction, num_workers, seed: as
+            :class:`~lightning_fedrep.FederatedDataModule`.
     """
 
     def __init__(

@@ -31,7 +31,7 @@ class LoRASplit:
     """What a LoRA split shares and keeps per client, as the strategy's arguments.
 
     Attributes:
-        name: the split's name in :data:`LORA_SPLITS`.
+        name: the split's name in ``LORA_SPLITS``.
         algorithm: the federated algorithm that runs it (a registered name).
         head: the personal parameters (a regex over parameter names), or ``None`` when the algorithm keeps
             everything local (``"local"``).
@@ -91,7 +91,7 @@ LORA_SPLITS: dict[str, LoRASplit] = {
 
 
 def lora_split(scheme: str, module: nn.Module | None = None) -> LoRASplit:
-    """The named LoRA split ``scheme`` (one of :data:`LORA_SPLITS`), checked against ``module`` if given.
+    """The named LoRA split ``scheme`` (one of ``LORA_SPLITS``), checked against ``module`` if given.
 
     * ``"fedsa"`` (FedSA-LoRA): ``lora_B`` and the classifier (``modules_to_save``) personal, ``lora_A``
       shared; FedPer's schedule (all of them train each local epoch).

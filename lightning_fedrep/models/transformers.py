@@ -74,7 +74,7 @@ class HFSequenceClassifier(L.LightningModule):
             vectorized runner).
         lora_r, lora_alpha, lora_dropout, target_modules: the LoRA adapters (none when ``lora_r`` is None).
         optimizer, lr, weight_decay, momentum: the local optimizer.
-        lora_split: a name of :data:`~lightning_fedrep.models.lora.LORA_SPLITS` whose personal part the module
+        lora_split: a name of ``lightning_fedrep.models.lora.LORA_SPLITS`` whose personal part the module
             marks as its head (``fedrep_head``), for recipes (a YAML file cannot hold the regex ``head=``); the
             strategy still needs the split's ``algorithm`` and ``allow_frozen=True``.
         attn_implementation: Hugging Face's attention kernel (``"eager"``, ``"sdpa"``; ``None``: its default).
@@ -185,8 +185,9 @@ class HFSequenceClassifier(L.LightningModule):
 
 
 def attention_bias(input_ids: Tensor, pad_token_id: int, causal: bool, dtype: torch.dtype) -> Tensor:
-    """The additive attention mask ``(batch, 1, length, length)``: 0 where a query may attend a key, the
-    dtype's minimum where the key is padding (or, ``causal``, a later position).
+    """The additive attention mask ``(batch, 1, length, length)`` of token ids ``input_ids`` ``(batch, length)``:
+    0 where a query may attend a key, ``dtype``'s minimum where the key is padding (``pad_token_id``) or, when
+    ``causal``, a later position.
 
     Hugging Face models take a 4D mask as given; from a 2D padding mask they would build this one after
     asking whether any token is padded (``mask.all()``), a data-dependent branch ``torch.func.vmap``
