@@ -49,7 +49,9 @@ CONFIGS = {"bert": BERT, "gpt2": GPT2}
 
 def tiny_model(kind: str = "bert", lora: bool = True, **kwargs) -> HFSequenceClassifier:
     torch.manual_seed(0)
-    defaults = dict(config=CONFIGS[kind], dropout=0.0, lr=1e-2, pad_token_id=PAD_ID)
+    defaults = dict(
+        config=CONFIGS[kind], dropout=0.0, lr=1e-2, pad_token_id=PAD_ID, attn_implementation="eager"
+    )
     if lora:
         defaults["lora_r"] = 4
     return HFSequenceClassifier(**{**defaults, **kwargs})
@@ -141,6 +143,23 @@ def test_lora_freezes_the_base_and_trains_adapters_and_classifier():
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         HFSequenceClassifier(**kwargs)
+
+
+def test_the_module_can_mark_a_splits_personal_part_as_its_head():
+    model = tiny_model("bert", lora_split="fedsa")
+    assert model.fedrep_head is LORA_SPLITS["fedsa"].head
+    with pytest.raises(ValueError, match="needs LoRA adapters: pass lora_r"):
+        tiny_model("bert", lora=False, lora_split="fedsa")
+    with pytest.raises(ValueError, match="must be one of"):
+        tiny_model("bert", lora_split="fedsa-lora")
+
+
+def test_sdpa_attention_gives_the_same_logits_as_eager():
+    ids = torch.randint(1, 64, (2, 8))
+    ids[0, 5:] = PAD_ID
+    eager = tiny_model("bert").eval()
+    sdpa = tiny_model("bert", attn_implementation="sdpa").eval()
+    torch.testing.assert_close(sdpa(ids), eager(ids))
 
 
 def test_a_data_module_padding_with_another_id_is_refused():
@@ -264,6 +283,21 @@ def test_checkpoint_holds_only_personal_tensors_per_client_and_resumes_exactly(t
     resumed, _ = run(3, ckpt=str(tmp_path / "last.ckpt"))
     straight, _ = run(3)
     assert_same(straight, resumed)
+    # a client's adapter out of the checkpoint alone, as out of the live strategy
+    from transformers import AutoModelForSequenceClassification
+
+    from lightning_fedrep import personalized_state_dict
+
+    state = personalized_state_dict(tmp_path / "last.ckpt", 2)
+    folder = save_peft_adapter(model, tmp_path / "client2", state_dict=state, base_folder=tmp_path / "base")
+    loaded = peft.PeftModel.from_pretrained(
+        AutoModelForSequenceClassification.from_pretrained(tmp_path / "base"), folder
+    ).eval()
+    reference = tiny_model("bert").eval()
+    reference.load_state_dict(state)
+    ids = torch.randint(1, 64, (3, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, reference(ids), rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- export as a peft adapter
