@@ -6,6 +6,7 @@ are learnt by personal adapters and not by FedAvg."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -411,3 +412,40 @@ def test_personal_adapters_learn_permuted_labels_where_fedavg_cannot():
     print(f"personalized (FedRep on adapters) {personal:.3f}, FedAvg {fedavg:.3f}")
     assert personal > 0.9, personal
     assert fedavg < 0.7, fedavg
+
+
+# ----------------------------------------------------------------------------- dropout on: per-client randomness
+
+PER_CLIENT = "randomness" in inspect.signature(FederatedStrategy.__init__).parameters
+needs_per_client = pytest.mark.skipif(
+    not PER_CLIENT, reason="FederatedStrategy(randomness=...) is not in this checkout yet (issue 42 item 1)"
+)
+
+
+@needs_per_client
+def test_dropout_on_runs_vectorized_per_client_reproducibly_and_across_a_resume(tmp_path):
+    def run(rounds, ckpt=None, callbacks=()):
+        model = tiny_model("bert", dropout=0.1)
+        strategy = FederatedStrategy(
+            **lora_split("fedsa").strategy_kwargs(),
+            clients_per_round=4,
+            local_epochs=1,
+            seed=1,
+            runner="vectorized",
+            randomness="per_client",
+        )
+        trainer = quiet_trainer(
+            strategy=strategy,
+            max_epochs=rounds,
+            limit_val_batches=0,
+            callbacks=list(callbacks),
+            enable_checkpointing=bool(callbacks),
+        )
+        trainer.fit(model, datamodule=text_data(), ckpt_path=ckpt)
+        return strategy
+
+    run(2, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)])
+    straight = run(3)
+    assert straight.runner_report.runner == "vectorized"
+    assert_same(straight, run(3))  # the same seed, the same numbers
+    assert_same(straight, run(3, ckpt=str(tmp_path / "last.ckpt")))  # and after a resume

@@ -7,7 +7,8 @@ matrices shared, FedPer's schedule), ``--clients`` clients of synthetic keyword 
 tokens each), every client every round, 1 local epoch, batch 16, AdamW lr 1e-3.
 
   (a) plain loop   : hand-written PyTorch, client after client: load its personal tensors, AdamW over its
-                     batches, keep its personal tensors, average the A matrices (the same arithmetic)
+                     batches, keep its personal tensors, average the A matrices (the same arithmetic, and
+                     the same dropout)
   (b) sequential   : ``FederatedStrategy(runner="sequential")``, a second round of a fit timed
   (c) vectorized   : ``FederatedStrategy(runner="vectorized")``, the same
   store            : a fit's ``strategy.federation.store`` filled with 1,000 and 10,000 clients' personal tensors
@@ -134,7 +135,7 @@ def _trainer(strategy: FederatedStrategy, clock: RoundClock, device: str) -> Any
 def plain_round(args: argparse.Namespace) -> float:
     """The same round's arithmetic as a plain loop: per client, its personal tensors in, AdamW steps, out."""
     device = torch.device(args.device)
-    module = model(args.width, 0.0).to(device)
+    module = model(args.width, 0.1 if args.randomness == "per_client" else 0.0).to(device)
     dm = data(args.clients)
     dm.setup("fit")
     named = dict(module.named_parameters())
