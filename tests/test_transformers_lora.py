@@ -139,6 +139,7 @@ def test_lora_freezes_the_base_and_trains_adapters_and_classifier():
         (dict(config=BERT, optimizer="adam"), "optimizer"),
         (dict(config=BERT, lr=0.0), "lr"),
         (dict(config={**GPT2, "pad_token_id": None}), "pad_token_id"),
+        (dict(config={"model_type": "bart", "d_model": 8, "vocab_size": 16}), "encoder-decoder"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, message):

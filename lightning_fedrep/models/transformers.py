@@ -46,7 +46,8 @@ class HFSequenceClassifier(L.LightningModule):
     """``AutoModelForSequenceClassification`` for federated fine-tuning, with optional LoRA adapters.
 
     The model comes from ``model`` (a Hugging Face hub name or a local folder written by
-    ``save_pretrained``, loaded with ``from_pretrained``) or from ``config`` (a dict of config fields with
+    ``save_pretrained``, loaded with ``from_pretrained``; an encoder-only model such as BERT or a decoder-only one
+    such as GPT-2) or from ``config`` (a dict of config fields with
     its ``model_type``, e.g. ``{"model_type": "bert", "hidden_size": 32, ...}``, built untrained with
     ``from_config``: offline tiny models for tests and smoke runs). Exactly one of them is given.
 
@@ -112,6 +113,12 @@ class HFSequenceClassifier(L.LightningModule):
         self.save_hyperparameters()
         transformers = require_transformers("HFSequenceClassifier")
         hf_config = _build_config(transformers, model, config, num_labels, pad_token_id, dropout)
+        if getattr(hf_config, "is_encoder_decoder", False):
+            raise ValueError(
+                f"HFSequenceClassifier takes encoder-only (BERT) or decoder-only (GPT-2) models; "
+                f"{hf_config.model_type!r} is an encoder-decoder model, whose attention mask this module "
+                "cannot build. Choose an encoder-only or decoder-only checkpoint."
+            )
         if hf_config.pad_token_id is None:
             raise ValueError(
                 "HFSequenceClassifier: the model's config has no pad_token_id (GPT-2's has none); pass "
