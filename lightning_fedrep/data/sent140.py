@@ -28,7 +28,14 @@ import torch
 from lightning_fedrep.data.leaf import LEAFDataModule
 from lightning_fedrep.federation.api.arguments import check_int
 
-__all__ = ["GLOVE_SOURCE", "Sent140DataModule", "read_word_vectors", "split_words", "tokenize"]
+__all__ = [
+    "GLOVE_SOURCE",
+    "Sent140DataModule",
+    "load_tokenizer",
+    "read_word_vectors",
+    "split_words",
+    "tokenize",
+]
 
 GLOVE_SOURCE = (
     "GloVe's glove.6B.300d.txt (https://nlp.stanford.edu/data/glove.6B.zip) or LEAF's embs.json "
@@ -51,6 +58,25 @@ def tokenize(text: str, word_ids: dict[str, int], max_words: int = 25) -> list[i
     unknown = len(word_ids)
     ids = [word_ids.get(word, unknown) for word in split_words(text)[:max_words]]
     return ids + [unknown] * (max_words - len(ids))
+
+
+def load_tokenizer(name: str) -> Any:
+    """``AutoTokenizer.from_pretrained(name)``, padding with the end-of-text token when it has no pad token
+    (GPT-2). Needs the ``transformers`` extra."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as error:
+        raise ImportError(
+            f'Sent140DataModule(tokenizer={name!r}) needs transformers: pip install "lightning-fedrep[transformers]".'
+        ) from error
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"The tokenizer {name!r} has neither a pad token nor an end-of-text token to pad with."
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def _missing(path: Path, owner: str) -> FileNotFoundError:
@@ -145,11 +171,19 @@ class Sent140DataModule(LEAFDataModule):
     The model must use the same word-vector file (``Sent140RNN(glove_path=...)``), so that word ``i`` is
     embedding row ``i``. Batch size 4 is the official ``local_bs``.
 
+    For a pretrained transformer, give ``tokenizer`` (a Hugging Face hub name or local folder, read with
+    ``AutoTokenizer.from_pretrained``; needs the ``transformers`` extra) instead of ``glove_path``: each
+    tweet's text becomes ``max_words`` token ids (truncated, padded with the tokenizer's pad token, or its
+    end-of-text token when it has none, as GPT-2), for
+    :class:`~lightning_fedrep.models.transformers.HFSequenceClassifier` of the same checkpoint;
+    ``pad_token_id`` says which id pads.
+
     Args:
         train_dir: folder of the train split's JSON files.
         test_dir: folder of the test split's JSON files.
         glove_path: the word vectors defining the vocabulary (GloVe text or LEAF ``embs.json``).
-        max_words: words kept per tweet (the official 25).
+        max_words: words (or, with ``tokenizer``, tokens) kept per tweet (the official 25).
+        tokenizer: a Hugging Face tokenizer's hub name or folder, in place of ``glove_path``.
         max_clients, user_order, batch_size, eval_batch_size, val_fraction, num_workers, seed: as
             :class:`~lightning_fedrep.data.leaf.LEAFDataModule`.
     """
@@ -158,7 +192,7 @@ class Sent140DataModule(LEAFDataModule):
         self,
         train_dir: str,
         test_dir: str,
-        glove_path: str,
+        glove_path: str | None = None,
         max_words: int = 25,
         max_clients: int | None = None,
         batch_size: int = 4,
@@ -167,6 +201,7 @@ class Sent140DataModule(LEAFDataModule):
         num_workers: int = 0,
         seed: int = 0,
         user_order: Literal["file", "id"] = "file",
+        tokenizer: str | None = None,
     ):
         super().__init__(
             train_dir=train_dir,
@@ -181,28 +216,55 @@ class Sent140DataModule(LEAFDataModule):
             user_order=user_order,
         )
         self.max_words = check_int("max_words", max_words, minimum=1, owner="Sent140DataModule")
-        if not Path(glove_path).is_file():
+        if (glove_path is None) == (tokenizer is None):
+            raise ValueError(
+                "Sent140DataModule needs exactly one of glove_path=<word vectors, for Sent140RNN> and "
+                f"tokenizer=<Hugging Face tokenizer name or folder, for a transformer>; got glove_path={glove_path!r}, "
+                f"tokenizer={tokenizer!r}."
+            )
+        if glove_path is not None and not Path(glove_path).is_file():
             raise _missing(Path(glove_path), "Sent140DataModule")
-        self.glove_path = str(glove_path)
+        self.glove_path = None if glove_path is None else str(glove_path)
+        self.tokenizer_name = tokenizer
+        self.tokenizer: Any = None
         self.word_ids: dict[str, int] = {}
 
     @property
     def vocab_size(self) -> int:
-        """Words in the vocabulary (after ``setup``); id ``vocab_size`` is the unknown word and padding."""
+        """Words in the vocabulary (after ``setup``); id ``vocab_size`` is the unknown word and padding.
+        With ``tokenizer``: the tokenizer's vocabulary size."""
+        if self.tokenizer is not None:
+            return len(self.tokenizer)
         return len(self.word_ids)
 
+    @property
+    def pad_token_id(self) -> int | None:
+        """The id that pads a tweet's token ids (after ``setup``; ``vocab_size`` without a tokenizer)."""
+        if self.tokenizer is not None:
+            return self.tokenizer.pad_token_id
+        return len(self.word_ids) if self.word_ids else None
+
     def setup(self, stage: str | None = None) -> None:
-        """Read the vocabulary (once), then the LEAF folders, tokenising every tweet."""
-        if not self.word_ids:
+        """Read the vocabulary or tokenizer (once), then the LEAF folders, tokenising every tweet."""
+        if self.tokenizer_name is not None and self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.tokenizer_name)
+        elif self.glove_path is not None and not self.word_ids:
             words, _ = read_word_vectors(self.glove_path, vectors=False, owner="Sent140DataModule")
             self.word_ids = {word: i for i, word in enumerate(words)}
         super().setup(stage)
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ``max_words`` ids: the official word ids, or the tokenizer's padded token ids."""
+        if self.tokenizer is None:
+            return [tokenize(text, self.word_ids, self.max_words) for text in texts]
+        encoded = self.tokenizer(texts, padding="max_length", truncation=True, max_length=self.max_words)
+        return encoded["input_ids"]
 
     def _tensors(
         self, data: dict[str, dict[str, Any]], users: list[str], split: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(word ids, label, user index)`` of all samples of ``users``, user after user."""
-        xs, ys, groups = [], [], []
+        texts, ys, groups = [], [], []
         for index, user in enumerate(users):
             records, labels = data[user]["x"], data[user]["y"]
             if len(records) != len(labels):
@@ -215,7 +277,7 @@ class Sent140DataModule(LEAFDataModule):
                         f"{split} x of Sent140 user {user!r} must be LEAF tweet records [id, date, query, "
                         f"user, text], got {str(record)[:80]}; is this folder LEAF's Sent140?"
                     )
-                xs.append(tokenize(record[4], self.word_ids, self.max_words))
+                texts.append(record[4])
             y = np.asarray(labels)
             if y.ndim != 1 or not np.all(np.isin(y, (0, 1))):
                 raise ValueError(
@@ -224,7 +286,7 @@ class Sent140DataModule(LEAFDataModule):
             ys.append(y.astype(np.int64))
             groups.append(np.full(len(y), index, dtype=np.int64))
         return (
-            torch.tensor(xs, dtype=torch.int64).reshape(-1, self.max_words),
+            torch.tensor(self._encode(texts), dtype=torch.int64).reshape(-1, self.max_words),
             torch.from_numpy(np.concatenate(ys)),
             torch.from_numpy(np.concatenate(groups)),
         )

@@ -120,6 +120,11 @@ class StackedRows(MutableMapping[int, list[Tensor]]):
         """Forget every client and release the pool."""
         self.__init__()
 
+    def nbytes(self) -> int:
+        """Bytes this mapping holds in memory: its pooled chunks (free slots included) and its own copies."""
+        pooled = sum(t.nbytes for chunk in self._chunks for t in chunk)
+        return pooled + sum(t.nbytes for tensors in self._odd.values() for t in tensors)
+
     def _allocate(self) -> int:
         if self._free:
             return self._free.pop()
@@ -317,6 +322,17 @@ class ClientStore:
         self.tensors = StackedRows()
         for c, ts in state.get("tensors", {}).items():
             self.tensors[int(c)] = [move(t) for t in ts]
+
+    def nbytes(self) -> int:
+        """Bytes of per-client state held here: local parts, declared tensors, fine-tuned tensors and kept
+        optimizer state (measured from the tensors held, for memory reports and benchmarks)."""
+        held = self.local.nbytes() + self.tensors.nbytes()
+        held += sum(t.nbytes for tensors in self.finetuned.values() for t in tensors.values())
+        for state in self.optimizer_states.values():
+            for per_optimizer in state.values():
+                for entries in per_optimizer.values():
+                    held += sum(v.nbytes for v in entries.values() if isinstance(v, Tensor))
+        return held
 
     def to(self, device: torch.device) -> None:
         """Move every stored tensor to ``device`` (called when the strategy moves the module)."""

@@ -1,0 +1,27 @@
+"""``benchmarks/transformers/lora_round.py`` runs end to end at a reduced size (no timing assertions): the
+vectorized runner takes the LoRA round, and the store holds about the adapters' bytes per client."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "transformers")]
+
+import lora_round  # noqa: E402
+
+
+def test_lora_round_runs_reduced_and_measures_the_store(capsys):
+    result = lora_round.main(["--small"])
+    out = capsys.readouterr().out
+    assert "runner report: vectorized" in out
+    assert set(result) == {"plain", "sequential", "vectorized", "store"}
+    for row in result["store"]:
+        assert row["adapters"] <= row["held"] <= 1.25 * row["adapters"], row  # pooled rows, nothing else
+        assert row["held"] < row["full"] / 10
