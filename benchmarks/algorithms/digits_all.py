@@ -46,9 +46,12 @@ over Local Only (final, percentage points, mean +- std of the per-seed differenc
 one run (indicative: other processes share the machine). Sorted by final accuracy.
 
 A NaN (a diverged run: L2GD at lr 0.5 on the Dirichlet split) shows as n/a in the table and as nan per seed.
+``runner="auto"`` chooses partly by timing, so a loaded machine can run a fit on the other runner; the two compute
+the same thing up to float rounding, and every accuracy came out the same in two runs but FedAdam's (server lr 0.1
+amplifies the rounding: 88.02% against 80.72% on one Dirichlet seed).
 
 Cost: 29 fits per split and seed; measured 445 s (shard) and 573 s (Dirichlet) for 3 seeds on a shared 2-core
-machine at load ~10 (about half alone), so the family's protocol needed no reduction. Measured tables:
+machine at load ~10, 635 s for both in a second run, so the family's protocol needed no reduction. Measured tables:
 ``docs/benchmarks.md`` (*Every algorithm on digits*) and ``benchmarks/fedrep/RESULTS_family.md`` (section 6).
 
 Usage (from the repository root)::
