@@ -69,6 +69,7 @@ from benchmarks._common import Stopwatch, format_table, make_trainer, print_foot
 from lightning_fedrep import FederatedStrategy  # noqa: E402
 from lightning_fedrep.callbacks import HeadFineTuning  # noqa: E402
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: E402
+from lightning_fedrep.data.partition import DirichletPartitioner  # noqa: E402
 from lightning_fedrep.data.synthetic_classification import SyntheticClassificationDataModule  # noqa: E402
 from lightning_fedrep.models import MLPClassifier  # noqa: E402
 
@@ -127,13 +128,16 @@ class Settings:
     test_fraction: float = 0.5
     data: str = "digits"
     synthetic_samples: int = 20  # training and test samples per synthetic client
+    dirichlet_alpha: float | None = None  # digits only: DirichletPartitioner(alpha) instead of the shards
+    min_samples_per_client: int = 5  # the Dirichlet split's least training samples per client
 
 
 DATA = ("digits", "synthetic")
 
 
 def _datamodule(seed: int, s: Settings) -> DigitsDataModule | SyntheticClassificationDataModule:
-    """One seed's federation: digits (re-split and re-partitioned per seed) or the synthetic one."""
+    """One seed's federation: digits (re-split and re-partitioned per seed: ``classes_per_client`` shards, or
+    ``DirichletPartitioner`` where ``dirichlet_alpha`` is set) or the synthetic one."""
     if s.data == "synthetic":
         return SyntheticClassificationDataModule(
             num_clients=s.num_clients,
@@ -143,9 +147,13 @@ def _datamodule(seed: int, s: Settings) -> DigitsDataModule | SyntheticClassific
             batch_size=s.batch_size,
             seed=seed,
         )
+    partitioner = None
+    if s.dirichlet_alpha is not None:
+        partitioner = DirichletPartitioner(s.num_clients, s.dirichlet_alpha, s.min_samples_per_client)
     return DigitsDataModule(
         num_clients=s.num_clients,
         classes_per_client=s.classes_per_client,
+        partitioner=partitioner,
         batch_size=s.batch_size,
         test_fraction=s.test_fraction,
         seed=seed,
@@ -153,12 +161,16 @@ def _datamodule(seed: int, s: Settings) -> DigitsDataModule | SyntheticClassific
 
 
 def _fit(algorithm: str, seed: int, s: Settings, **strategy_kwargs) -> tuple[FederatedStrategy, float]:
-    """Train one algorithm on one seed's federation (``s.data``); returns the strategy and wall seconds."""
+    """Train one algorithm on one seed's federation (``s.data``); returns the strategy and wall seconds.
+
+    ``strategy_kwargs`` go to ``FederatedStrategy`` but for ``model`` (keywords of the model), ``model_class``
+    (``MLPClassifier`` unless given), ``callbacks`` and ``rounds`` (``s.rounds`` unless given)."""
     watch = Stopwatch()
     dm = _datamodule(seed, s)
     torch.manual_seed(seed)  # the same initial weights for every method of this seed
     inputs = {"in_features": 20} if s.data == "synthetic" else {}
-    model = MLPClassifier(**inputs, **strategy_kwargs.pop("model", {}))
+    model_class = strategy_kwargs.pop("model_class", MLPClassifier)
+    model = model_class(**inputs, **strategy_kwargs.pop("model", {}))
     callbacks = strategy_kwargs.pop("callbacks", [])
     rounds = strategy_kwargs.pop("rounds", s.rounds)
     strategy = FederatedStrategy(algorithm=algorithm, seed=seed, **strategy_kwargs)
@@ -168,7 +180,8 @@ def _fit(algorithm: str, seed: int, s: Settings, **strategy_kwargs) -> tuple[Fed
 
 
 def run_seed(seed: int, s: Settings = Settings(), methods: tuple[str, ...] = METHODS) -> dict[str, dict]:
-    """Every method on one seed: ``{method: {"final": acc, "last10": acc, "seconds": s}}`` (acc in %)."""
+    """Every method on one seed: ``{method: {"final": acc, "last10": acc, "seconds": s, "runner": name}}``
+    (acc in %; ``runner``: the runner ``runner="auto"`` chose, ``"vectorized"`` or ``"sequential"``)."""
     out: dict[str, dict] = {}
 
     def record(name: str, strategy: FederatedStrategy, seconds: float) -> None:
@@ -177,6 +190,7 @@ def run_seed(seed: int, s: Settings = Settings(), methods: tuple[str, ...] = MET
             "final": 100 * results["final"]["val/acc"],
             "last10": 100 * results["last10"]["val/acc"],
             "seconds": seconds,
+            "runner": strategy.runner_report.runner,
         }
 
     per_round = s.clients_per_round
@@ -211,7 +225,7 @@ def run_seed(seed: int, s: Settings = Settings(), methods: tuple[str, ...] = MET
         record(algorithm, strategy, seconds)
         if finetune:
             accuracy = 100 * strategy.results()["finetune"]["finetune/val/acc"]
-            out[f"{algorithm}_ft"] = {"final": accuracy, "last10": float("nan"), "seconds": seconds}
+            out[f"{algorithm}_ft"] = {**out[algorithm], "final": accuracy, "last10": float("nan")}
     if "lg_fedavg" in methods:
         record(
             "lg_fedavg",

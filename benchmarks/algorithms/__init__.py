@@ -1,0 +1,1 @@
+"""Benchmarks across every registered algorithm (``digits_all.py``)."""
