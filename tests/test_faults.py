@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import warnings
 
 import pytest
@@ -301,3 +302,20 @@ def test_non_finite_outputs_in_evaluation_are_reported_as_nan_for_their_clients(
     assert accuracy[1] != accuracy[1]
     assert all(accuracy[c] == accuracy[c] for c in (0, 2, 3, 4))
     assert s.history[-1]["val/acc"] != s.history[-1]["val/acc"]
+
+
+def test_a_minus_infinite_score_rules_its_class_out_while_nan_or_plus_infinity_leaves_no_class():
+    """Per sample: -inf scores mask classes (the argmax over the rest counts; the cross-entropy of a masked true
+    class is +inf); a NaN or +inf score, or -inf for every class, names no class (accuracy NaN)."""
+    from lightning_fedrep.evaluation.metrics import headline_sums
+
+    inf, nan = float("inf"), float("nan")
+    output = torch.tensor([[-inf, 2.0, 1.0], [3.0, -inf, 1.0], [-inf, -inf, 0.0], [-inf, -inf, 0.0]])
+    target = torch.tensor([1, 0, 2, 1])
+    sums = headline_sums(output, target)
+    assert (
+        sums["acc"].item() == 3.0
+    )  # samples 0-2 right (class 2 the only one left for sample 2), sample 3 wrong
+    assert math.isinf(sums["loss"].item())  # sample 3's true class is masked
+    for broken in ([nan, 1.0, 0.0], [inf, 1.0, 0.0], [-inf, -inf, -inf]):
+        assert math.isnan(headline_sums(torch.tensor([broken]), torch.tensor([1]))["acc"].item())

@@ -13,7 +13,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from lightning_fedrep import DirichletPartitioner, FederatedDataModule, FederatedStrategy, FedProto
+from lightning_fedrep import (
+    DirichletPartitioner,
+    FederatedDataModule,
+    FederatedStrategy,
+    FedProto,
+    ShardPartitioner,
+)
 from tests.fixtures import client_batches, quiet_trainer, reference_clients, tiny_datasets
 from tests.test_ditto import _xy
 from tests.test_engine_equivalence import DeclaredNet, LossNet
@@ -287,3 +293,34 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
             full.client_model(client).named_parameters(), strategy.client_model(client).named_parameters()
         ):
             torch.testing.assert_close(resumed, value, rtol=0, atol=0, msg=(client, name))
+
+
+@pytest.mark.parametrize("runner", ["sequential", "vectorized"])
+def test_a_class_without_a_prototype_is_ruled_out_and_its_samples_still_scored(runner):
+    """Under partial participation a round's clients may hold no sample of a class, which then has no global
+    prototype (score -inf, as PFLlib's distance inf): every test sample is still scored by its nearest existing
+    prototype, so each client's accuracy is a number (not NaN) equal to that rule's; the loss of a sample whose
+    class has no prototype is +inf."""
+    train, test = tiny_datasets(seed=DATA_SEED)
+    dm = FederatedDataModule(train, test, partitioner=ShardPartitioner(4, 2), batch_size=256, seed=DATA_SEED)
+    strategy = FederatedStrategy(
+        algorithm=FedProto(lamda=LAMDA), clients_per_round=1, runner=runner, head="classifier", seed=SEED
+    )
+    trainer = quiet_trainer(strategy=strategy, max_epochs=2, limit_val_batches=0)
+    model = DeclaredNet(lr=LR)
+    trainer.fit(model, datamodule=dm)
+    has = strategy.federation.server_tensors["has_prototype"]
+    assert 0 < int(has.sum()) < len(has)
+    accuracies = []
+    for client in range(4):
+        x, y = _xy(dm, client, "test")
+        with torch.no_grad():
+            scores = strategy.client_model(client)(x)
+        assert torch.isneginf(scores[:, has == 0]).all() and torch.isfinite(scores[:, has > 0]).all()
+        nearest = has.nonzero()[:, 0][scores[:, has > 0].argmax(1)]  # the nearest existing prototype's class
+        accuracies.append((nearest == y).double().mean().item())
+        if not bool(has[y].all()):
+            assert math.isinf(F.cross_entropy(scores, y).item())
+    metrics = trainer.test(model, datamodule=dm, verbose=False)[0]
+    assert math.isfinite(metrics["test/acc"])
+    assert abs(metrics["test/acc"] - sum(accuracies) / 4) < 1e-6

@@ -27,12 +27,9 @@ Per algorithm (the FedRep family's protocol, ``digits_family.py``'s docstring):
   ``body.2`` and ``classifier``; Local Only trains every client for 25 rounds x 2 epochs.
 * FedAvg, FedProx and SCAFFOLD also give a "+ FT" row: 10 head epochs per client after the last round
   (``HeadFineTuning``), scored once (no last-10 mean).
-* Full participation for the same number of client trainings (``rounds x clients per round / clients``
-  rounds: 10 for both splits): L2GD (the official protocol, at its official lr alpha / (n (1 - p)): 0.2 for 50
-  clients, 0.5 for 20) and FedProto. FedProto's server replaces each class prototype with the round's clients'
-  mean, so a round whose clients miss a class leaves that class no prototype, its scores are ``-inf`` and the
-  evaluation reports NaN for every client (seen at 10 of 50 clients: rounds 1, 4, 5, 7 and 8 of 8 NaN); with
-  every client in every round each class has a prototype.
+* L2GD with full participation for the same number of client trainings (``rounds x clients per round / clients``
+  rounds: 10 for both splits; the official protocol), at its official lr alpha / (n (1 - p)): 0.2 for 50 clients,
+  0.5 for 20.
 * FedBN runs on ``BatchNormMLP`` (the MLP with ``BatchNorm1d`` after each hidden layer); on ``MLPClassifier``,
   which has no BatchNorm, FedBN is FedAvg. The row "FedAvg (BN MLP)" is FedAvg on that same model, FedBN's
   reference. BatchNorm needs the sequential runner.
@@ -90,8 +87,6 @@ FAMILY_ALGORITHMS = frozenset(
     ("fedrep", "fedper", "fedavg", "lg_fedavg", "local", "fedprox", "scaffold") + family.PERSONAL + ("l2gd",)
 )
 """Registered algorithms that ``digits_family.run_seed`` runs in the family's protocol."""
-FULL_PARTICIPATION = ("fedproto",)
-"""Run with every client every round, for ``rounds x clients per round / clients`` rounds (see the docstring)."""
 BATCH_NORM = ("fedbn", "fedavg_bn")
 """Rows trained on :class:`BatchNormMLP` (``fedavg_bn``: FedAvg on it, FedBN's reference)."""
 
@@ -112,7 +107,7 @@ LABELS = {
     "fedadagrad": "FedAdagrad (global model)",
     "pfedme": "pFedMe",
     "fedcac": "FedCAC",
-    "fedproto": "FedProto (full participation)",
+    "fedproto": "FedProto",
     "fedpac": "FedPAC",
 }
 """Table labels; a registered name without one is shown as is."""
@@ -171,8 +166,6 @@ def _fit_registered(name: str, seed: int, s: family.Settings) -> dict:
     """One fit of a registered algorithm (or ``fedavg_bn``) outside the family, with its defaults."""
     algorithm = "fedavg" if name == "fedavg_bn" else name
     kwargs: dict = {"clients_per_round": s.clients_per_round}
-    if algorithm in FULL_PARTICIPATION:
-        kwargs.update(clients_per_round=1.0, rounds=s.l2gd_rounds)
     if "local_epochs" in type(ALGORITHMS[algorithm]).epochs:
         kwargs["local_epochs"] = s.local_epochs
     if name in BATCH_NORM:

@@ -49,9 +49,11 @@ def headline_sums_per_client(outputs: Tensor, targets: Tensor, mask: Tensor) -> 
     clients, samples = targets.shape[:2]
     if not targets.is_floating_point() and targets.dim() == 2 and outputs.dim() == 3:
         per_sample = F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), reduction="none")
-        # a sample with non-finite logits has no class: its accuracy is NaN, not argmax's class 0
+        # a sample whose logits hold a NaN or +inf (or are all -inf) has no class: its accuracy is NaN, not
+        # argmax's class 0; a -inf logit alone rules its class out (a masked class, e.g. FedProto's class
+        # without a prototype) and leaves the sample scored
         correct = (outputs.argmax(dim=2) == targets).double()
-        correct[~torch.isfinite(outputs).all(dim=2)] = float("nan")
+        correct[no_class(outputs)] = float("nan")
         return {
             "acc": (correct * weights).nansum(1) + _nan_where_any(correct, weights),
             "loss": (per_sample.view(clients, samples).double() * weights).nansum(1)
@@ -62,6 +64,16 @@ def headline_sums_per_client(outputs: Tensor, targets: Tensor, mask: Tensor) -> 
         per_sample = difference.pow(2).reshape(clients, samples, -1).mean(dim=2)
         return {"loss": (per_sample.double() * weights).sum(1)}
     return None
+
+
+def no_class(outputs: Tensor) -> Tensor:
+    """Per sample (the last dimension holds the class scores): whether the scores name no class, i.e. hold a
+    NaN or +inf, or are -inf for every class."""
+    return (
+        torch.isnan(outputs).any(dim=-1)
+        | torch.isposinf(outputs).any(dim=-1)
+        | torch.isneginf(outputs).all(dim=-1)
+    )
 
 
 def _nan_where_any(values: Tensor, weights: Tensor) -> Tensor:
