@@ -84,7 +84,13 @@ from lightning_fedrep.federation.api.objective import (
     StepRule,
     StepView,
 )
-from lightning_fedrep.federation.api.registry import ALGORITHMS, on_register, register_algorithm
+from lightning_fedrep.federation.api.registry import (
+    ALGORITHMS,
+    SERVER_OPTIMIZERS,
+    on_register,
+    register_algorithm,
+    register_server_optimizer,
+)
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
 from lightning_fedrep.federation.api.server_optimizer import ServerOptimizer
 from lightning_fedrep.federation.checkpoint.entry import CHECKPOINT_KEY
@@ -172,6 +178,7 @@ __all__ = [
     "RunnerReport",
     "RunnerSettings",
     "RunSummary",
+    "SERVER_OPTIMIZERS",
     "ServerOptimizer",
     "ShardPartitioner",
     "SplitError",
@@ -180,6 +187,7 @@ __all__ = [
     "ValidateAtRounds",
     "personalized_state_dict",
     "register_algorithm",
+    "register_server_optimizer",
     "resolve_split",
 ]
 

@@ -27,7 +27,13 @@ from lightning_fedrep.federation.api.arguments import (
     check_int,
 )
 from lightning_fedrep.federation.api.epochs import EPOCH_DEFAULTS, check_epoch_shorthands, default_phases
-from lightning_fedrep.federation.api.registry import ALGORITHMS, get_algorithm
+from lightning_fedrep.federation.api.registry import (
+    ALGORITHMS,
+    SERVER_OPTIMIZERS,
+    get_algorithm,
+    get_server_optimizer,
+)
+from lightning_fedrep.federation.api.server_optimizer import ServerOptimizer
 from lightning_fedrep.federation.state import FederationConfig
 
 
@@ -79,11 +85,49 @@ def check_head(head: Any) -> None:
         )
 
 
-def strategy_algorithm(algorithm: str | Algorithm) -> Algorithm:
+def strategy_algorithm(
+    algorithm: str | Algorithm,
+    server_optimizer: str | ServerOptimizer | None = None,
+    owner: str = "FederatedStrategy",
+) -> Algorithm:
     """The algorithm a strategy runs: a registered one is shared by name, so each strategy gets its own copy
-    of its server state; an :class:`Algorithm` object is used as given."""
+    of its server state; an :class:`Algorithm` object is used as given. With ``server_optimizer`` (a registered
+    name or a :class:`ServerOptimizer`), the algorithm's copy that steps with it (:func:`with_strategy_optimizer`)."""
     resolved = get_algorithm(algorithm)
-    return copy.deepcopy(resolved) if isinstance(algorithm, str) else resolved
+    resolved = copy.deepcopy(resolved) if isinstance(algorithm, str) else resolved
+    if server_optimizer is None:
+        return resolved
+    return with_strategy_optimizer(resolved, server_optimizer, owner)
+
+
+def with_strategy_optimizer(
+    algorithm: Algorithm, server_optimizer: str | ServerOptimizer, owner: str
+) -> Algorithm:
+    """``algorithm.with_server_optimizer(...)`` for a strategy's ``server_optimizer`` setting, refusing at
+    construction, naming the setting, a wrong type, an unknown name, an algorithm that shares nothing and one
+    that already steps with a server optimizer (``algorithm="fedadam"``)."""
+    where = f"{owner}(server_optimizer=...)"
+    if isinstance(server_optimizer, str):
+        try:
+            server_optimizer = get_server_optimizer(server_optimizer)
+        except ValueError as unknown:
+            raise ValueError(f"{where}: {unknown}") from None
+    elif not isinstance(server_optimizer, ServerOptimizer):
+        raise TypeError(
+            f"{where} takes a registered name ({', '.join(map(repr, sorted(SERVER_OPTIMIZERS)))}) or a "
+            f"ServerOptimizer such as FedAdam(lr=0.01), got {type(server_optimizer).__name__} ({server_optimizer!r})."
+        )
+    if algorithm.server_optimizer is not None:
+        raise ValueError(
+            f"{where}: algorithm {algorithm.name!r} already steps with {algorithm.server_optimizer!r}; pass "
+            "server_optimizer with an algorithm that has none (algorithm='fedavg' for FedAvg), or drop it."
+        )
+    if not algorithm.shares:
+        raise ValueError(
+            f"{where}: algorithm {algorithm.name!r} shares nothing with the server, so a server optimizer has "
+            "nothing to step; use an algorithm that shares the body, the head or both, or drop server_optimizer."
+        )
+    return algorithm.with_server_optimizer(server_optimizer)
 
 
 def federation_config(

@@ -26,6 +26,7 @@ from lightning_fedrep.federation import ClientFault, Federation, fingerprint_cha
 from lightning_fedrep.federation.api.algorithm import Algorithm, Phase
 from lightning_fedrep.federation.api.mechanism import PrivacyMechanism
 from lightning_fedrep.federation.api.scoring import set_forward
+from lightning_fedrep.federation.api.server_optimizer import ServerOptimizer
 from lightning_fedrep.federation.checkpoint.entry import (
     CHECKPOINT_KEY,
     read_federated_entry,
@@ -156,6 +157,12 @@ class FederatedSession(Host):
             the same draws; bit-identical for a seed and across a resume (round boundary or mid-round), and
             untouched by ``seed_everything``. The sequential runner draws from torch's global generator either
             way (``seed_everything``; checkpoints hold it). ``runner_report.randomness_contract`` says which ran.
+        server_optimizer: a server step after the algorithm's aggregation (FedOpt): a registered name
+            (``"fedadam"``, ``"fedyogi"``, ``"fedadagrad"``, with their defaults) or a
+            :class:`~lightning_fedrep.federation.api.server_optimizer.ServerOptimizer` such as
+            ``FedAdam(lr=0.01)`` (in a recipe: ``{class_path: lightning_fedrep.FedAdam, init_args: {lr: 0.01}}``).
+            The strategy runs ``algorithm.with_server_optimizer(...)``, named e.g. ``"fedrep_fedadam"``;
+            refused for an algorithm that shares nothing or already has one (``"fedadam"``). ``None``: none.
     """
 
     def __init__(
@@ -182,6 +189,7 @@ class FederatedSession(Host):
         predict: Literal["auto", "new_client", "personalized"] = "auto",
         privacy: PrivacyMechanism | None = None,
         randomness: Randomness = "exact",
+        server_optimizer: ServerOptimizer | str | None = None,
         **kwargs: Any,
     ):
         refuse_old_keywords(kwargs)
@@ -191,10 +199,10 @@ class FederatedSession(Host):
         )
         check_evaluation_settings(allow_new_federation, first_state, evaluate_clients, buffers)
         self.runner: RunnerSettings = runner_settings(runner)
+        """The runner setting (a choice's name becomes its :class:`~lightning_fedrep.runners.settings.RunnerSettings`)."""
         self.randomness: Randomness = randomness_setting(randomness)
         """The vectorized runner's contract for random layers (``"exact"`` or ``"per_client"``)."""
-        """The runner setting (a choice's name becomes its :class:`~lightning_fedrep.runners.settings.RunnerSettings`)."""
-        self.algorithm: Algorithm = strategy_algorithm(algorithm)
+        self.algorithm: Algorithm = strategy_algorithm(algorithm, server_optimizer, type(self).__name__)
         epochs = {"head_epochs": head_epochs, "body_epochs": body_epochs, "local_epochs": local_epochs}
         self.config = federation_config(
             self.algorithm,

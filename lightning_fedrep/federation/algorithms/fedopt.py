@@ -1,6 +1,7 @@
 """FedOpt (Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2): FedAdam, FedYogi and
 FedAdagrad as server optimizers any algorithm that shares something can take
-(``FedRep().with_server_optimizer(FedAdam())``), and FedAvg with each of them by name (``"fedadam"``,
+(``FedRep().with_server_optimizer(FedAdam())``, or ``FederatedStrategy(algorithm="fedrep",
+server_optimizer="fedadam")`` from a recipe), and FedAvg with each of them by name (``"fedadam"``,
 ``"fedyogi"``, ``"fedadagrad"``, and their ``_ddp`` names).
 
 Each round the clients train from x_t as the algorithm says; ``Δ_t`` is what the algorithm's server step
@@ -32,7 +33,11 @@ from torch import Tensor
 from lightning_fedrep.federation.api.arguments import check_choice, check_real
 from lightning_fedrep.federation.api.declared import ServerTensors
 from lightning_fedrep.federation.api.exchange import ServerState
-from lightning_fedrep.federation.api.registry import get_algorithm, register_algorithm
+from lightning_fedrep.federation.api.registry import (
+    get_algorithm,
+    register_algorithm,
+    register_server_optimizer,
+)
 from lightning_fedrep.federation.api.server_optimizer import ServerOptimizer
 
 __all__ = ["FedAdagrad", "FedAdam", "FedOpt", "FedYogi"]
@@ -157,9 +162,11 @@ class FedAdagrad(FedOpt):
 
 
 def _register() -> None:
-    """Register FedAvg's clients with each optimizer as ``"fedadam"``, ``"fedyogi"``, ``"fedadagrad"`` (a copy of
-    the registered ``"fedavg"``, which registers first)."""
+    """Register each optimizer with its defaults as a server optimizer (``FederatedStrategy(server_optimizer=
+    "fedadam")``), and FedAvg's clients with it as the algorithm of the same name (a copy of the registered
+    ``"fedavg"``, which registers first)."""
     for optimizer in (FedAdam(), FedYogi(), FedAdagrad()):
+        register_server_optimizer(optimizer)
         label = type(optimizer).__name__
         description = f"{label}: FedAvg's clients, the server steps with {label} (Reddi et al. 2021)."
         register_algorithm(
