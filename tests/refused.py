@@ -67,7 +67,8 @@ from lightning_fedrep.app.seeds import parse_seeds, split_seeds  # noqa: F401
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: F401
 from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: F401
 from lightning_fedrep.data.sent140 import Sent140DataModule  # noqa: F401
-from lightning_fedrep.data.vision import EMNISTDataModule  # noqa: F401
+from lightning_fedrep.data.pfllib import PFLlibPartitioner  # noqa: F401
+from lightning_fedrep.data.vision import EMNISTDataModule, FashionMNISTDataModule  # noqa: F401
 from lightning_fedrep.federation import Stacked
 from lightning_fedrep.federation.api.registry import ALGORITHMS
 from lightning_fedrep.federation.checkpoint.reading import CheckpointError
@@ -666,6 +667,16 @@ CASES = [
     Refused(S + "algorithm=StackedFedRep(max_bytes=500)))", ValueError, "max_bytes", "set-up"),
     Refused(S + "algorithm=DictAggregatorFedRep()))", TypeError, "aggregator()", "set-up"),
     Refused("V1AggregateFedRep()", TypeError, "aggregate(global_state, average)"),
+    # the vectorized runner's randomness contract and a server optimizer from the strategy's settings
+    Refused('FedRepStrategy(randomness="different")', ValueError, "randomness"),
+    Refused('FedRepStrategy(server_optimizer="adam")', ValueError, "server_optimizer"),
+    Refused('FedRepStrategy(algorithm="local", server_optimizer="fedadam")', ValueError, "server_optimizer"),
+    Refused('FedRepStrategy(algorithm="fedadam", server_optimizer="fedyogi")', ValueError, "server_optimizer"),
+    # PFLlib's leaderboard setting
+    Refused('PFLlibPartitioner(partition="exdir")', ValueError, "partition"),
+    Refused("PFLlibPartitioner(alpha=0.0)", ValueError, "alpha"),
+    Refused("PFLlibPartitioner(train_fraction=1.0)", ValueError, "train_fraction"),
+    Refused('FashionMNISTDataModule(preprocessing="imagenet")', ValueError, "preprocessing"),
 ]
 
 
