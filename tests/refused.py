@@ -66,8 +66,8 @@ from lightning_fedrep import (  # noqa: F401  (the cases' code uses these names)
 from lightning_fedrep.app.seeds import parse_seeds, split_seeds  # noqa: F401
 from lightning_fedrep.data.digits import DigitsDataModule  # noqa: F401
 from lightning_fedrep.data.low_rank import LowRankLinearDataModule  # noqa: F401
-from lightning_fedrep.data.sent140 import Sent140DataModule  # noqa: F401
 from lightning_fedrep.data.pfllib import PFLlibPartitioner  # noqa: F401
+from lightning_fedrep.data.sent140 import Sent140DataModule  # noqa: F401
 from lightning_fedrep.data.vision import EMNISTDataModule, FashionMNISTDataModule  # noqa: F401
 from lightning_fedrep.federation import Stacked
 from lightning_fedrep.federation.api.registry import ALGORITHMS
