@@ -671,7 +671,9 @@ CASES = [
     Refused('FedRepStrategy(randomness="different")', ValueError, "randomness"),
     Refused('FedRepStrategy(server_optimizer="adam")', ValueError, "server_optimizer"),
     Refused('FedRepStrategy(algorithm="local", server_optimizer="fedadam")', ValueError, "server_optimizer"),
-    Refused('FedRepStrategy(algorithm="fedadam", server_optimizer="fedyogi")', ValueError, "server_optimizer"),
+    Refused(
+        'FedRepStrategy(algorithm="fedadam", server_optimizer="fedyogi")', ValueError, "server_optimizer"
+    ),
     # PFLlib's leaderboard setting
     Refused('PFLlibPartitioner(partition="exdir")', ValueError, "partition"),
     Refused("PFLlibPartitioner(alpha=0.0)", ValueError, "alpha"),
