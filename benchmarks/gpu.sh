@@ -57,6 +57,14 @@ full)
     else
         echo "=== sample_level_speed skipped: opacus is not importable (copy it to a folder on PYTHONPATH)"
     fi
+    # dropout on the vectorized runner (randomness="per_client") against the sequential runner
+    run dropout_round 120 benchmarks/engine/dropout_round.py --device cuda
+    # a tiny transformer's LoRA round and its store (transformers and peft: put copies on PYTHONPATH if missing)
+    if "$py" -c "import transformers, peft" 2>/dev/null; then
+        run lora_round 240 benchmarks/transformers/lora_round.py --device cuda --clients 64 --randomness per_client
+    else
+        echo "=== lora_round skipped: transformers and peft are not importable (copy them to a folder on PYTHONPATH)"
+    fi
     ;;
 *)
     echo "usage: bash benchmarks/gpu.sh smoke|full [OUT_DIR]" >&2
