@@ -21,7 +21,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 SENT140 = sorted(p.name for p in (RECIPES / "transformers").glob("sent140_*.yaml"))
 
 
-def test_tiny_recipe_smoke_runs_vectorized(tmp_path, monkeypatch):
+def test_tiny_recipe_smoke_runs_vectorized_with_dropout_on(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = build_cli(
         [
@@ -34,6 +34,12 @@ def test_tiny_recipe_smoke_runs_vectorized(tmp_path, monkeypatch):
     strategy = cli.trainer.strategy
     assert cli.trainer.global_step >= 1
     assert strategy.runner_report.runner == "vectorized"
+    assert strategy.runner_report.randomness_contract.startswith(
+        "per_client:"
+    )  # dropout on, per-client masks
+    assert (
+        cli.model.net.config.hidden_dropout_prob > 0 and cli.model.net.peft_config["default"].lora_dropout > 0
+    )
     assert set(strategy.federation.local_names) == set(LORA_SPLITS["fedrep"].personal(cli.model))
 
 

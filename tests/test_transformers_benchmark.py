@@ -1,5 +1,6 @@
 """``benchmarks/transformers/lora_round.py`` runs end to end at a reduced size (no timing assertions): the
-vectorized runner takes the LoRA round, and the store holds about the adapters' bytes per client."""
+vectorized runner takes the LoRA round (dropout off, and dropout on under ``--randomness per_client``), and the
+store holds about the adapters' bytes per client."""
 
 from __future__ import annotations
 
@@ -25,3 +26,9 @@ def test_lora_round_runs_reduced_and_measures_the_store(capsys):
     for row in result["store"]:
         assert row["adapters"] <= row["held"] <= 1.25 * row["adapters"], row  # pooled rows, nothing else
         assert row["held"] < row["full"] / 10
+
+
+def test_lora_round_keeps_dropout_on_under_per_client_randomness(capsys):
+    lora_round.main(["--small", "--randomness", "per_client"])
+    out = capsys.readouterr().out
+    assert "runner report: vectorized, randomness per_client (per_client:" in out

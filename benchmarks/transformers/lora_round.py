@@ -18,8 +18,7 @@ tokens each), every client every round, 1 local epoch, batch 16, AdamW lr 1e-3.
 
 ``--randomness exact`` (default) switches dropout off, so (b) and (c) compute the same numbers.
 ``--randomness per_client`` keeps dropout at 0.1 and passes ``FederatedStrategy(randomness="per_client")`` (each
-client its own random stream on the vectorized runner: the same distribution, not the same draws); it needs a
-strategy that takes that argument.
+client its own random stream on the vectorized runner: the same distribution, not the same draws).
 
 Usage::
 
@@ -95,20 +94,14 @@ def strategy_round(runner: str, args: argparse.Namespace) -> tuple[float, Any, A
     """Seconds of the second round of a two-round fit, the strategy and the module."""
     dropout = 0.1 if args.randomness == "per_client" else 0.0
     module = model(args.width, dropout)
-    extra = {"randomness": args.randomness} if args.randomness == "per_client" else {}
-    try:
-        strategy = FederatedStrategy(
-            **lora_split(SPLIT).strategy_kwargs(),
-            clients_per_round=1.0,
-            local_epochs=1,
-            seed=0,
-            runner=runner,
-            **extra,
-        )
-    except TypeError as error:  # a strategy from before FederatedStrategy(randomness=...)
-        raise SystemExit(
-            f"--randomness per_client needs FederatedStrategy(randomness=...): {error}"
-        ) from error
+    strategy = FederatedStrategy(
+        **lora_split(SPLIT).strategy_kwargs(),
+        clients_per_round=1.0,
+        local_epochs=1,
+        seed=0,
+        runner=runner,
+        randomness=args.randomness,
+    )
     clock = RoundClock()
     trainer = _trainer(strategy, clock, args.device)
     trainer.fit(module, datamodule=data(args.clients))
@@ -224,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"Tiny BERT (width {args.width}, 2 layers) + LoRA r=8, split {SPLIT!r}, {args.clients} clients x {SAMPLES} "
         f"samples, 1 local epoch, batch {BATCH}, on {device_label(args.device)}, randomness {args.randomness}"
     )
-    print(f"  runner report: {strategy.runner_report.runner}")
+    report = strategy.runner_report
+    print(f"  runner report: {report.runner}, randomness {report.randomness} ({report.randomness_contract})")
     print(f"  (a) plain loop  {plain:8.3f} s")
     print(f"  (b) sequential  {sequential:8.3f} s   {sequential / plain:5.2f}x the plain loop")
     print(

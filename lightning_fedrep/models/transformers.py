@@ -58,8 +58,11 @@ class HFSequenceClassifier(L.LightningModule):
     strategy, and choose what is personal with :func:`lightning_fedrep.models.lora.lora_split`.
 
     ``fedrep_loss = "cross_entropy"`` declares what ``training_step`` computes, so the vectorized runner
-    takes the module when it has no random layer in train mode: build it with ``dropout=0.0`` (the
-    model's hidden, attention and classifier dropout, and LoRA's unless ``lora_dropout`` is given).
+    takes the module: with dropout on under ``FederatedStrategy(randomness="per_client")`` (each client
+    draws its own masks: the same distribution as the sequential runner, not the same draws), and under
+    the default ``randomness="exact"`` only with ``dropout=0.0`` (the model's hidden, attention and
+    classifier dropout, and LoRA's unless ``lora_dropout`` is given), computing what the sequential
+    runner computes.
 
     The optimizer is AdamW (``optimizer="adamw"``, the usual choice for transformers and LoRA: their
     gradients are badly scaled across layers, and LoRA's B starts at zero) with ``weight_decay`` on weights
@@ -71,8 +74,8 @@ class HFSequenceClassifier(L.LightningModule):
         config: config fields for ``from_config`` (with ``model_type``).
         num_labels: classes.
         pad_token_id: the padding id of ``input_ids`` (``None``: the config's; GPT-2 has none, then give it).
-        dropout: when not ``None``, overrides the model's dropout probabilities (0.0 for the exact
-            vectorized runner).
+        dropout: when not ``None``, overrides the model's dropout probabilities (0.0 for the vectorized
+            runner under ``randomness="exact"``; above 0 it needs ``randomness="per_client"``).
         lora_r, lora_alpha, lora_dropout, target_modules: the LoRA adapters (none when ``lora_r`` is None).
         optimizer, lr, weight_decay, momentum: the local optimizer.
         lora_split: a name of ``lightning_fedrep.models.lora.LORA_SPLITS`` whose personal part the module

@@ -12,8 +12,10 @@
   where the weights are (the hub's cache, or a local folder: ``--model.init_args.model <folder>
   --data.init_args.tokenizer <folder>``).
 
-Every recipe switches dropout off (``dropout: 0.0``) so the vectorized runner computes exactly what the
-sequential one does (docs/transformers.md, "Randomness").
+The offline recipe keeps dropout on (0.1 in the model and in LoRA, the realistic setting) and trains on the
+vectorized runner with ``randomness: per_client`` (each client its own dropout masks: the same distribution as
+the sequential runner, not the same draws). The Sent140 recipes switch dropout off (``dropout: 0.0``), so the
+vectorized runner computes exactly what the sequential one does (docs/transformers.md, "Randomness").
 """
 
 from __future__ import annotations
@@ -86,10 +88,10 @@ SPLITS = {
 }
 
 
-def _model(config: dict | None, split: Split, lr: float, r: int) -> dict:
-    """The ``model:`` section: HFSequenceClassifier with LoRA of rank ``r``, dropout off."""
+def _model(config: dict | None, split: Split, lr: float, r: int, dropout: float = 0.0) -> dict:
+    """The ``model:`` section: HFSequenceClassifier with LoRA of rank ``r``; ``dropout`` in the model and LoRA."""
     args: dict = {"model": PRETRAINED} if config is None else {"config": config}
-    args.update({"num_labels": 2, "dropout": 0.0, "lora_r": r, "lora_alpha": 16.0, "lr": lr})
+    args.update({"num_labels": 2, "dropout": dropout, "lora_r": r, "lora_alpha": 16.0, "lr": lr})
     if config is not None:
         args["attn_implementation"] = "eager"  # batched natively by the vectorized runner on a CPU
     if split.lora_split is not None:
@@ -97,13 +99,14 @@ def _model(config: dict | None, split: Split, lr: float, r: int) -> dict:
     return {"class_path": "lightning_fedrep.models.transformers.HFSequenceClassifier", "init_args": args}
 
 
-def _strategy(split: Split, clients_per_round: float) -> dict:
+def _strategy(split: Split, clients_per_round: float, **extra) -> dict:
     return {
         "algorithm": split.algorithm,
         "allow_frozen": True,
         "clients_per_round": clients_per_round,
         "seed": 0,
         **split.epochs,
+        **extra,
     }
 
 
@@ -113,7 +116,11 @@ def tiny_recipe() -> tuple[str, str]:
     split = Split("fedrep", "fedrep", {"head_epochs": 2, "body_epochs": 1}, "")
     rounds = 10
     trainer = trainer_section(
-        "transformers", "tiny_bert_lora_fedrep", rounds, _strategy(split, 1.0), accelerator="cpu"
+        "transformers",
+        "tiny_bert_lora_fedrep",
+        rounds,
+        _strategy(split, 1.0, randomness="per_client"),
+        accelerator="cpu",
     )
     data = {
         "class_path": "lightning_fedrep.data.synthetic_text.PermutedLabelTextDataModule",
@@ -131,7 +138,7 @@ def tiny_recipe() -> tuple[str, str]:
     recipe = {
         "seed_everything": 0,
         "trainer": trainer,
-        "model": _model(TINY_BERT, split, 1e-2, 4),
+        "model": _model(TINY_BERT, split, 1e-2, 4, dropout=0.1),
         "data": data,
     }
     header = (
@@ -140,9 +147,11 @@ def tiny_recipe() -> tuple[str, str]:
         "whose labels are flipped in every other client (two groups), every client each round, 10 rounds.\n"
         "The base is frozen (allow_frozen: true); lora_split: fedrep makes the classifier (peft's modules_to_save)\n"
         "the personal head, trained 2 epochs with the adapters fixed, then the shared LoRA adapters 1 epoch.\n"
-        "AdamW lr 0.01, LoRA rank 4 on query/value; dropout 0.0 so the vectorized runner runs it exactly.\n"
-        "A global model cannot fit both groups (FedAvg stays near 50%); read val/acc of the last round (about 0.94\n"
-        "in the tests' reduced run of 8 clients).\n"
+        "AdamW lr 0.01, LoRA rank 4 on query/value; dropout 0.1 in the model and in LoRA, trained on the vectorized\n"
+        "runner with randomness: per_client (each client its own dropout masks: the same distribution as the\n"
+        "sequential runner, not the same draws; reproducible for the seed).\n"
+        "A global model cannot fit both groups (FedAvg stays near 50%); read val/acc of the last round (0.91 as\n"
+        "written, in about 9 s on a shared 2-core CPU, imports included).\n"
         f"Run: lightning-fedrep fit --config recipes/{path}"
     )
     FACTS[path] = (
