@@ -10,8 +10,15 @@ from __future__ import annotations
 import inspect
 
 import lightning as L
+import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import (
+    Callback,
+    ModelCheckpoint,
+    ProgressBar,
+    RichProgressBar,
+    TQDMProgressBar,
+)
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
@@ -292,6 +299,22 @@ def test_default_progress_bar_is_replaced_keeping_its_settings():
     trainer = L.Trainer(logger=False, callbacks=[custom])
     internals.replace_default_progress_bar(trainer, TQDMProgressBar)
     assert custom in trainer.callbacks
+
+
+def test_lightnings_default_bar_is_replaced_whichever_it_picks():
+    """Lightning's default bar is a ``RichProgressBar`` where ``rich`` is installed, else a ``TQDMProgressBar``:
+    either is replaced (a run with ``rich`` installed shows the federated bar too)."""
+    trainer = L.Trainer(enable_progress_bar=True, logger=False)
+    internals.replace_default_progress_bar(trainer, Bar)
+    assert [type(c) for c in trainer.callbacks if isinstance(c, ProgressBar)] == [Bar]
+
+
+def test_a_plain_rich_progress_bar_is_replaced_keeping_its_settings():
+    pytest.importorskip("rich")
+    trainer = L.Trainer(logger=False, callbacks=[RichProgressBar(refresh_rate=7, leave=True)])
+    internals.replace_default_progress_bar(trainer, Bar)
+    (bar,) = [c for c in trainer.callbacks if isinstance(c, ProgressBar)]
+    assert type(bar) is Bar and bar.refresh_rate == 7 and bar._leave is True
 
 
 def test_module_log_signature_is_what_capture_logs_binds():

@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 _UNREACHABLE_BATCH_COUNT = 2**62
 
@@ -67,13 +67,14 @@ def set_max_rounds(trainer: L.Trainer, rounds: int) -> None:
 
 
 def replace_default_progress_bar(trainer: L.Trainer, bar_class: type[TQDMProgressBar]) -> None:
-    """Put ``bar_class`` in place of Lightning's default progress bar (never a user's own bar).
+    """Put ``bar_class`` in place of Lightning's default progress bar (never a user's own bar class).
 
-    Relies on: the default bar is a plain ``TQDMProgressBar`` in ``trainer.callbacks`` at ``connect``,
-    with its ``refresh_rate`` and private ``_leave`` settings.
+    Relies on: the default bar is a plain ``TQDMProgressBar``, or a plain ``RichProgressBar`` where the
+    ``rich`` package is installed (Lightning picks it then), in ``trainer.callbacks`` at ``connect``, with
+    its ``refresh_rate`` and private ``_leave`` settings.
     """
     for index, callback in enumerate(trainer.callbacks):
-        if type(callback) is TQDMProgressBar:
+        if type(callback) in (TQDMProgressBar, RichProgressBar):
             trainer.callbacks[index] = bar_class(refresh_rate=callback.refresh_rate, leave=callback._leave)
 
 
