@@ -69,8 +69,9 @@ SPLITS = {
     "local": Split(
         "local",
         "local",
-        {"local_epochs": 5},
-        "fully local adapters and classifier: nothing is shared, each client fine-tunes its own (Local Only).",
+        {"local_epochs": 5, "client_optimizer_state": "keep"},
+        "fully local adapters and classifier: nothing is shared, each client fine-tunes its own (Local Only),\n"
+        "keeping its AdamW state from one round it is picked to the next (as training alone).",
     ),
     "fedrep": Split(
         "fedrep",
