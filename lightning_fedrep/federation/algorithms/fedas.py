@@ -47,8 +47,7 @@ from lightning_fedrep.federation.api.registry import register_algorithm
 from lightning_fedrep.federation.api.scoring import EvaluationSpec
 from lightning_fedrep.federation.module.feature_split import (
     FeatureSplit,
-    find_feature_split_on_data,
-    head_owner,
+    require_feature_split,
 )
 
 __all__ = ["FedAS", "FisherMean"]
@@ -127,14 +126,9 @@ class FedAS(Algorithm):
 
     def setup(self, module: nn.Module, split: Any, datamodule: Any) -> None:
         """Keep the module, its trained tensors' names and its feature split (refused without one)."""
-        found = find_feature_split_on_data(module, tuple(split.head), datamodule)
-        if found is None:
-            raise ValueError(
-                f"FedAS aligns the body's features, so it needs the module as head(features(x)), but "
-                f"{type(module).__name__}'s forward is not its head {head_owner(tuple(split.head)) or list(split.head)!r} "
-                "applied last to the body's output, nor forward_head(forward_features(x)): define "
-                "forward_features(x) and forward_head(features), or make forward return head(body(x))."
-            )
+        found = require_feature_split(
+            module, tuple(split.head), datamodule, "FedAS (it aligns the body's features)"
+        )
         self._module, self._split = module, found
         self._trained = tuple(n for n, p in module.named_parameters() if p.requires_grad)
         self._nll = pure_loss(module, lambda z, y: F.cross_entropy(z, y, reduction="none"))

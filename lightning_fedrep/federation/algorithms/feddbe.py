@@ -50,9 +50,8 @@ from lightning_fedrep.federation.api.scoring import EvaluationSpec
 from lightning_fedrep.federation.module.feature_split import (
     FeatureSplit,
     declares_split,
-    find_feature_split_on_data,
     head_input,
-    head_owner,
+    require_feature_split,
 )
 
 __all__ = ["DBEForward", "FedDBE"]
@@ -141,14 +140,7 @@ class FedDBE(Algorithm):
         shapes = {n: tuple(module.get_parameter(n).shape) for n in split.head}
         (self._dim,) = _features_shape({"head": shapes})
         self._loss = required_loss(module, "FedDBE", "h(rep + b)")
-        found = find_feature_split_on_data(module, tuple(split.head), datamodule)
-        if found is None:
-            raise ValueError(
-                f"FedDBE needs the module as head(features(x)), but {type(module).__name__}'s forward is not its "
-                f"head {head_owner(tuple(split.head)) or list(split.head)!r} applied last to the body's output, "
-                "nor forward_head(forward_features(x)): define forward_features(x) and forward_head(features) "
-                "with forward(x) == forward_head(forward_features(x)), or make forward return head(body(x))."
-            )
+        found = require_feature_split(module, tuple(split.head), datamodule, "FedDBE")
         self._split = found
         self._forward.head = found.head_module or ""
 
