@@ -60,8 +60,9 @@ def pass_values(
     fine-tuning round's ``prefix``). A validation in fit also records the round in ``history``: a federated
     round's summary and per-client values, with the last-10 means, their round count, the best round so far
     of the headline accuracies (``val/acc_best``, ``val/acc_weighted_best``: selected on the evaluated split,
-    optimistic) and ``round`` added to the values; a fine-tuning round's summary as ``history.finetune`` and as recorded columns of its round
-    (``history.csv``'s row of that round), outside the federated rounds' figures."""
+    optimistic) and ``round`` added to the values; a fine-tuning round's summary as ``history.finetune`` and
+    as recorded columns of its round (``history.csv``'s row of that round), outside the federated rounds'
+    figures."""
     values = evaluation.summary(prefix)
     if not in_fit:
         return values
